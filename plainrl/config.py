@@ -1,0 +1,316 @@
+"""Typed configuration: YAML file + dotted CLI overrides, validated before any model loads.
+
+    cfg = load_config("examples/arithmetic_grpo.yaml", ["train.lr=1e-5", "seed=1"])
+
+Every section is a pydantic model with ``extra="forbid"``, so an unknown key,
+a wrong type or an impossible combination raises :class:`ConfigError` naming
+the dotted path, the value given and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted path, the value and the fix in the message."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Section):
+    """LoRA adapters via peft (Hu et al. 2021, arXiv:2106.09685)."""
+
+    enabled: bool = True
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+class ModelConfig(_Section):
+    """Which policy to load.
+
+    name: ``smollm2-135m-instruct`` (the embedded default), a local directory with
+    a transformers checkpoint, a ``.gguf`` file, or a hub id.
+    """
+
+    name: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    cache_dir: str | None = None  # where GGUF conversions are cached; default ~/.cache/plainrl
+    max_context: int = Field(1024, gt=0)  # prompt + completion tokens
+
+
+class DataConfig(_Section):
+    """Where prompts come from: a built-in procedural ``task`` or a ``path``/hub id.
+
+    Rows carry ``messages`` (chat) or ``prompt`` (text) plus ``answer`` and any other
+    columns; ``format: gsm8k`` maps GSM8K's ``question``/``answer`` rows onto that.
+    """
+
+    task: Literal["arithmetic"] | None = None
+    task_args: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = None
+    split: str = "train"
+    format: Literal["auto", "gsm8k"] = "auto"
+    prompt_column: str | None = None  # default: "messages" if present, else "prompt"
+    system_prompt: str | None = None
+    prompt_template: str = "{prompt}"  # applied to text prompts, e.g. "{prompt}\nAnswer: "
+    on_invalid: Literal["error", "drop"] = "error"
+    max_rows: int | None = Field(None, gt=0)
+    eval_path: str | None = None
+    eval_split: str | None = None
+    eval_size: int = Field(100, ge=0)  # held-out rows for eval (tasks generate their own)
+    shuffle: bool = True
+
+
+class RolloutConfig(_Section):
+    """Sampling settings for the rollout engine."""
+
+    engine: Literal["hf"] = "hf"
+    group_size: int = Field(8, gt=0)
+    prompts_per_step: int = Field(4, gt=0)
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    batch_size: int = Field(64, gt=0)  # sequences decoded together
+
+
+class RewardSpec(_Section):
+    """One reward function: ``module:fn`` or ``path/to/file.py:fn``, with a weight."""
+
+    fn: str
+    weight: float = 1.0
+    name: str | None = None  # metric name; default: the function's name
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class AlgorithmConfig(_Section):
+    """Advantage estimator and policy loss (see docs/algorithms.md)."""
+
+    name: Literal["grpo", "dr_grpo"] = "grpo"
+    norm_std: bool | None = None  # None: the preset's choice (grpo: True, dr_grpo: False)
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.2, ge=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    entropy_coef: float = Field(0.0, ge=0.0)
+
+
+class TrainConfig(_Section):
+    """Optimisation (AdamW, linear warm-up then constant or cosine)."""
+
+    steps: int = Field(50, gt=0)
+    lr: float = Field(1e-5, gt=0.0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one forward/backward
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation: greedy pass@1, and mean@k when k > 1 (sampled)."""
+
+    before: bool = True
+    after: bool = True
+    every: int = Field(0, ge=0)  # also every N steps (0: never)
+    k: int = Field(1, gt=0)
+    temperature: float = Field(1.0, ge=0.0)  # used only for the k sampled completions
+    max_new_tokens: int | None = Field(None, gt=0)  # default: rollout.max_new_tokens
+
+
+class LogConfig(_Section):
+    tensorboard: bool = True
+    rollouts_per_step: int = Field(4, ge=0)  # sampled episodes written to rollouts.jsonl
+    progress: bool = True
+
+
+class Config(_Section):
+    """The whole run. ``run_dir`` receives config.yaml, metrics.jsonl, rollouts.jsonl, final/."""
+
+    run_dir: str = "runs/default"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(None, gt=0)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rewards: list[RewardSpec] = Field(default_factory=list)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Config":
+        d = self.data
+        if (d.task is None) == (d.path is None):
+            raise ValueError(
+                "data: set exactly one of data.task (a built-in task, e.g. 'arithmetic') "
+                f"or data.path (a file or hub id); got task={d.task!r}, path={d.path!r}"
+            )
+        if self.rollout.max_new_tokens >= self.model.max_context:
+            raise ValueError(
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} must be smaller than "
+                f"model.max_context={self.model.max_context}; raise model.max_context or lower max_new_tokens"
+            )
+        if self.train.warmup_steps > self.train.steps:
+            raise ValueError(
+                f"train.warmup_steps={self.train.warmup_steps} exceeds train.steps={self.train.steps}; lower it"
+            )
+        if self.rollout.group_size < 2 and self.algorithm.name in ("grpo", "dr_grpo"):
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: group-relative advantages need at least "
+                "2 samples per prompt; set rollout.group_size>=2"
+            )
+        if self.rollout.temperature == 0 and self.rollout.group_size > 1:
+            raise ValueError(
+                "rollout.temperature=0 (greedy) makes every sample of a group identical, so every "
+                "advantage is 0; use a temperature > 0 for training"
+            )
+        return self
+
+    @property
+    def norm_std(self) -> bool:
+        """Whether advantages divide by the group std (GRPO) or not (Dr. GRPO)."""
+        if self.algorithm.norm_std is not None:
+            return self.algorithm.norm_std
+        return self.algorithm.name == "grpo"
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ``["train.lr=1e-5", "model.lora.enabled=false"]`` into a nested dict.
+
+    Values are parsed as YAML (so numbers, booleans, lists work).
+
+    Raises:
+        ConfigError: an override without ``=`` or with an empty key.
+    """
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or any(not p for p in key.split(".")):
+            raise ConfigError(
+                f"override {item!r} is not of the form dotted.key=value (e.g. train.lr=1e-5)"
+            )
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        # YAML reads 1e-5 as a string (no dot in the mantissa); numbers are what users mean.
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value.lower() for c in ".e") else int(value)
+            except ValueError:
+                pass
+        node = nested
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _fields_at(path: tuple[Any, ...]) -> list[str]:
+    """Known field names of the section at a dotted path (for 'did you mean')."""
+    model: Any = Config
+    for part in path:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        model = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        dotted = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            known = _fields_at(loc[:-1])
+            guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"did you mean {'.'.join([*map(str, loc[:-1]), guess[0]])}?" if guess else (
+                f"known keys here: {', '.join(known)}" if known else "remove it"
+            )
+            lines.append(f"  {dotted}: unknown key (value {e['input']!r}); {hint}")
+        elif e["type"] == "value_error":
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
+        else:
+            lines.append(f"  {dotted}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config, apply dotted overrides, validate.
+
+    Args:
+        path: YAML file, or None for all defaults (overrides still apply).
+        overrides: ``["section.key=value", ...]``.
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key, wrong type or impossible
+            combination; the message names the dotted path, the value and the fix.
+    """
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level, got {type(raw).__name__}")
+        source = str(p)
+    if overrides:
+        raw = _merge(raw, parse_overrides(overrides))
+        source += " + overrides " + " ".join(overrides)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (what is saved to ``run_dir/config.yaml``)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

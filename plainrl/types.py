@@ -1,0 +1,107 @@
+"""Typed containers passed between the stages of one RL step.
+
+Shapes are given in brackets: N = number of episodes in a step
+(prompts_per_step x group_size), B = sequences in a micro-batch,
+T = padded sequence length (prompt + completion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the engine samples one completion.
+
+    ``top_k = 0`` and ``top_p = 1.0`` disable those filters; ``temperature = 0``
+    means greedy decoding. ``stop`` strings end a completion; the tokens that
+    produced the stop string are kept (token-exact bookkeeping).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Generation:
+    """One sampled completion exactly as the engine produced it.
+
+    token_ids: [L] sampled ids (no padding; includes the EOS id when it ended on EOS).
+    logprobs:  [L] log pi(token | prefix) of the *unmodified* policy (temperature 1,
+               no top-k/top-p), float32, as the learner will recompute them.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass
+class Episode:
+    """One rollout: a prompt, the completion sampled for it, and its scores.
+
+    prompt_ids:     [P] token ids fed to the engine.
+    completion_ids: [L] token ids the engine sampled (never re-tokenised).
+    logprobs:       [L] engine logprobs of ``completion_ids``.
+    loss_mask:      [L] 1 for tokens the policy produced, 0 for tokens inserted by an
+                    environment (tool output); the loss only sees mask-1 tokens.
+    group:          index of the prompt group inside the step (episodes of one
+                    group are contiguous).
+    reward:         weighted total, or None when any weighted reward function
+                    could not score it (unscorable: excluded from group stats).
+    """
+
+    sample_id: str
+    group: int
+    row: dict[str, Any]
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    finish_reason: FinishReason
+    completion_text: str = ""
+    reward: float | None = None
+    reward_parts: dict[str, float | None] = field(default_factory=dict)
+    advantage: float = 0.0
+
+
+@dataclass
+class RewardOutput:
+    """Scores for N completions.
+
+    total: [N] weighted sum of the parts, None when a part with non-zero weight is None.
+    parts: {function name: [N]} each function's raw value (None = unscorable).
+    errors: human-readable messages for every unscorable (function, sample) pair.
+    """
+
+    total: list[float | None]
+    parts: dict[str, list[float | None]]
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MicroBatch:
+    """Padded tensors for one learner forward/backward.
+
+    input_ids:      [B, T] prompt + completion, right-padded with pad id.
+    attention_mask: [B, T] 1 on real tokens.
+    loss_mask:      [B, T-1] 1 where target token t+1 is a policy token to train on.
+    old_logps:      [B, T-1] logprobs of targets under the sampling policy.
+    advantages:     [B] one advantage per sequence (broadcast over its tokens).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logps: torch.Tensor
+    advantages: torch.Tensor
+    ref_logps: torch.Tensor | None = None
