@@ -1,0 +1,29 @@
+"""The rollout-engine protocol every backend implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from plainrl.types import Generation, SamplingParams
+
+
+class Engine(Protocol):
+    """Token-in, token-out generation.
+
+    ``generate`` receives prompt token ids and returns, for each, the exact ids
+    sampled and their logprobs under the current policy weights. ``load_weights``
+    makes the engine sample from the learner's latest weights (a no-op for
+    engines that share the learner's model).
+    """
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> list[Generation]: ...
+
+    def load_weights(self, model: torch.nn.Module) -> None: ...

@@ -1,0 +1,100 @@
+"""Metric sinks: ``metrics.jsonl`` (one object per step), TensorBoard scalars, sampled
+rollouts as JSON Lines, and a live progress line on the terminal (rich)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from plainrl.types import Episode
+
+
+def _clean(v: Any) -> Any:
+    # JSON has no NaN/inf; write them as strings so a bad step is logged as it is.
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsLogger:
+    """Writes every step's metrics to all sinks.
+
+    Args:
+        run_dir: directory receiving ``metrics.jsonl``, ``rollouts.jsonl`` and ``tb/``.
+        total_steps: for the ETA.
+        tensorboard: also write TensorBoard event files.
+        progress: print one status line per step.
+    """
+
+    def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, progress: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_f = open(self.run_dir / "metrics.jsonl", "a")
+        self.rollouts_f = open(self.run_dir / "rollouts.jsonl", "a")
+        self.total_steps = total_steps
+        self.console = Console(stderr=True) if progress else None
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tb"))
+        self.started = time.monotonic()
+        self.steps_done = 0
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one step's metrics (``step`` is added) and show the progress line."""
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self.metrics_f.write(json.dumps(row) + "\n")
+        self.metrics_f.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        self.steps_done += 1
+        if self.console is not None:
+            elapsed = time.monotonic() - self.started
+            eta = elapsed / self.steps_done * max(0, self.total_steps - step - 1)
+            self.console.print(
+                f"[bold]step {step + 1}/{self.total_steps}[/] reward {metrics.get('reward/mean', float('nan')):.3f} "
+                f"kl {metrics.get('kl', 0.0):.4f} len {metrics.get('response_length/mean', 0.0):.1f} "
+                f"loss {metrics.get('loss', 0.0):+.4f} step {metrics.get('time/step', 0.0):.1f}s eta {eta / 60:.1f}min",
+                highlight=False,
+            )
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Eval results go to the same files, under ``eval/`` keys."""
+        row = {"step": step, **metrics}
+        self.metrics_f.write(json.dumps(row) + "\n")
+        self.metrics_f.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.console is not None:
+            self.console.print(" ".join(f"{k} {v:.3f}" for k, v in metrics.items()), highlight=False)
+
+    def log_rollouts(self, step: int, episodes: list[Episode], prompt_text: list[str]) -> None:
+        """Write sampled episodes (prompt, completion, reward and its parts)."""
+        for ep, prompt in zip(episodes, prompt_text):
+            rec = {
+                "step": step, "sample_id": ep.sample_id, "prompt": prompt, "completion": ep.completion_text,
+                "reward": ep.reward, "reward_parts": ep.reward_parts, "advantage": ep.advantage,
+                "finish_reason": ep.finish_reason, "answer": ep.row.get("answer"),
+            }
+            self.rollouts_f.write(json.dumps(rec, default=str) + "\n")
+        self.rollouts_f.flush()
+
+    def print(self, msg: str) -> None:
+        if self.console is not None:
+            self.console.print(msg, highlight=False)
+
+    def close(self) -> None:
+        self.metrics_f.close()
+        self.rollouts_f.close()
+        if self.tb is not None:
+            self.tb.close()

