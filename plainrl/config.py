@@ -86,6 +86,7 @@ class RolloutConfig(_Section):
     top_k: int = Field(0, ge=0)
     stop: list[str] = Field(default_factory=list)
     batch_size: int = Field(64, gt=0)  # sequences decoded together
+    merge_lora: bool = True  # decode with LoRA folded into the weights (faster; one weight copy)
 
 
 class RewardSpec(_Section):
@@ -169,6 +170,11 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} must be smaller than "
                 f"model.max_context={self.model.max_context}; raise model.max_context or lower max_new_tokens"
+            )
+        if not self.rewards:
+            raise ValueError(
+                "rewards: no reward function given; add at least one, e.g. "
+                "rewards: [{fn: plainrl.rewards.builtins:correctness, weight: 1.0}]"
             )
         if self.train.warmup_steps > self.train.steps:
             raise ValueError(

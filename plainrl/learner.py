@@ -26,13 +26,18 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _target_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor) -> torch.Tensor:
-    logits = lm_head(hidden).float()  # [B, c, V] float32, one chunk only
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+def _target_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = lm_head(hidden).float()  # [c, V] float32, one chunk only
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [c]
 
 
-def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log pi(x_{t+1} | x_{<=t}) for every position, in float32.
+def sequence_logps(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """log pi_T(x_{t+1} | x_{<=t}) for every position, in float32, where
+    pi_T = softmax(logits / temperature) is the policy the engine sampled from.
 
     The LM head and log-softmax run over chunks of the sequence so that no whole
     [B, T, V] float32 logits tensor exists; under autograd each chunk is
@@ -46,18 +51,22 @@ def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     """
     base = _unwrap(model)
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
-    hidden, targets = hidden[:, :-1], input_ids[:, 1:]
+    b, t = input_ids.shape
+    # flatten to 2-D rows so every chunk is contiguous: a strided 3-D slice makes
+    # F.linear fall back to a batched matmul that copies the whole LM head per row
+    hidden = hidden[:, :-1].reshape(b * (t - 1), -1)  # [B*(T-1), H]
+    targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
     lm_head = base.get_output_embeddings()
     vocab = lm_head.weight.shape[0]
-    chunk = max(1, LOGIT_BLOCK_ELEMENTS // (hidden.shape[0] * vocab))
+    chunk = max(1, LOGIT_BLOCK_ELEMENTS // vocab)
     outs = []
-    for s in range(0, hidden.shape[1], chunk):
-        h, y = hidden[:, s : s + chunk], targets[:, s : s + chunk]
+    for s in range(0, hidden.shape[0], chunk):
+        h, y = hidden[s : s + chunk], targets[s : s + chunk]
         if torch.is_grad_enabled():
-            outs.append(checkpoint(_target_logps, h, lm_head, y, use_reentrant=False))
+            outs.append(checkpoint(_target_logps, h, lm_head, y, temperature, use_reentrant=False))
         else:
-            outs.append(_target_logps(h, lm_head, y))
-    return torch.cat(outs, dim=1)
+            outs.append(_target_logps(h, lm_head, y, temperature))
+    return torch.cat(outs).view(b, t - 1)
 
 
 def make_micro_batches(
@@ -140,11 +149,17 @@ class Learner:
         self.model, self.cfg, self.pad_id = model, cfg, pad_id
         t = cfg.train
         self.params = trainable_parameters(model)
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        # Mixed precision (Micikevicius et al. 2018): the optimiser updates fp32 master
+        # copies; bf16 parameters would round away updates smaller than ~0.4% of a weight.
+        self.master = [
+            p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in self.params
+        ]
+        self.optimizer = torch.optim.AdamW(self.master, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_lambda(s, warmup=t.warmup_steps, total=t.steps, schedule=t.lr_schedule),
         )
+        self.temperature = cfg.rollout.temperature or 1.0
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -159,9 +174,9 @@ class Learner:
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def _ref_logps(self, mb: MicroBatch) -> torch.Tensor:
+    def _ref_logps(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         with self._ref_context():
-            return sequence_logps(self.ref_model or self.model, mb.input_ids, mb.attention_mask)
+            return sequence_logps(self.ref_model or self.model, ids, attn, temperature=self.temperature)
 
     def update(self, episodes: list[Episode], advantages: torch.Tensor) -> UpdateStats:
         """One optimiser step on a rollout batch (on-policy, one pass).
@@ -183,25 +198,33 @@ class Learner:
         for mb in mbs:
             ids, attn = mb.input_ids.to(dev), mb.attention_mask.to(dev)
             mask, adv = mb.loss_mask.to(dev), mb.advantages.to(dev)
-            logps = sequence_logps(self.model, ids, attn)  # [B, T-1]
+            logps = sequence_logps(self.model, ids, attn, temperature=self.temperature)  # [B, T-1]
             agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, normalizer=normalizer)
             loss, stats = policy_loss(
                 logps, logps.detach(), adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
                 dual_clip=a.dual_clip, agg=a.loss_agg, **agg,
             )
             if a.kl_coef > 0:
-                kl = kl_estimate(logps, self._ref_logps(mb).to(dev), a.kl_estimator)  # [B, T-1]
+                kl = kl_estimate(logps, self._ref_logps(ids, attn), a.kl_estimator)  # [B, T-1]
                 kl_loss = aggregate_loss(kl, mask, a.loss_agg, **agg)
                 loss = loss + a.kl_coef * kl_loss
-                kl_sum += float(kl_loss)
+                kl_sum += kl_loss.item()
             loss.backward()
-            loss_sum += float(loss)
+            loss_sum += loss.item()
             clip_sum += float(stats["clip_frac"]) * float(mask.sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm or float("inf"))
+        for m, p in zip(self.master, self.params):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.master, self.cfg.train.max_grad_norm or float("inf"))
         skipped = not torch.isfinite(grad_norm).item() or not math.isfinite(loss_sum)
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
             self.optimizer.step()
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params):
+                    if m is not p:
+                        p.copy_(m)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return UpdateStats(

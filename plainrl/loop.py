@@ -88,11 +88,13 @@ def train(cfg: Config) -> Path:
     logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
     if prep.data.dropped.total:
-        logger.print(f"data: dropped {prep.data.dropped.total} rows under data.on_invalid=drop: {prep.data.dropped}")
+        logger.print(f"data: {prep.data.dropped.summary()}")
+    for note in prep.data.notes:
+        logger.print(f"data: {note}")
     model = load_policy(cfg.model, device)
-    engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size)
+    engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora)
     learner = Learner(model, cfg, pad_id=engine.pad_id)
-    sampler = PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed)
+    sampler = PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     params = sampling_params(cfg.rollout)
     eval_kw = dict(
@@ -115,7 +117,7 @@ def train(cfg: Config) -> Path:
         t3 = time.perf_counter()
         times = {"generate": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "step": t3 - t0}
         logger.log(step, step_metrics(episodes, prep.reward_fns, rewards_out, stats, times))
-        shown = episodes[: cfg.log.rollouts_per_step]
+        shown = episodes[:: max(1, len(episodes) // cfg.log.rollouts_per_step)][: cfg.log.rollouts_per_step] if cfg.log.rollouts_per_step else []
         logger.log_rollouts(step, shown, [prep.tokenizer.decode(e.prompt_ids) for e in shown])
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps and prep.data.eval:
             logger.log_eval(step + 1, evaluate(engine, prep.data.eval, prep.tokenizer, **eval_kw))

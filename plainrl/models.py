@@ -171,7 +171,10 @@ def apply_lora(model, lora: LoraConfig):
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, peft_cfg)
+        # Adapters in the model's dtype: peft's default (fp32 adapters on a bf16 model)
+        # casts activations at every layer, ~2.5x slower forward on CPU. Precision is
+        # kept by the learner's fp32 master weights instead.
+        return get_peft_model(model, peft_cfg, autocast_adapter_dtype=False)
     except ValueError as e:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ModelLoadError(

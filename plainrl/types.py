@@ -36,8 +36,9 @@ class Generation:
     """One sampled completion exactly as the engine produced it.
 
     token_ids: [L] sampled ids (no padding; includes the EOS id when it ended on EOS).
-    logprobs:  [L] log pi(token | prefix) of the *unmodified* policy (temperature 1,
-               no top-k/top-p), float32, as the learner will recompute them.
+    logprobs:  [L] log pi_T(token | prefix), float32, of the tempered policy
+               softmax(logits / T) before top-k/top-p filtering (T = 1 when greedy),
+               the distribution the learner recomputes and optimises (as TRL does).
     """
 
     token_ids: list[int]

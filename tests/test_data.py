@@ -22,21 +22,7 @@ from plainrl.data import (
 )
 
 DATA = Path(__file__).parent / "data"
-GSM8K_TRAIN = Path("/work/shared/data/gsm8k/train.jsonl")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    # TODO: drop the /tmp fallback once plainrl.models.load_tokenizer lands.
-    try:
-        from plainrl.models import load_tokenizer
-    except ImportError:
-        if not Path("/tmp/smol/tokenizer.json").exists():
-            pytest.skip("no tokenizer available (plainrl.models.load_tokenizer missing and /tmp/smol absent)")
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained("/tmp/smol")
-    return load_tokenizer("smollm2-135m-instruct")
+from conftest import GSM8K_TRAIN
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -1,0 +1,46 @@
+"""Shared fixtures: the real SmolLM2 tokenizer and a tiny random Llama built on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K_TRAIN = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from plainrl.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A 2-layer, hidden-64 Llama with the real tokenizer, saved as a HF directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(cfg)
+    d = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def tiny_overrides(model_dir: Path, run_dir: Path) -> list[str]:
+    """Dotted overrides that shrink any example config to a seconds-long run."""
+    return [
+        f"model.name={model_dir}", "model.dtype=float32", f"run_dir={run_dir}",
+        "train.steps=2", "train.warmup_steps=0", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "rollout.max_new_tokens=8", "data.eval_size=4", "log.progress=false", "log.tensorboard=true",
+    ]

@@ -1,0 +1,191 @@
+"""The hf engine and the learner on a tiny random Llama (float32, so numbers match exactly)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from plainrl.algorithms import policy_loss
+from plainrl.config import load_config
+from plainrl.engines.hf import HFEngine, filter_logits
+from plainrl.learner import Learner, make_micro_batches, sequence_logps
+from plainrl.types import Episode, SamplingParams
+
+
+@pytest.fixture()
+def model(tiny_model_dir):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+def _prompts(tokenizer):
+    texts = ["What is 2 + 2?", "Name a colour.", "Say hi to the reader in a long sentence please."]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def test_greedy_matches_transformers_generate(model, tokenizer):
+    engine = HFEngine(model, tokenizer, batch_size=8)
+    prompts = _prompts(tokenizer)
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
+    for p, g in zip(prompts, gens):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=engine.pad_id)
+        expect = ref[0, len(p):].tolist()
+        assert g.token_ids == expect[: len(g.token_ids)]
+        assert g.finish_reason in ("eos", "length")
+
+
+def test_logprobs_equal_a_full_forward_and_finished_rows_leave(model, tokenizer):
+    """Left padding, the KV cache and dropping finished rows must not change any logprob."""
+    engine = HFEngine(model, tokenizer, batch_size=8)
+    prompts = _prompts(tokenizer) * 2
+    gen = torch.Generator().manual_seed(0)
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.3), generator=gen)
+    for p, g in zip(prompts, gens):
+        ids = torch.tensor([p + g.token_ids])
+        lp = sequence_logps(model, ids, torch.ones_like(ids), temperature=1.3)[0, len(p) - 1 :]
+        torch.testing.assert_close(lp, torch.tensor(g.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_stop_strings_end_generation_and_keep_tokens(model, tokenizer):
+    engine = HFEngine(model, tokenizer)
+    prompts = _prompts(tokenizer)
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0))
+    text = tokenizer.decode(free[0].token_ids)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), text
+    stopped = engine.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0, stop=(stop,)))[0]
+    assert stopped.finish_reason == "stop"
+    assert stop in tokenizer.decode(stopped.token_ids)
+    assert stopped.token_ids == free[0].token_ids[: len(stopped.token_ids)]
+    assert stop not in tokenizer.decode(stopped.token_ids[:-1])
+
+
+def test_filter_logits_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    k2 = filter_logits(logits, 1.0, 2, 1.0)
+    assert torch.isinf(k2[0, 2:]).all() and torch.isfinite(k2[0, :2]).all()
+    # top_p 0.7: 0.5 alone < 0.7, so 0.3 is kept; mass before 0.15 is 0.8 >= 0.7, dropped
+    p = filter_logits(logits, 1.0, 0, 0.7)
+    assert torch.isfinite(p[0, :2]).all() and torch.isinf(p[0, 2:]).all()
+    # the top token survives any top_p
+    assert torch.isfinite(filter_logits(logits, 1.0, 0, 0.01)[0, 0])
+
+
+def test_chunked_logps_equal_plain_log_softmax(model, monkeypatch):
+    import plainrl.learner as L
+
+    ids = torch.randint(0, 1000, (3, 9))
+    attn = torch.ones_like(ids)
+    full = torch.log_softmax(model(ids, attention_mask=attn).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    monkeypatch.setattr(L, "LOGIT_BLOCK_ELEMENTS", 5 * model.config.vocab_size)  # 5 tokens a chunk
+    torch.testing.assert_close(sequence_logps(model, ids, attn), full, atol=1e-5, rtol=1e-5)
+
+
+def _episodes(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    eps = []
+    for i in range(n):
+        p = torch.randint(0, 1000, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+        c = torch.randint(0, 1000, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        eps.append(Episode(sample_id=str(i), group=i // 2, row={}, prompt_ids=p, completion_ids=c,
+                           logprobs=[0.0] * len(c), loss_mask=[1] * len(c), finish_reason="eos"))
+    return eps
+
+
+def test_micro_batches_cover_every_episode_and_align_masks():
+    eps = _episodes(7)
+    mbs = make_micro_batches(eps, torch.arange(7.0), pad_id=0, token_budget=20)
+    assert sum(mb.input_ids.shape[0] for mb in mbs) == 7
+    assert all(mb.input_ids.numel() <= 20 or mb.input_ids.shape[0] == 1 for mb in mbs)
+    assert sum(int(mb.loss_mask.sum()) for mb in mbs) == sum(len(e.completion_ids) for e in eps)
+    assert sorted(float(a) for mb in mbs for a in mb.advantages) == list(map(float, range(7)))
+    for mb in mbs:  # a loss token's target is a completion token
+        for r in range(mb.input_ids.shape[0]):
+            t = mb.loss_mask[r].nonzero()[:, 0]
+            assert mb.attention_mask[r, t + 1].all()
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_learner_gradient_is_invariant_to_micro_batch_size(tiny_model_dir, agg):
+    """The whole-batch normaliser makes 1 micro-batch and many give the same update."""
+    eps = _episodes(6)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    grads = []
+    for budget in (10_000, 1):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                                 f"algorithm.loss_agg={agg}", f"train.micro_batch_tokens={budget}",
+                                 "model.lora.enabled=false", "train.max_grad_norm=null"])
+        learner = Learner(m, cfg, pad_id=0)
+        learner.optimizer.step = lambda: None  # keep the gradient for inspection
+        learner.optimizer.zero_grad = lambda set_to_none=True: None
+        stats = learner.update(eps, adv)
+        assert stats.micro_batches == (1 if budget > 1 else 6)
+        grads.append(torch.cat([p.grad.flatten() for p in learner.master]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_update_changes_lora_weights_and_ref_is_adapter_free(tiny_model_dir):
+    from plainrl.models import load_policy
+
+    cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                             f"model.name={tiny_model_dir}", "model.dtype=float32", "algorithm.kl_coef=0.1",
+                             "train.lr=1e-2"])
+    m = load_policy(cfg.model, torch.device("cpu"))
+    learner = Learner(m, cfg, pad_id=0)
+    before = [p.detach().clone() for p in learner.params]
+    eps = _episodes(4)
+    ids = torch.tensor([eps[0].prompt_ids + eps[0].completion_ids])
+    for _ in range(2):
+        stats = learner.update(eps, torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    assert not stats.skipped and stats.kl > 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, learner.params))
+    with m.disable_adapter():
+        ref = sequence_logps(m, ids, torch.ones_like(ids))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    torch.testing.assert_close(ref, sequence_logps(base, ids, torch.ones_like(ids)), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_params_update_through_fp32_master(tiny_model_dir):
+    """bf16 LoRA weights get the fp32 master's values after each step; tiny updates are not lost."""
+    from plainrl.models import load_policy
+
+    cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                             f"model.name={tiny_model_dir}", "model.dtype=bfloat16", "train.lr=1e-6"])
+    m = load_policy(cfg.model, torch.device("cpu"))
+    learner = Learner(m, cfg, pad_id=0)
+    assert all(p.dtype == torch.bfloat16 for p in learner.params)
+    assert all(p.dtype == torch.float32 for p in learner.master)
+    start = [p.detach().clone() for p in learner.master]
+    learner.update(_episodes(4), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    assert any(not torch.equal(a, b) for a, b in zip(start, learner.master))
+    for p, mst in zip(learner.params, learner.master):
+        assert torch.equal(p, mst.to(torch.bfloat16))
+
+
+def test_merged_lora_decoding_equals_adapter_path(tiny_model_dir, tokenizer):
+    from plainrl.engines.hf import merged_lora
+    from plainrl.models import load_policy
+
+    cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                             f"model.name={tiny_model_dir}", "model.dtype=float32"])
+    m = load_policy(cfg.model, torch.device("cpu"))
+    for n, p in m.named_parameters():  # non-zero adapters so the merge matters
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.5)
+    ids = torch.tensor([tokenizer("What is 1 + 1? Think.")["input_ids"]])
+    before = [p.detach().clone() for p in m.parameters()]
+    with torch.no_grad():
+        want = m(ids).logits
+        with merged_lora(m):
+            got = m(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # weights restored exactly
+
+
+def test_policy_loss_gradient_on_policy_is_vanilla_pg():
+    """With old = logps.detach(), the clipped loss's gradient is -A * grad logp / num_tokens."""
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = policy_loss(logps, logps.detach(), torch.tensor([2.0]), torch.ones(1, 2))
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-1.0, -1.0]]))
