@@ -29,7 +29,6 @@ a checkpoint cannot run code when loaded.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -490,7 +489,7 @@ def save_checkpoint(
             # never committed (killed after rename) or saved twice at one step;
             # moved aside (atomic) so `final` is free for a plain rename
             log.warning("replacing existing checkpoint directory %s", final)
-            pass
+            _remove_dir(final)
         os.rename(tmp, final)
         _fsync_path(root)
     except BaseException as e:
@@ -608,6 +607,22 @@ def resolve_resume(run_dir: str | Path, resume: str | Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- load
+
+
+def read_config(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The config a checkpoint was saved with, as a dict, without loading anything else
+    (to run :func:`check_compatible` before :func:`load_checkpoint`).
+
+    Raises:
+        CheckpointError: ``config.yaml`` is missing or not YAML.
+    """
+    import yaml
+
+    path = Path(ckpt_dir) / CONFIG
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
 
 
 def _load_weights(model: torch.nn.Module, path: Path, kind: str) -> None:

@@ -62,6 +62,7 @@ class DataConfig(_Section):
     task_args: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None
     split: str = "train"
+    subset: str | None = None  # hub dataset configuration, e.g. "main" for openai/gsm8k
     format: Literal["auto", "gsm8k"] = "auto"
     prompt_column: str | None = None  # default: "messages" if present, else "prompt"
     system_prompt: str | None = None
@@ -71,6 +72,7 @@ class DataConfig(_Section):
     eval_path: str | None = None
     eval_split: str | None = None
     eval_size: int = Field(100, ge=0)  # held-out rows for eval (tasks generate their own)
+    eval_holdout: int = Field(0, ge=0)  # with data.path and no eval_path/eval_split: rows held out of training
     shuffle: bool = True
 
 

@@ -23,6 +23,7 @@ from plainrl.checkpoint import (
     check_compatible,
     find_latest,
     load_checkpoint,
+    read_config,
     resolve_resume,
     save_checkpoint,
     step_dir_name,
@@ -370,6 +371,7 @@ def test_resolve_resume(tmp_path):
     saved_run(run, steps=(1, 2))
     root = run / "checkpoints"
     assert resolve_resume(run, "auto") == root / "step-000002"
+    assert read_config(root / "step-000002") == {"seed": 0, "model": {"name": "tiny"}}
     assert resolve_resume(tmp_path / "other", str(root / "step-000001")) == root / "step-000001"
     assert resolve_resume(tmp_path / "other", run) == root / "step-000002"
     with pytest.raises(CheckpointError, match="resume=never"):

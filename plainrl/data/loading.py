@@ -182,7 +182,8 @@ def _is_saved_dataset(p: Path) -> bool:
 
 
 def load_rows(
-    path: str, split: str = "train", max_rows: int | None = None, *, label: str = "data.path"
+    path: str, split: str = "train", max_rows: int | None = None, *, label: str = "data.path",
+    subset: str | None = None,
 ) -> list[dict]:
     """Load a table of rows with the ``datasets`` library.
 
@@ -198,6 +199,7 @@ def load_rows(
 
     Args:
         path: file, directory or hub id.
+        subset: the hub dataset's configuration name (e.g. ``"main"`` for ``openai/gsm8k``).
         split: split to load from a hub dataset or a saved ``DatasetDict``.
         max_rows: keep only the first ``max_rows`` rows.
         label: the config key named in error messages (``data.path``/``data.eval_path``).
@@ -254,7 +256,7 @@ def load_rows(
             )
         else:
             try:
-                ds = datasets.load_dataset(path, split=split)
+                ds = datasets.load_dataset(path, subset, split=split)
             except Exception as e:
                 raise DataError(
                     f"{label} {path!r}: not an existing file or directory, and loading it as a hub "
@@ -670,7 +672,7 @@ def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: in
         evals = _prepare(eval_rows, source=source + " (eval)", **common)
     elif cfg.path is not None:
         train = _prepare(
-            load_rows(cfg.path, cfg.split, cfg.max_rows, label="data.path"), source=f"data.path {cfg.path!r}", **common
+            load_rows(cfg.path, cfg.split, cfg.max_rows, label="data.path", subset=cfg.subset), source=f"data.path {cfg.path!r}", **common
         )
         evals = []
         if cfg.eval_size > 0 and (cfg.eval_path is not None or cfg.eval_split is not None):
@@ -685,8 +687,21 @@ def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: in
                 eval_path, eval_split, label = cfg.path, cfg.eval_split, "data.path"
                 if eval_split == cfg.split:
                     notes.append(f"data.eval_split={eval_split!r} equals data.split: eval prompts are training prompts")
-            eval_rows = load_rows(eval_path, eval_split, cfg.eval_size, label=label)
+            eval_rows = load_rows(eval_path, eval_split, cfg.eval_size, label=label,
+                                  subset=cfg.subset if label == "data.path" else None)
             evals = _prepare(eval_rows, source=f"{label} {eval_path!r} (eval, split {eval_split!r})", **common)
+        elif cfg.eval_holdout > 0:
+            # held-out rows are removed from training, chosen by a seeded shuffle
+            if cfg.eval_holdout >= len(train):
+                raise DataError(
+                    f"data.eval_holdout={cfg.eval_holdout} leaves no training rows out of {len(train)}; lower it"
+                )
+            order = list(range(len(train)))
+            random.Random(seed).shuffle(order)
+            held = set(order[: cfg.eval_holdout])
+            evals = [r for i, r in enumerate(train) if i in held]
+            train = [r for i, r in enumerate(train) if i not in held]
+            notes.append(f"data.eval_holdout: {len(evals)} rows of data.path held out of training for eval")
     else:
         raise DataError("data: set data.task or data.path")
 

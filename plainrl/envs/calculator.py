@@ -47,7 +47,8 @@ def safe_eval(expr: str, *, max_len: int = 200, max_exponent: int = 1000, max_bi
         expr: the expression text, e.g. ``"48/2"`` or ``"(3 + 4) * 2**3"``.
         max_len: longest accepted expression, in characters.
         max_exponent: largest ``|exponent|`` of a power.
-        max_bits: largest integer power result, in bits (estimated before computing).
+        max_bits: largest integer result of any operation, in bits (for a power,
+            estimated before computing it).
     Returns:
         The value (an int when every step stays integral, else a float).
     Raises:
@@ -77,9 +78,12 @@ def safe_eval(expr: str, *, max_len: int = 200, max_exponent: int = 1000, max_bi
             if isinstance(node.op, ast.Pow):
                 _check_power(a, b, max_exponent, max_bits)
             try:
-                return _BINOPS[type(node.op)](a, b)
+                out = _BINOPS[type(node.op)](a, b)
             except (ZeroDivisionError, OverflowError) as e:
                 raise CalculatorError(f"{type(e).__name__}: {e}") from e
+            if isinstance(out, int) and out.bit_length() > max_bits:  # products of big powers grow too
+                raise CalculatorError(f"intermediate result exceeds {max_bits} bits")
+            return out
         raise CalculatorError(f"{type(node).__name__} is not allowed in a calculator expression")
 
     value = ev(tree.body)

@@ -1,0 +1,488 @@
+"""Multi-turn rollout: model turns and environment observations, token-exact.
+
+Every episode's sequence is ``prompt_ids + completion_ids``, where the completion
+interleaves model tokens (``loss_mask`` 1, the engine's logprobs) and observation
+tokens (``loss_mask`` 0, logprob 0.0). Each turn the engine is given exactly that
+sequence so far, so the ids the learner trains on are the ids the engine saw and
+sampled: model tokens are never decoded and re-tokenised, and each observation
+is tokenised once, on its own, when it is inserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from plainrl.data import PromptRow, render_prompt
+from plainrl.engines.base import Engine
+from plainrl.envs.base import EnvState, Environment, StepResult
+from plainrl.envs.tools import hermes_tools_prompt
+from plainrl.types import Episode, FinishReason, Generation, SamplingParams
+
+__all__ = [
+    "build_env_prompt",
+    "env_metrics",
+    "multi_turn_rollout",
+    "prompt_messages",
+    "render_chat_continuation",
+]
+
+_SENTINEL = "\x00PLAINRL-SENTINEL\x00"
+_PROBE_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def prompt_messages(row: dict[str, Any], system_prompt: str | None = None,
+                    prompt_template: str = "{prompt}") -> list[dict[str, Any]]:
+    """The chat messages a row's prompt is made of (as :func:`plainrl.data.build_prompt_ids` builds them).
+
+    Raises:
+        plainrl.data.DataError: bad ``prompt_template``.
+        ValueError: the row has neither ``messages`` nor ``prompt``.
+    """
+    if row.get("messages") is not None:
+        msgs = [dict(m) for m in row["messages"]]
+        if system_prompt and (not msgs or msgs[0].get("role") != "system"):
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        return msgs
+    if row.get("prompt") is not None:
+        msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        return msgs + [{"role": "user", "content": render_prompt(row, prompt_template)}]
+    raise ValueError("row has neither 'messages' nor 'prompt'")
+
+
+def _add_system(messages: list[dict[str, Any]], text: str, *, first: bool) -> list[dict[str, Any]]:
+    # one system message only: many templates reject or misplace a second one
+    if messages and messages[0].get("role") == "system":
+        old = messages[0]["content"]
+        merged = f"{text}\n\n{old}" if first else f"{old}\n\n{text}"
+        return [{**messages[0], "content": merged}] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    # the text already holds its special tokens (from the chat template): add none
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def build_env_prompt(
+    prompt: PromptRow,
+    env: Environment,
+    tokenizer,
+    *,
+    system_prompt: str | None = None,
+    prompt_template: str = "{prompt}",
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Start ``env`` for a prompt: its prompt ids and its conversation as messages.
+
+    ``env.reset(row)`` is called here. When it returns None and the env has no
+    tools, ``prompt.prompt_ids`` are used unchanged. Otherwise the prompt is
+    re-rendered with the chat template (``add_generation_prompt=True``) from
+    ``reset``'s messages followed by the row's (a leading system message of
+    ``reset`` is merged into the row's), and with ``tools=env.tools_schema()``;
+    if the template ignores ``tools`` (the rendering does not change), the tools
+    are described in the system message instead (:func:`hermes_tools_prompt`).
+
+    Args:
+        prompt: the prompt row.
+        env: a fresh environment for this episode.
+        tokenizer: the policy's tokenizer.
+        system_prompt, prompt_template: ``data.system_prompt`` and
+            ``data.prompt_template``, so a re-rendered prompt matches the data config.
+    Returns:
+        ``(prompt_ids [P], messages)``.
+    Raises:
+        ValueError: the env needs a re-rendered prompt but the tokenizer has no chat template.
+    """
+    extra = env.reset(prompt.row)
+    tools_fn = getattr(env, "tools_schema", None)
+    tools = tools_fn() if callable(tools_fn) else None
+    messages = prompt_messages(prompt.row, system_prompt, prompt_template)
+    if not extra and not tools:
+        return list(prompt.prompt_ids), messages
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("an environment that adds prompt messages or tools needs a tokenizer with a chat template")
+    if extra:
+        extra = [dict(m) for m in extra]
+        if extra[0].get("role") == "system":
+            messages = _add_system(messages, extra[0]["content"], first=True)
+            extra = extra[1:]
+        head = 1 if messages and messages[0].get("role") == "system" else 0
+        messages = messages[:head] + extra + messages[head:]
+    render = lambda msgs, **kw: tokenizer.apply_chat_template(  # noqa: E731
+        msgs, tokenize=False, add_generation_prompt=True, **kw)
+    text = render(messages)
+    if tools:
+        with_tools = render(messages, tools=tools)
+        if with_tools != text:
+            text = with_tools
+        else:
+            messages = _add_system(messages, hermes_tools_prompt(tools), first=False)
+            text = render(messages)
+    return _ids(tokenizer, text), messages
+
+
+# ---------------------------------------------------------------------- observations
+
+
+def _assistant_closing(tokenizer) -> str:
+    """What the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False)
+    except Exception:
+        return "<|im_end|>\n"
+    i = text.rfind(_SENTINEL)
+    return text[i + len(_SENTINEL):] if i >= 0 else "<|im_end|>\n"
+
+
+def render_chat_continuation(
+    tokenizer,
+    history: list[dict[str, Any]],
+    new_messages: list[dict[str, Any]],
+    *,
+    eos_text: str = "",
+) -> str:
+    """The text that continues a conversation after the assistant's turn with ``new_messages``.
+
+    It closes the assistant message (minus what the model already wrote: the EOS
+    token that ended its turn), renders ``new_messages`` and opens the next
+    assistant message, all as the chat template would write them for the whole
+    conversation. The template's rendering of ``base`` and of ``base +
+    new_messages`` (with the generation prompt) is compared and the suffix taken,
+    but only when the longer one extends the shorter (templates that render the
+    last assistant message differently from earlier ones fail that check). The
+    bases tried, in order: ``history`` itself, a two-message user/assistant
+    conversation, a lone user message. If none works (a template that rejects
+    the roles), ChatML is written by hand: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``
+    per message, then ``<|im_start|>assistant\\n``. Without a chat template:
+    ``"\\n\\n{role}: {content}"`` per message, then ``"\\n\\nassistant:"``.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        history: the conversation so far, ending with the assistant message just written.
+        new_messages: the messages to add (e.g. ``[{"role": "tool", "content": "24"}]``).
+        eos_text: the decoded EOS token when the turn ended on EOS ("" otherwise);
+            the part of the closing it covers is not written again.
+    Returns:
+        The continuation text, to be tokenised with ``add_special_tokens=False``.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        body = "".join(f"\n\n{m['role']}: {m.get('content', '')}" for m in new_messages)
+        return body + "\n\nassistant:"
+    closing = _assistant_closing(tokenizer)
+    suffix = None
+    for base in (history, _PROBE_BASE, _PROBE_BASE[:1]):
+        try:
+            a = tokenizer.apply_chat_template(base, tokenize=False)
+            b = tokenizer.apply_chat_template(base + new_messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # templates that enforce role order raise for some bases
+            continue
+        ends_assistant = bool(base) and base[-1].get("role") == "assistant"
+        if b.startswith(a) and len(b) > len(a) and (not ends_assistant or a.endswith(closing)):
+            suffix = b[len(a):]
+            break
+    if suffix is None:
+        suffix = "".join(f"<|im_start|>{m['role']}\n{m.get('content', '')}<|im_end|>\n" for m in new_messages)
+        suffix += "<|im_start|>assistant\n"
+    if eos_text and closing.startswith(eos_text):
+        closing = closing[len(eos_text):]
+    return closing + suffix
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class _Run:
+    """One episode in flight."""
+
+    prompt: PromptRow
+    sample_id: str
+    group: int
+    env: Environment
+    prompt_ids: list[int]
+    state: EnvState
+    stop: tuple[str, ...]
+    max_turns: int | None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)
+    turn_text: str = ""
+    reason: FinishReason = "length"
+    end: str | None = None
+    finish: FinishReason = "length"
+    rewards: list[float] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    open_assistant: bool = False
+    calls: int = 0
+    obs_tokens: int = 0
+
+
+def _merge_info(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for k, v in new.items():
+        num = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if num and isinstance(into.get(k), (int, float)) and not isinstance(into.get(k), bool):
+            into[k] += v
+        else:
+            into[k] = v
+
+
+def _finish(r: _Run, end: str) -> None:
+    r.end = end
+    r.finish = "length" if end in ("length", "budget") else r.reason
+
+
+def _do_step(r: _Run) -> tuple[StepResult | None, str | None]:
+    try:
+        res = r.env.step(r.turn_text, r.state)
+        if not isinstance(res, StepResult):
+            raise TypeError(f"env.step must return a StepResult, got {type(res).__name__}")
+        return res, None
+    except Exception as e:  # recorded on the episode: the caller makes it unscorable
+        return None, f"{type(e).__name__}: {e}"
+
+
+def multi_turn_rollout(
+    engine: Engine,
+    prompts: list[PromptRow],
+    env_factory: Callable[[], Environment],
+    params: SamplingParams,
+    tokenizer,
+    *,
+    group_size: int,
+    step: int,
+    max_turns: int | None,
+    max_total_tokens: int,
+    generator: torch.Generator | None = None,
+    system_prompt: str | None = None,
+    prompt_template: str = "{prompt}",
+    max_workers: int = 8,
+) -> list[Episode]:
+    """Sample ``group_size`` multi-turn episodes per prompt, all episodes batched per turn.
+
+    Each round: one ``engine.generate`` call over the full context
+    (``prompt_ids + completion so far``) of every live episode (one call per
+    distinct set of env stop strings), then ``env.step(turn_text, state)`` for
+    each of them (in a thread pool: sandboxed tool runs overlap). The sampled ids
+    are appended with ``loss_mask`` 1 and the engine's logprobs; an observation
+    is tokenised once and appended with ``loss_mask`` 0 and logprob 0.0. An
+    episode ends when:
+
+    - ``StepResult.done`` (the observation is then not inserted);
+    - the model ended its turn (EOS) and the env had no observation;
+    - the turn ended on ``length`` (``params.max_new_tokens`` per generate call);
+    - the turn hit one of ``params.stop`` (those end episodes; env stop strings pause them);
+    - the env had an observation at the last allowed turn (``min(max_turns,
+      env.max_turns)``; a turn ends where an observation is inserted: resuming
+      after an empty one continues the same turn);
+    - the completion reached ``max_total_tokens`` (an observation that does not
+      fit is cut to fit; ``finish_reason`` is ``"length"``);
+    - ``env.step`` raised: the error goes to ``row["env_error"]``.
+
+    Generation stops at the env's ``stop`` strings plus ``params.stop``; each
+    call samples at most ``min(params.max_new_tokens, room)`` tokens, room being
+    what is left of ``max_total_tokens`` for the roomiest episode of the call
+    (the others' turns are cut to their own room, which keeps them token-exact:
+    a prefix of a sample is a sample with a smaller limit).
+
+    Args:
+        engine: any :class:`~plainrl.engines.base.Engine`.
+        prompts: the step's prompts.
+        env_factory: called once per episode for a fresh environment
+            (``lambda: CalculatorEnv()``); the built-in envs are stateless, so
+            ``lambda: env`` sharing one instance works too.
+        params: sampling settings; ``max_new_tokens`` is the per-turn limit.
+        tokenizer: the policy's tokenizer (decoding turns for the env, tokenising
+            observations, rendering chat observations).
+        group_size: episodes per prompt (contiguous in the output).
+        step: the RL step, for sample ids.
+        max_turns: the most model turns per episode (None: only the env's limit).
+        max_total_tokens: the most completion tokens (model + observation) per
+            episode; keep ``len(prompt_ids) + max_total_tokens`` within the
+            model's context.
+        generator: RNG for sampling.
+        system_prompt, prompt_template: the data config's, used only when the env
+            re-renders the prompt (see :func:`build_env_prompt`) and for ``state.messages``.
+        max_workers: threads running ``env.step`` concurrently.
+    Returns:
+        ``len(prompts) * group_size`` :class:`Episode`\\ s. ``completion_ids`` [L]
+        are all tokens after the prompt, ``loss_mask`` [L] is 1 exactly on model
+        tokens, ``logprobs`` [L] hold the engine's logprobs there and 0.0 on
+        observation tokens; ``completion_text`` decodes all of them (special
+        tokens skipped). ``prompt_ids`` may differ from the PromptRow's when the
+        env re-rendered the prompt. ``row`` is a copy of the prompt row plus
+        ``env_reward`` (sum of the step rewards, None if none was given),
+        ``env_error`` (``"Type: message"`` if ``env.step`` raised, else None) and
+        ``env_info`` (the steps' info merged: numbers summed; plus ``turns``,
+        ``generate_calls``, ``model_tokens``, ``observation_tokens`` and
+        ``end_reason``).
+    Raises:
+        ValueError: bad ``group_size``, ``max_turns`` or ``max_total_tokens``.
+        RuntimeError: the engine returned the wrong number of generations, or
+            ids and logprobs of different lengths.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if max_total_tokens < 1:
+        raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
+
+    runs: list[_Run] = []
+    for i, p in enumerate(q for q in prompts for _ in range(group_size)):
+        env = env_factory()
+        prompt_ids, messages = build_env_prompt(p, env, tokenizer, system_prompt=system_prompt,
+                                                prompt_template=prompt_template)
+        limits = [m for m in (max_turns, getattr(env, "max_turns", None)) if m is not None]
+        runs.append(_Run(
+            prompt=p, sample_id=f"s{step}-r{p.source_index}-{i % group_size}", group=i // group_size, env=env,
+            prompt_ids=prompt_ids, state=EnvState(row=p.row, messages=messages),
+            stop=tuple(getattr(env, "stop", ()) or ()), max_turns=min(limits) if limits else None,
+        ))
+
+    user_stop = tuple(params.stop)
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(runs) or 1)),
+                            thread_name_prefix="plainrl-env") as pool:
+        while live := [r for r in runs if r.end is None]:
+            by_stop: dict[tuple[str, ...], list[_Run]] = {}
+            for r in live:
+                by_stop.setdefault(r.stop, []).append(r)
+            for stop, group in by_stop.items():
+                room = max(max_total_tokens - len(r.ids) for r in group)
+                turn_params = dataclasses.replace(
+                    params, max_new_tokens=min(params.max_new_tokens, room),
+                    stop=tuple(dict.fromkeys(user_stop + stop)),
+                )
+                gens = engine.generate([r.prompt_ids + r.ids for r in group], turn_params, generator=generator)
+                if len(gens) != len(group):
+                    raise RuntimeError(f"engine returned {len(gens)} generations for {len(group)} prompts")
+                for r, g in zip(group, gens):
+                    _absorb(r, g, tokenizer, max_total_tokens)
+            results = list(pool.map(_do_step, live))
+            for r, (res, err) in zip(live, results):
+                _apply(r, res, err, tokenizer, max_total_tokens, user_stop)
+
+    return [_episode(r, tokenizer) for r in runs]
+
+
+def _absorb(r: _Run, g: Generation, tokenizer, max_total_tokens: int) -> None:
+    ids, lps, reason = list(g.token_ids), [float(x) for x in g.logprobs], g.finish_reason
+    if len(ids) != len(lps):
+        raise RuntimeError(f"engine returned {len(ids)} token ids but {len(lps)} logprobs")
+    room = max_total_tokens - len(r.ids)
+    if len(ids) > room:
+        ids, lps, reason = ids[:room], lps[:room], "length"
+    r.ids += ids
+    r.logprobs += lps
+    r.mask += [1] * len(ids)
+    r.turn_ids, r.reason = ids, reason
+    r.calls += 1
+    r.turn_text = tokenizer.decode(ids, skip_special_tokens=True)
+    # decoded whole, not glued from pieces: a multi-byte character can straddle a turn boundary
+    r.state.text = tokenizer.decode(r.ids, skip_special_tokens=True)
+    r.state.finish_reason = reason
+    if r.open_assistant:
+        r.state.messages[-1]["content"] += r.turn_text
+    else:
+        r.state.messages.append({"role": "assistant", "content": r.turn_text})
+        r.open_assistant = True
+
+
+def _apply(r: _Run, res: StepResult | None, err: str | None, tokenizer, max_total_tokens: int,
+           user_stop: tuple[str, ...]) -> None:
+    if err is not None:
+        r.error = err
+        return _finish(r, "env_error")
+    _merge_info(r.info, res.info or {})
+    if res.reward is not None:
+        r.rewards.append(float(res.reward))
+    obs = res.observation
+    if res.done:
+        return _finish(r, "env_done")
+    if r.reason == "stop" and user_stop:
+        # the engine stops at the first stop string it sees in its recent tokens; look at the same tail
+        tail = tokenizer.decode(r.turn_ids[-(max(len(s) for s in user_stop) + 4):])
+        if any(s in tail for s in user_stop):
+            return _finish(r, "stop")
+    if r.reason == "length":
+        return _finish(r, "budget" if len(r.ids) >= max_total_tokens else "length")
+    if not obs:
+        if r.reason == "eos":
+            return _finish(r, "eos")
+        if len(r.ids) >= max_total_tokens:
+            return _finish(r, "budget")
+        if not r.turn_ids:  # an engine that returns nothing would loop forever
+            return _finish(r, "empty_turn")
+        return None  # paused on an env stop string with nothing to add: generation resumes
+    if r.max_turns is not None and r.state.turn + 1 >= r.max_turns:
+        return _finish(r, "max_turns")
+    if isinstance(obs, str):
+        text = obs
+    else:
+        eos_text = tokenizer.decode(r.turn_ids[-1:]) if r.reason == "eos" else ""
+        text = render_chat_continuation(tokenizer, r.state.messages, list(obs), eos_text=eos_text)
+    obs_ids = _ids(tokenizer, text)
+    room = max_total_tokens - len(r.ids)
+    cut = len(obs_ids) >= room
+    obs_ids = obs_ids[:room]
+    r.ids += obs_ids
+    r.logprobs += [0.0] * len(obs_ids)
+    r.mask += [0] * len(obs_ids)
+    r.obs_tokens += len(obs_ids)
+    r.state.turn += 1
+    r.state.text = tokenizer.decode(r.ids, skip_special_tokens=True)
+    if isinstance(obs, str):  # verbatim text continues the assistant's own message
+        r.state.messages[-1]["content"] += obs
+    else:
+        r.state.messages.extend(dict(m) for m in obs)
+        r.open_assistant = False
+    if cut:
+        return _finish(r, "budget")
+    return None
+
+
+def _episode(r: _Run, tokenizer) -> Episode:
+    info = dict(r.info)
+    info.update(turns=r.state.turn + 1, generate_calls=r.calls, model_tokens=sum(r.mask),
+                observation_tokens=r.obs_tokens, end_reason=r.end)
+    row = {**r.prompt.row, "env_reward": sum(r.rewards) if r.rewards else None, "env_error": r.error,
+           "env_info": info}
+    return Episode(
+        sample_id=r.sample_id, group=r.group, row=row, prompt_ids=r.prompt_ids, completion_ids=r.ids,
+        logprobs=r.logprobs, loss_mask=r.mask, finish_reason=r.finish,
+        completion_text=tokenizer.decode(r.ids, skip_special_tokens=True),
+    )
+
+
+def env_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Step metrics from the episodes' ``row["env_info"]``: ``env/<key>`` = mean of each
+    numeric info value over the episodes (0 where an episode lacks it),
+    ``env/end/<reason>`` = fraction of episodes that ended that way,
+    ``env/error_rate`` and ``env/reward_mean`` (over episodes with a reward)."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    infos = [e.row.get("env_info", {}) for e in episodes]
+    sums: Counter[str] = Counter()
+    for info in infos:
+        for k, v in info.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                sums[k] += v
+    out = {f"env/{k}": v / n for k, v in sorted(sums.items())}
+    for reason, c in Counter(info.get("end_reason") for info in infos).items():
+        out[f"env/end/{reason}"] = c / n
+    out["env/error_rate"] = sum(e.row.get("env_error") is not None for e in episodes) / n
+    rewards = [e.row["env_reward"] for e in episodes if e.row.get("env_reward") is not None]
+    if rewards:
+        out["env/reward_mean"] = sum(rewards) / len(rewards)
+    return out
