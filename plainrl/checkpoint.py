@@ -14,6 +14,7 @@ Layout (see docs/checkpointing.md)::
         latest                  # one line: "step-000123" (the commit point)
         step-000123/
             weights.safetensors # LoRA adapter only, or every parameter (tied ones once)
+            master.safetensors  # fp32 master weights, when the optimizer updates copies (bf16)
             optimizer.pt        # optimizer.state_dict()
             scheduler.pt        # scheduler.state_dict()
             rng.pt              # python, numpy, torch CPU/CUDA, sampling generator
@@ -53,6 +54,7 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
+MASTER = "master.safetensors"  # only when the optimizer updates fp32 copies of the weights
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 RNG = "rng.pt"
@@ -208,6 +210,29 @@ def _weights_to_save(model: torch.nn.Module) -> tuple[str, dict[str, torch.Tenso
         seen[key] = name
         tensors[name] = t.to("cpu").contiguous()
     return kind, tensors, aliases
+
+
+def _master_pairs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.nn.Parameter, torch.Tensor]]:
+    """(name, model parameter, optimizer parameter) for every trainable parameter the
+    optimizer updates through a separate master copy.
+
+    Learner keeps fp32 master copies of bf16 parameters and gives those to AdamW,
+    aligned with ``model.parameters()`` order. The masters are the precise weights:
+    without them a resume would restart from bf16-rounded values, and a Learner built
+    before loading would keep stale masters and overwrite the loaded weights at its
+    next step.
+    """
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    own = {id(p) for p in model.parameters()}
+    if all(id(m) in own for m in opt_params):
+        return []
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if len(opt_params) != len(named) or any(m.shape != p.shape for (_, p), m in zip(named, opt_params)):
+        raise CheckpointError(
+            "the optimizer's parameters are neither the model's own nor master copies of its trainable "
+            "parameters in model.parameters() order; cannot tell which weights it updates"
+        )
+    return [(n, p, m) for (n, p), m in zip(named, opt_params) if m is not p]
 
 
 def _check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
@@ -416,10 +441,11 @@ def save_checkpoint(
     """Write ``run_dir/checkpoints/step-<step>/`` atomically and point ``latest`` at it.
 
     Saved: the trainable weights (the LoRA adapter under peft, else every parameter
-    and persistent buffer, tied tensors once), optimizer and scheduler state, the RNG
-    states (python, numpy, torch CPU, every CUDA device, ``generator``), the sampler
-    state, ``step``, ``extra``, the config YAML, and a manifest with the sha256 and
-    size of every file. Then checkpoints beyond the newest ``keep_last`` complete ones
+    and persistent buffer, tied tensors once), the fp32 master weights when the
+    optimizer updates copies of the parameters (Learner on a bf16 model), optimizer
+    and scheduler state, the RNG states (python, numpy, torch CPU, every CUDA device,
+    ``generator``), the sampler state, ``step``, ``extra``, the config YAML, and a
+    manifest with the sha256 and size of every file. Then checkpoints beyond the newest ``keep_last`` complete ones
     are deleted (never the one just written), as are ``.tmp-*`` directories that
     interrupted saves left behind.
 
@@ -430,7 +456,9 @@ def save_checkpoint(
         run_dir: the run directory (``checkpoints/`` is created inside).
         step: optimiser steps completed; resuming continues at this step.
         model: the policy (a peft model under LoRA).
-        optimizer, scheduler: their ``state_dict()`` is saved.
+        optimizer: ``learner.optimizer``; its parameters must be the model's own or
+            master copies of its trainable parameters in ``model.parameters()`` order.
+        scheduler: its ``state_dict()`` is saved.
         sampler_state: ``PromptSampler.state_dict()`` (JSON-serialisable).
         generator: the sampling generator, or None.
         config_yaml: ``dump_config(cfg)``.
@@ -439,7 +467,8 @@ def save_checkpoint(
     Returns:
         the checkpoint directory.
     Raises:
-        CheckpointError: a saved weight is NaN/inf (nothing is written), ``extra`` or
+        CheckpointError: a saved weight is NaN/inf (nothing is written), the
+            optimizer's parameters cannot be matched to the model's, ``extra`` or
             ``sampler_state`` is not JSON-serialisable, or writing failed (the temporary
             directory is removed; the previous checkpoint is untouched).
         ValueError: ``step < 0`` or ``keep_last < 1``.
@@ -451,6 +480,9 @@ def save_checkpoint(
     started = time.time()
     kind, tensors, aliases = _weights_to_save(model)
     _check_finite(tensors)
+    masters = {n: m.detach().to("cpu").contiguous() for n, _, m in _master_pairs(model, optimizer)}
+    _check_finite(masters)
+    files = REQUIRED_FILES + ((MASTER,) if masters else ())
     try:
         state_json = json.dumps({
             "format_version": FORMAT_VERSION, "step": step, "weights": kind,
@@ -472,6 +504,9 @@ def save_checkpoint(
         save_file(tensors, str(tmp / WEIGHTS), metadata={_ALIASES_KEY: json.dumps(aliases), "weights": kind})
         _fsync_path(tmp / WEIGHTS)
         del tensors
+        if masters:
+            save_file(masters, str(tmp / MASTER))
+            _fsync_path(tmp / MASTER)
         _fault("weights")
         _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
         _fault("optimizer")
@@ -480,7 +515,7 @@ def save_checkpoint(
         _write_bytes(tmp / STATE, state_json.encode())
         _write_bytes(tmp / CONFIG, config_yaml.encode())
         manifest = {"format_version": FORMAT_VERSION, "step": step,
-                    "files": _manifest_files(tmp, REQUIRED_FILES)}
+                    "files": _manifest_files(tmp, files)}
         # the manifest is written last: its presence marks the directory complete
         _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_path(tmp)
@@ -662,6 +697,29 @@ def _load_weights(model: torch.nn.Module, path: Path, kind: str) -> None:
         raise CheckpointError(f"{path}: weights do not fit the model (a different size or LoRA r?): {e}") from e
 
 
+@torch.no_grad()
+def _load_masters(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path | None) -> None:
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path)) if path is not None else {}
+    pairs = _master_pairs(model, optimizer)
+    for name, p, m in pairs:
+        if name in saved:
+            if saved[name].shape != m.shape:
+                raise CheckpointError(f"{path}: {name} has shape {tuple(saved[name].shape)}, the model {tuple(m.shape)}")
+            m.copy_(saved[name])
+        else:  # saved by a run without masters (fp32): start them from the loaded weights
+            m.copy_(p)
+    # saved with masters, resumed without (an fp32 model): the masters are the precise values
+    paired, params = {n for n, _, _ in pairs}, dict(model.named_parameters())
+    for name, t in saved.items():
+        if name in paired:
+            continue
+        if name not in params or params[name].shape != t.shape:
+            raise CheckpointError(f"{path}: master weight {name} does not fit the model")
+        params[name].copy_(t)
+
+
 def _load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
     sd = _torch_load(path)
     saved_groups, groups = sd.get("param_groups", []), optimizer.param_groups
@@ -699,14 +757,17 @@ def load_checkpoint(
     """Verify a checkpoint, then restore it into the given objects in place.
 
     Weights: the LoRA adapter (``set_peft_model_state_dict``) or every parameter with
-    strict key checking. Then optimizer and scheduler state, and the RNG states
+    strict key checking. When the optimizer updates master copies (see
+    :func:`save_checkpoint`), those are restored too, or re-derived from the loaded
+    weights if the checkpoint has none. Then optimizer and scheduler state, the RNG states
     (python, numpy, torch CPU, CUDA where available, ``generator``). Build the model,
     optimizer and scheduler exactly as the saving run did before calling this.
 
     Args:
         ckpt_dir: a checkpoint directory (e.g. from :func:`resolve_resume`).
         model: the policy, same architecture and LoRA setup as when saved.
-        optimizer, scheduler: restored when given.
+        optimizer, scheduler: restored when given (``learner.optimizer``,
+            ``learner.scheduler``); without the optimizer, master weights are not touched.
         generator: the sampling generator, restored when given.
         restore_rng: False leaves the global RNGs (and ``generator``) alone.
     Returns:
@@ -717,7 +778,7 @@ def load_checkpoint(
             setting, parameter shapes) or the generator's device.
     """
     ckpt_dir = Path(ckpt_dir)
-    verify(ckpt_dir)
+    manifest = verify(ckpt_dir)
     try:
         state = json.loads((ckpt_dir / STATE).read_text())
         step, kind = int(state["step"]), state["weights"]
@@ -725,6 +786,7 @@ def load_checkpoint(
         raise CheckpointError(f"{ckpt_dir / STATE}: unreadable ({type(e).__name__}: {e})") from e
     _load_weights(model, ckpt_dir / WEIGHTS, kind)
     if optimizer is not None:
+        _load_masters(model, optimizer, ckpt_dir / MASTER if MASTER in manifest["files"] else None)
         _load_optimizer(optimizer, ckpt_dir / OPTIMIZER)
     if scheduler is not None:
         scheduler.load_state_dict(_torch_load(ckpt_dir / SCHEDULER))

@@ -89,6 +89,18 @@ class RolloutConfig(_Section):
     stop: list[str] = Field(default_factory=list)
     batch_size: int = Field(64, gt=0)  # sequences decoded together
     merge_lora: bool = True  # decode with LoRA folded into the weights (faster; one weight copy)
+    # Multi-turn: a built-in environment ("calculator", "python") or a factory
+    # "module:fn" / "file.py:fn" returning an Environment (see docs/environments.md).
+    env: str | None = None
+    max_turns: int = Field(8, gt=0)
+    max_total_tokens: int | None = Field(None, gt=0)  # completion budget over all turns; default max_new_tokens
+    tool_timeout_s: float = Field(5.0, gt=0)  # per environment step
+
+
+    @property
+    def completion_budget(self) -> int:
+        """Tokens after the prompt: max_new_tokens, or max_total_tokens over all turns."""
+        return self.max_total_tokens or self.max_new_tokens
 
 
 class RewardSpec(_Section):
@@ -168,10 +180,15 @@ class Config(_Section):
                 "data: set exactly one of data.task (a built-in task, e.g. 'arithmetic') "
                 f"or data.path (a file or hub id); got task={d.task!r}, path={d.path!r}"
             )
-        if self.rollout.max_new_tokens >= self.model.max_context:
+        if self.rollout.completion_budget >= self.model.max_context:
             raise ValueError(
-                f"rollout.max_new_tokens={self.rollout.max_new_tokens} must be smaller than "
-                f"model.max_context={self.model.max_context}; raise model.max_context or lower max_new_tokens"
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} (rollout.max_total_tokens="
+                f"{self.rollout.max_total_tokens} for multi-turn) must be smaller than model.max_context="
+                f"{self.model.max_context}; raise model.max_context or lower the completion budget"
+            )
+        if self.rollout.env is None and self.rollout.max_total_tokens is not None:
+            raise ValueError(
+                "rollout.max_total_tokens applies to multi-turn rollouts only; set rollout.env or remove it"
             )
         if not self.rewards:
             raise ValueError(

@@ -15,12 +15,13 @@ from plainrl.algorithms import grpo_advantages
 from plainrl.config import Config, dump_config
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.engines.hf import HFEngine
+from plainrl.envs import env_metrics
 from plainrl.evaluate import evaluate
 from plainrl.learner import Learner
 from plainrl.metrics import MetricsLogger
 from plainrl.models import load_policy, load_tokenizer, resolve_device, save_policy
 from plainrl.rewards import RewardFn, build_reward_fns, reward_metrics
-from plainrl.rollout import rollout, sampling_params, score_episodes
+from plainrl.rollout import make_env_factory, rollout, sampling_params, score_episodes
 from plainrl.types import Episode
 
 
@@ -31,15 +32,16 @@ class Prepared:
     tokenizer: object
     data: PromptData
     reward_fns: list[RewardFn]
+    env_factory: object | None  # () -> Environment, for multi-turn rollouts
 
 
 def prepare(cfg: Config) -> Prepared:
     """Load the tokenizer, data and reward functions; fail on bad input before any model loads."""
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.cache_dir)
     reward_fns = build_reward_fns(cfg.rewards)
-    max_prompt = cfg.model.max_context - cfg.rollout.max_new_tokens
+    max_prompt = cfg.model.max_context - cfg.rollout.completion_budget
     data = load_prompt_data(cfg.data, tokenizer, max_prompt_tokens=max_prompt, seed=cfg.seed)
-    return Prepared(tokenizer, data, reward_fns)
+    return Prepared(tokenizer, data, reward_fns, make_env_factory(cfg.rollout))
 
 
 def seed_everything(seed: int) -> None:
@@ -61,6 +63,9 @@ def compute_advantages(episodes: list[Episode], cfg: Config) -> torch.Tensor:
 def step_metrics(episodes: list[Episode], reward_fns: list[RewardFn], rewards_out, stats, times: dict) -> dict:
     lengths = [len(e.completion_ids) for e in episodes]
     m = reward_metrics(rewards_out, [f.name for f in reward_fns])
+    m["reward/unscorable"] = float(sum(e.reward is None for e in episodes))
+    if any("env_info" in e.row for e in episodes):
+        m.update(env_metrics(episodes))
     m.update({
         "loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm, "clip_frac": stats.clip_frac,
         "lr": stats.lr, "skipped_step": float(stats.skipped),
@@ -106,8 +111,8 @@ def train(cfg: Config) -> Path:
 
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
-        episodes = rollout(engine, sampler.next_batch(), params, prep.tokenizer,
-                           group_size=cfg.rollout.group_size, step=step, generator=generator)
+        episodes = rollout(engine, sampler.next_batch(), params, prep.tokenizer, cfg=cfg,
+                           env_factory=prep.env_factory, step=step, generator=generator)
         t1 = time.perf_counter()
         rewards_out = score_episodes(episodes, prep.reward_fns)
         advantages = compute_advantages(episodes, cfg)

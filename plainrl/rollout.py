@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from plainrl.config import RolloutConfig
+from plainrl.config import Config, RolloutConfig
 from plainrl.data import PromptRow
 from plainrl.engines.base import Engine
 from plainrl.rewards import RewardFn, score
@@ -20,23 +20,57 @@ def sampling_params(cfg: RolloutConfig, **overrides) -> SamplingParams:
     return SamplingParams(**{**base, **overrides})
 
 
+def make_env_factory(cfg: RolloutConfig):
+    """``rollout.env`` -> a zero-argument factory of environments, or None (single turn).
+
+    Raises:
+        ValueError: an unknown name or a reference that cannot be loaded (before any model loads).
+    """
+    if cfg.env is None:
+        return None
+    from plainrl.envs import CalculatorEnv, PythonToolEnv
+
+    builtins = {"calculator": CalculatorEnv, "python": lambda: PythonToolEnv(timeout_s=cfg.tool_timeout_s)}
+    if cfg.env in builtins:
+        return builtins[cfg.env]
+    if ":" not in cfg.env:
+        raise ValueError(
+            f"rollout.env={cfg.env!r}: use a built-in ({', '.join(builtins)}) or a factory 'module:fn' / 'file.py:fn'"
+        )
+    from plainrl.rewards.loading import load_reward_fn
+
+    return load_reward_fn(cfg.env)
+
+
 def rollout(
     engine: Engine,
     prompts: list[PromptRow],
     params: SamplingParams,
     tokenizer,
     *,
-    group_size: int,
+    cfg: Config,
     step: int,
+    env_factory=None,
     generator: torch.Generator | None = None,
 ) -> list[Episode]:
-    """Sample ``group_size`` completions for each prompt.
+    """Sample ``rollout.group_size`` completions for each prompt, single-turn or, with an
+    environment factory, multi-turn (:func:`plainrl.envs.multi_turn_rollout`).
 
     Returns:
         len(prompts) * group_size episodes, the samples of one prompt contiguous.
         ``completion_text`` is decoded for reward functions and logs only; training
-        uses ``completion_ids`` exactly as sampled.
+        uses ``completion_ids`` exactly as sampled. An episode whose environment raised
+        is unscorable (``reward`` stays None after scoring).
     """
+    group_size = cfg.rollout.group_size
+    if env_factory is not None:
+        from plainrl.envs import multi_turn_rollout
+
+        return multi_turn_rollout(
+            engine, prompts, env_factory, params, tokenizer, group_size=group_size, step=step,
+            max_turns=cfg.rollout.max_turns, max_total_tokens=cfg.rollout.completion_budget, generator=generator,
+            system_prompt=cfg.data.system_prompt, prompt_template=cfg.data.prompt_template,
+        )
     flat = [p for p in prompts for _ in range(group_size)]
     gens = engine.generate([p.prompt_ids for p in flat], params, generator=generator)
     episodes = []
@@ -64,6 +98,7 @@ def score_episodes(episodes: list[Episode], fns: list[RewardFn], **runner_kwargs
         [e.sample_id for e in episodes], **runner_kwargs,
     )
     for i, e in enumerate(episodes):
-        e.reward = out.total[i]
+        # an environment that raised leaves the episode unscorable whatever the functions say
+        e.reward = None if e.row.get("env_error") is not None else out.total[i]
         e.reward_parts = {name: vals[i] for name, vals in out.parts.items()}
     return out

@@ -43,4 +43,5 @@ def tiny_overrides(model_dir: Path, run_dir: Path) -> list[str]:
         f"model.name={model_dir}", "model.dtype=float32", f"run_dir={run_dir}",
         "train.steps=2", "train.warmup_steps=0", "rollout.prompts_per_step=2", "rollout.group_size=2",
         "rollout.max_new_tokens=8", "data.eval_size=4", "log.progress=false", "log.tensorboard=true",
+        "rollout.max_total_tokens=null",
     ]

@@ -164,6 +164,59 @@ def test_round_trip_resumes_exactly(tmp_path, lora):
         assert model2.lm_head.weight.data_ptr() == model2.model.embed_tokens.weight.data_ptr()
 
 
+def _learner(lora: bool, seed: int):
+    """The production path: a bf16 model (LoRA via apply_lora) and Learner, whose AdamW
+    updates fp32 master copies of the bf16 parameters."""
+    from plainrl.config import Config
+    from plainrl.learner import Learner
+    from plainrl.models import apply_lora
+
+    cfg = Config.model_validate({
+        "data": {"task": "arithmetic"}, "rewards": [{"fn": "m:f"}],
+        "model": {"dtype": "bfloat16", "lora": {"enabled": lora, "r": 4, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}},
+        "train": {"lr": 1e-2, "steps": 10, "warmup_steps": 2, "lr_schedule": "cosine"},
+        "rollout": {"max_new_tokens": 8, "group_size": 2},
+    })
+    model = tiny_llama(0).to(torch.bfloat16)
+    if lora:
+        torch.manual_seed(seed)
+        model = apply_lora(model, cfg.model.lora)
+    model.train()
+    return Learner(model, cfg, pad_id=0)
+
+
+def learner_steps(learner, gen, steps):
+    from plainrl.types import Episode
+
+    for _ in range(steps):
+        eps = []
+        for i in range(4):
+            p, c = torch.randint(1, VOCAB, (5,), generator=gen).tolist(), torch.randint(1, VOCAB, (4,), generator=gen).tolist()
+            eps.append(Episode(sample_id=str(i), group=i // 2, row={}, prompt_ids=p, completion_ids=c,
+                               logprobs=[0.0] * 4, loss_mask=[1] * 4, finish_reason="length"))
+        assert not learner.update(eps, torch.randn(4, generator=gen)).skipped
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_round_trip_bf16_with_fp32_master_weights(tmp_path, lora):
+    ln = _learner(lora, 0)
+    assert any(m is not p for m, p in zip(ln.master, ln.params))  # masters are real copies
+    gen = torch.Generator().manual_seed(7)
+    learner_steps(ln, gen, 2)
+    path = save_checkpoint(tmp_path, 2, model=ln.model, optimizer=ln.optimizer, scheduler=ln.scheduler,
+                           sampler_state=SAMPLER, generator=gen, config_yaml=CONFIG_YAML)
+    assert (path / "master.safetensors").is_file()
+    learner_steps(ln, gen, 2)
+
+    ln2 = _learner(lora, 1)  # built before loading, as the loop does: its masters are stale
+    gen2 = torch.Generator()
+    load(path, ln2.model, ln2.optimizer, ln2.scheduler, gen2)
+    learner_steps(ln2, gen2, 2)
+    for a, b in zip(ln.master + ln.params, ln2.master + ln2.params):
+        assert torch.equal(a.detach(), b.detach())
+    assert_same(ln2.optimizer.state_dict(), ln.optimizer.state_dict())
+
+
 def test_lora_saves_only_the_adapter(tmp_path):
     from safetensors import safe_open
 
