@@ -34,20 +34,28 @@ def _target_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch
 
 
 def sequence_logps(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log pi_T(x_{t+1} | x_{<=t}) for every position, in float32, where
     pi_T = softmax(logits / temperature) is the policy the engine sampled from.
 
-    The LM head and log-softmax run over chunks of the sequence so that no whole
+    The LM head and log-softmax run over chunks of positions so that no whole
     [B, T, V] float32 logits tensor exists; under autograd each chunk is
     checkpointed (recomputed in backward) so the chunks' logits are not kept either.
 
     Args:
         input_ids: [B, T] token ids (right-padded).
         attention_mask: [B, T] 1 on real tokens.
+        temperature: the sampling temperature (1 = the model's own distribution).
+        positions: optional [B, T-1] bool; the LM head runs only where it is True
+            (the completion tokens: prompts are most of a sequence and need no logits).
     Returns:
-        [B, T-1] float32 logprobs of ``input_ids[:, 1:]``.
+        [B, T-1] float32 logprobs of ``input_ids[:, 1:]`` (0 where ``positions`` is False).
     """
     base = _unwrap(model)
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
@@ -56,9 +64,12 @@ def sequence_logps(
     # F.linear fall back to a batched matmul that copies the whole LM head per row
     hidden = hidden[:, :-1].reshape(b * (t - 1), -1)  # [B*(T-1), H]
     targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
+    index = None
+    if positions is not None:
+        index = positions.reshape(-1).nonzero().squeeze(-1)  # [K]
+        hidden, targets = hidden[index], targets[index]
     lm_head = base.get_output_embeddings()
-    vocab = lm_head.weight.shape[0]
-    chunk = max(1, LOGIT_BLOCK_ELEMENTS // vocab)
+    chunk = max(1, LOGIT_BLOCK_ELEMENTS // lm_head.weight.shape[0])
     outs = []
     for s in range(0, hidden.shape[0], chunk):
         h, y = hidden[s : s + chunk], targets[s : s + chunk]
@@ -66,7 +77,10 @@ def sequence_logps(
             outs.append(checkpoint(_target_logps, h, lm_head, y, temperature, use_reentrant=False))
         else:
             outs.append(_target_logps(h, lm_head, y, temperature))
-    return torch.cat(outs).view(b, t - 1)
+    flat = torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
+    if index is None:
+        return flat.view(b, t - 1)
+    return torch.zeros(b * (t - 1), dtype=flat.dtype, device=flat.device).index_put((index,), flat).view(b, t - 1)
 
 
 def make_micro_batches(
@@ -174,9 +188,9 @@ class Learner:
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def _ref_logps(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _ref_logps(self, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with self._ref_context():
-            return sequence_logps(self.ref_model or self.model, ids, attn, temperature=self.temperature)
+            return sequence_logps(self.ref_model or self.model, ids, attn, temperature=self.temperature, positions=mask > 0)
 
     def update(self, episodes: list[Episode], advantages: torch.Tensor) -> UpdateStats:
         """One optimiser step on a rollout batch (on-policy, one pass).
@@ -198,14 +212,14 @@ class Learner:
         for mb in mbs:
             ids, attn = mb.input_ids.to(dev), mb.attention_mask.to(dev)
             mask, adv = mb.loss_mask.to(dev), mb.advantages.to(dev)
-            logps = sequence_logps(self.model, ids, attn, temperature=self.temperature)  # [B, T-1]
+            logps = sequence_logps(self.model, ids, attn, temperature=self.temperature, positions=mask > 0)  # [B, T-1]
             agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, normalizer=normalizer)
             loss, stats = policy_loss(
                 logps, logps.detach(), adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
                 dual_clip=a.dual_clip, agg=a.loss_agg, **agg,
             )
             if a.kl_coef > 0:
-                kl = kl_estimate(logps, self._ref_logps(ids, attn), a.kl_estimator)  # [B, T-1]
+                kl = kl_estimate(logps, self._ref_logps(ids, attn, mask), a.kl_estimator)  # [B, T-1]
                 kl_loss = aggregate_loss(kl, mask, a.loss_agg, **agg)
                 loss = loss + a.kl_coef * kl_loss
                 kl_sum += kl_loss.item()

@@ -12,6 +12,10 @@ import numpy as np
 import torch
 
 from plainrl.algorithms import grpo_advantages
+from plainrl.checkpoint import (
+    FATAL_FIELDS, WARN_FIELDS, CheckpointError, check_compatible, load_checkpoint, read_config, resolve_resume,
+    save_checkpoint,
+)
 from plainrl.config import Config, dump_config
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.engines.hf import HFEngine
@@ -76,6 +80,21 @@ def step_metrics(episodes: list[Episode], reward_fns: list[RewardFn], rewards_ou
     return m
 
 
+def check_resume(cfg: Config, run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from (per ``checkpoint.resume``) and warnings about changed fields.
+
+    Raises:
+        CheckpointError: the checkpoint's model or LoRA shape differs from this config.
+    """
+    resume_from = resolve_resume(run_dir, cfg.checkpoint.resume)
+    if resume_from is None:
+        return None, []
+    saved, current = read_config(resume_from), cfg.model_dump(mode="json")
+    if fatal := check_compatible(saved, current, fields=FATAL_FIELDS):
+        raise CheckpointError(f"cannot resume from {resume_from}:\n  " + "\n  ".join(fatal))
+    return resume_from, check_compatible(saved, current, fields=WARN_FIELDS)
+
+
 def train(cfg: Config) -> Path:
     """Run GRPO (or a relative, per ``cfg.algorithm``) and save the final policy.
 
@@ -84,6 +103,7 @@ def train(cfg: Config) -> Path:
     """
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    resume_from, resume_warnings = check_resume(cfg, run_dir)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -92,6 +112,8 @@ def train(cfg: Config) -> Path:
     device = resolve_device(cfg.device)
     logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
+    for w in resume_warnings:
+        logger.print(f"warning: resuming with a changed setting: {w}")
     if prep.data.dropped.total:
         logger.print(f"data: {prep.data.dropped.summary()}")
     for note in prep.data.notes:
@@ -106,10 +128,18 @@ def train(cfg: Config) -> Path:
         max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
         k=cfg.eval.k, temperature=cfg.eval.temperature, generator=generator,
     )
-    if cfg.eval.before and prep.data.eval:
+    start = 0
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model=model, optimizer=learner.optimizer,
+                                scheduler=learner.scheduler, generator=generator)
+        sampler.load_state_dict(state.sampler_state)
+        start = state.step
+        logger.resume_at(start)
+        logger.print(f"resumed from {resume_from} at step {start}")
+    elif cfg.eval.before and prep.data.eval:  # (on resume it ran already; re-running would shift the RNG)
         logger.log_eval(0, evaluate(engine, prep.data.eval, prep.tokenizer, **eval_kw))
 
-    for step in range(cfg.train.steps):
+    for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         episodes = rollout(engine, sampler.next_batch(), params, prep.tokenizer, cfg=cfg,
                            env_factory=prep.env_factory, step=step, generator=generator)
@@ -126,6 +156,11 @@ def train(cfg: Config) -> Path:
         logger.log_rollouts(step, shown, [prep.tokenizer.decode(e.prompt_ids) for e in shown])
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps and prep.data.eval:
             logger.log_eval(step + 1, evaluate(engine, prep.data.eval, prep.tokenizer, **eval_kw))
+        every = cfg.checkpoint.every
+        if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
+            save_checkpoint(run_dir, step + 1, model=model, optimizer=learner.optimizer, scheduler=learner.scheduler,
+                            sampler_state=sampler.state_dict(), generator=generator, config_yaml=dump_config(cfg),
+                            keep_last=cfg.checkpoint.keep_last)
 
     if cfg.eval.after and prep.data.eval:
         logger.log_eval(cfg.train.steps, evaluate(engine, prep.data.eval, prep.tokenizer, **eval_kw))

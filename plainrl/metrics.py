@@ -46,6 +46,23 @@ class MetricsLogger:
         self.started = time.monotonic()
         self.steps_done = 0
 
+    def resume_at(self, step: int) -> None:
+        """Drop rows of steps >= ``step`` (logged after the checkpoint, before a crash),
+        so a resumed run's files hold each step once."""
+        self.metrics_f.close()
+        self.rollouts_f.close()
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            path = self.run_dir / name
+            keep = []
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                # an eval logged at the checkpoint's own step ran before the save
+                if row["step"] < step or (row["step"] == step and any(k.startswith("eval/") for k in row)):
+                    keep.append(line)
+            path.write_text("".join(r + "\n" for r in keep))
+        self.metrics_f = open(self.run_dir / "metrics.jsonl", "a")
+        self.rollouts_f = open(self.run_dir / "rollouts.jsonl", "a")
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append one step's metrics (``step`` is added) and show the progress line."""
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}

@@ -195,7 +195,10 @@ def load_policy(cfg: ModelConfig, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(cfg.name, cfg.cache_dir)
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype=DTYPES[cfg.dtype])
+    attn = cfg.attn_implementation
+    if attn == "auto":
+        attn = "sdpa" if device.type == "cuda" else "eager"
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype=DTYPES[cfg.dtype], attn_implementation=attn)
     model.to(device)
     model.config.use_cache = False  # the learner never needs a cache; the engine passes its own
     if cfg.lora.enabled:

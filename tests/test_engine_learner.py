@@ -189,3 +189,15 @@ def test_policy_loss_gradient_on_policy_is_vanilla_pg():
     loss, _ = policy_loss(logps, logps.detach(), torch.tensor([2.0]), torch.ones(1, 2))
     loss.backward()
     torch.testing.assert_close(logps.grad, torch.tensor([[-1.0, -1.0]]))
+
+
+def test_logps_at_selected_positions_equal_the_full_computation(model):
+    ids = torch.randint(0, 1000, (2, 7))
+    attn = torch.ones_like(ids)
+    full = sequence_logps(model, ids, attn)
+    pos = torch.zeros(2, 6, dtype=torch.bool)
+    pos[0, 3:] = True
+    pos[1, 1] = True
+    part = sequence_logps(model, ids, attn, positions=pos)
+    torch.testing.assert_close(part[pos], full[pos], atol=1e-5, rtol=1e-5)
+    assert (part[~pos] == 0).all()
