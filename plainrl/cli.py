@@ -13,8 +13,14 @@ from plainrl.config import ConfigError, load_config
 def _cmd_train(args) -> int:
     from plainrl.loop import train
 
+    from plainrl.loop import Preempted
+
     cfg = load_config(args.config, args.overrides)
-    train(cfg)
+    try:
+        train(cfg)
+    except Preempted as e:
+        print(f"plainrl: {e}; run the same command again to resume", file=sys.stderr)
+        return Preempted.exit_code
     return 0
 
 
@@ -30,12 +36,15 @@ def _cmd_eval(args) -> int:
     run_dir = target if target.is_dir() else None
     if run_dir is not None and not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{target} is a directory without config.yaml; pass a config file or a plainrl run directory")
-    cfg = load_config(run_dir / "config.yaml" if run_dir else target, args.overrides)
+    overrides = list(args.overrides)
+    new_dataset = any(o.startswith("data.path=") for o in overrides)
+    if new_dataset:  # a dataset named on the command line is evaluated whole
+        overrides.append("data.eval_holdout=0")
+    cfg = load_config(run_dir / "config.yaml" if run_dir else target, overrides)
     seed_everything(cfg.seed)
     prep = prepare(cfg)
-    # A dataset given by path is evaluated whole (train split unless data.split says otherwise);
-    # a built-in task is evaluated on its held-out rows.
-    rows = prep.data.train if cfg.data.path and not cfg.data.eval_path else prep.data.eval
+    # otherwise the run's own held-out rows (a task's eval set, data.eval_path/eval_split/eval_holdout)
+    rows = prep.data.train if new_dataset and not cfg.data.eval_path else (prep.data.eval or prep.data.train)
     device = resolve_device(cfg.device)
     final = run_dir / "final" if run_dir else None
     if final is not None and (final / "adapter_config.json").is_file():
@@ -70,10 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_eval)
     args = parser.parse_args(argv)
+    from plainrl.checkpoint import CheckpointError
+    from plainrl.data import DataError
+    from plainrl.models import ModelLoadError
+    from plainrl.rewards import RewardLoadError
+
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"plainrl: {e}", file=sys.stderr)
+    except (ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError) as e:
+        # the user's input is wrong: say what and how to fix it, without a traceback
+        print(f"plainrl: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("plainrl: interrupted", file=sys.stderr)

@@ -140,6 +140,7 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one forward/backward
+    max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row
 
 
 class EvalConfig(_Section):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,8 @@ import torch
 
 from plainrl.algorithms import grpo_advantages
 from plainrl.checkpoint import (
-    FATAL_FIELDS, WARN_FIELDS, CheckpointError, check_compatible, load_checkpoint, read_config, resolve_resume,
+    FATAL_FIELDS, WARN_FIELDS, CheckpointError, check_compatible, find_latest, load_checkpoint, read_config,
+    resolve_resume,
     save_checkpoint,
 )
 from plainrl.config import Config, dump_config
@@ -95,12 +98,74 @@ def check_resume(cfg: Config, run_dir: Path) -> tuple[Path | None, list[str]]:
     return resume_from, check_compatible(saved, current, fields=WARN_FIELDS)
 
 
-def train(cfg: Config) -> Path:
-    """Run GRPO (or a relative, per ``cfg.algorithm``) and save the final policy.
+class Preempted(Exception):
+    """SIGTERM/SIGINT arrived; the run stopped at a step boundary after writing a checkpoint."""
 
-    Returns:
-        the run directory (``config.yaml``, ``metrics.jsonl``, ``rollouts.jsonl``, ``tb/``, ``final/``).
-    """
+    exit_code = 75  # EX_TEMPFAIL: a scheduler may simply start the same command again
+
+    def __init__(self, step: int, signum: int, checkpoint: Path):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}")
+
+
+class Diverged(RuntimeError):
+    """``train.max_bad_steps`` optimiser steps in a row had a non-finite loss or gradient norm."""
+
+
+class GracefulStop:
+    """The first SIGTERM/SIGINT asks the loop to stop at the next step boundary; a second
+    SIGINT interrupts at once (KeyboardInterrupt). Handlers are restored on exit."""
+
+    def __enter__(self) -> "GracefulStop":
+        self.signum: int | None = None
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Run:
+    """The live objects of a run, built by :func:`setup`."""
+
+    cfg: Config
+    run_dir: Path
+    prep: Prepared
+    logger: MetricsLogger
+    model: torch.nn.Module
+    engine: HFEngine
+    learner: Learner
+    sampler: PromptSampler
+    generator: torch.Generator
+    start: int  # first step to run (> 0 when resumed)
+
+    def evaluate(self) -> dict[str, float]:
+        c = self.cfg
+        return evaluate(
+            self.engine, self.prep.data.eval, self.prep.tokenizer,
+            max_new_tokens=c.eval.max_new_tokens or c.rollout.max_new_tokens, stop=tuple(c.rollout.stop),
+            k=c.eval.k, temperature=c.eval.temperature, generator=self.generator,
+        )
+
+    def save(self, step: int) -> Path:
+        return save_checkpoint(
+            self.run_dir, step, model=self.model, optimizer=self.learner.optimizer, scheduler=self.learner.scheduler,
+            sampler_state=self.sampler.state_dict(), generator=self.generator, config_yaml=dump_config(self.cfg),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+
+
+def setup(cfg: Config) -> Run:
+    """Everything before the first step: checks, data, model, engine, learner; resume or eval-before."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resume_from, resume_warnings = check_resume(cfg, run_dir)
@@ -120,51 +185,69 @@ def train(cfg: Config) -> Path:
         logger.print(f"data: {note}")
     model = load_policy(cfg.model, device)
     engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora)
-    learner = Learner(model, cfg, pad_id=engine.pad_id)
-    sampler = PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    params = sampling_params(cfg.rollout)
-    eval_kw = dict(
-        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
-        k=cfg.eval.k, temperature=cfg.eval.temperature, generator=generator,
+    run = Run(
+        cfg, run_dir, prep, logger, model, engine, Learner(model, cfg, pad_id=engine.pad_id),
+        PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),
+        torch.Generator(device=device).manual_seed(cfg.seed), start=0,
     )
-    start = 0
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model=model, optimizer=learner.optimizer,
-                                scheduler=learner.scheduler, generator=generator)
-        sampler.load_state_dict(state.sampler_state)
-        start = state.step
-        logger.resume_at(start)
-        logger.print(f"resumed from {resume_from} at step {start}")
+        state = load_checkpoint(resume_from, model=model, optimizer=run.learner.optimizer,
+                                scheduler=run.learner.scheduler, generator=run.generator)
+        run.sampler.load_state_dict(state.sampler_state)
+        run.start = state.step
+        logger.resume_at(run.start)
+        logger.print(f"resumed from {resume_from} at step {run.start}")
     elif cfg.eval.before and prep.data.eval:  # (on resume it ran already; re-running would shift the RNG)
-        logger.log_eval(0, evaluate(engine, prep.data.eval, prep.tokenizer, **eval_kw))
+        logger.log_eval(0, run.evaluate())
+    return run
 
-    for step in range(start, cfg.train.steps):
-        t0 = time.perf_counter()
-        episodes = rollout(engine, sampler.next_batch(), params, prep.tokenizer, cfg=cfg,
-                           env_factory=prep.env_factory, step=step, generator=generator)
-        t1 = time.perf_counter()
-        rewards_out = score_episodes(episodes, prep.reward_fns)
-        advantages = compute_advantages(episodes, cfg)
-        t2 = time.perf_counter()
-        stats = learner.update(episodes, advantages)
-        engine.load_weights(model)
-        t3 = time.perf_counter()
-        times = {"generate": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "step": t3 - t0}
-        logger.log(step, step_metrics(episodes, prep.reward_fns, rewards_out, stats, times))
-        shown = episodes[:: max(1, len(episodes) // cfg.log.rollouts_per_step)][: cfg.log.rollouts_per_step] if cfg.log.rollouts_per_step else []
-        logger.log_rollouts(step, shown, [prep.tokenizer.decode(e.prompt_ids) for e in shown])
-        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps and prep.data.eval:
-            logger.log_eval(step + 1, evaluate(engine, prep.data.eval, prep.tokenizer, **eval_kw))
-        every = cfg.checkpoint.every
-        if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
-            save_checkpoint(run_dir, step + 1, model=model, optimizer=learner.optimizer, scheduler=learner.scheduler,
-                            sampler_state=sampler.state_dict(), generator=generator, config_yaml=dump_config(cfg),
-                            keep_last=cfg.checkpoint.keep_last)
+
+def train(cfg: Config) -> Path:
+    """Run GRPO (or a relative, per ``cfg.algorithm``) and save the final policy.
+
+    Returns:
+        the run directory (``config.yaml``, ``metrics.jsonl``, ``rollouts.jsonl``, ``tb/``, ``final/``).
+
+    Raises:
+        Preempted: SIGTERM/SIGINT; a checkpoint of the last finished step was written.
+        Diverged: ``train.max_bad_steps`` non-finite steps in a row (no weights were changed by them).
+    """
+    run = setup(cfg)
+    prep, logger = run.prep, run.logger
+    params = sampling_params(cfg.rollout)
+    bad_steps = 0
+    with GracefulStop() as stop:
+        for step in range(run.start, cfg.train.steps):
+            t0 = time.perf_counter()
+            episodes = rollout(run.engine, run.sampler.next_batch(), params, prep.tokenizer, cfg=cfg,
+                               env_factory=prep.env_factory, step=step, generator=run.generator)
+            t1 = time.perf_counter()
+            rewards_out = score_episodes(episodes, prep.reward_fns)
+            advantages = compute_advantages(episodes, cfg)
+            t2 = time.perf_counter()
+            stats = run.learner.update(episodes, advantages)
+            run.engine.load_weights(run.model)
+            t3 = time.perf_counter()
+            times = {"generate": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "step": t3 - t0}
+            logger.log(step, step_metrics(episodes, prep.reward_fns, rewards_out, stats, times))
+            logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
+            bad_steps = bad_steps + 1 if stats.skipped else 0
+            if bad_steps >= cfg.train.max_bad_steps:
+                latest = find_latest(run.run_dir)
+                raise Diverged(f"step {step}: {bad_steps} steps in a row with a non-finite loss or gradient norm "
+                               f"(skipped); last good checkpoint: {latest or 'none'}")
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps and prep.data.eval:
+                logger.log_eval(step + 1, run.evaluate())
+            every = cfg.checkpoint.every
+            if stop.signum is not None or (every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps)):
+                path = run.save(step + 1)
+                if stop.signum is not None:
+                    logger.close()
+                    raise Preempted(step + 1, stop.signum, path)
 
     if cfg.eval.after and prep.data.eval:
-        logger.log_eval(cfg.train.steps, evaluate(engine, prep.data.eval, prep.tokenizer, **eval_kw))
-    save_policy(model, prep.tokenizer, run_dir / "final")
-    logger.print(f"saved the final policy to {run_dir / 'final'}")
+        logger.log_eval(cfg.train.steps, run.evaluate())
+    save_policy(run.model, prep.tokenizer, run.run_dir / "final")
+    logger.print(f"saved the final policy to {run.run_dir / 'final'}")
     logger.close()
-    return run_dir
+    return run.run_dir

@@ -28,7 +28,7 @@ class MetricsLogger:
         run_dir: directory receiving ``metrics.jsonl``, ``rollouts.jsonl`` and ``tb/``.
         total_steps: for the ETA.
         tensorboard: also write TensorBoard event files.
-        progress: print one status line per step.
+        progress: print one status line per step (and eval results).
     """
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, progress: bool = True):
@@ -37,7 +37,8 @@ class MetricsLogger:
         self.metrics_f = open(self.run_dir / "metrics.jsonl", "a")
         self.rollouts_f = open(self.run_dir / "rollouts.jsonl", "a")
         self.total_steps = total_steps
-        self.console = Console(stderr=True) if progress else None
+        self.console = Console(stderr=True)
+        self.progress = progress
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -74,7 +75,7 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
         self.steps_done += 1
-        if self.console is not None:
+        if self.progress:
             elapsed = time.monotonic() - self.started
             eta = elapsed / self.steps_done * max(0, self.total_steps - step - 1)
             self.console.print(
@@ -92,12 +93,15 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
-        if self.console is not None:
+        if self.progress:
             self.console.print(" ".join(f"{k} {v:.3f}" for k, v in metrics.items()), highlight=False)
 
-    def log_rollouts(self, step: int, episodes: list[Episode], prompt_text: list[str]) -> None:
-        """Write sampled episodes (prompt, completion, reward and its parts)."""
-        for ep, prompt in zip(episodes, prompt_text):
+    def log_rollouts(self, step: int, episodes: list[Episode], count: int, tokenizer) -> None:
+        """Write ``count`` episodes spread over the step's groups (prompt, completion, reward parts)."""
+        if count <= 0:
+            return
+        for ep in episodes[:: max(1, len(episodes) // count)][:count]:
+            prompt = tokenizer.decode(ep.prompt_ids)
             rec = {
                 "step": step, "sample_id": ep.sample_id, "prompt": prompt, "completion": ep.completion_text,
                 "reward": ep.reward, "reward_parts": ep.reward_parts, "advantage": ep.advantage,
@@ -107,8 +111,8 @@ class MetricsLogger:
         self.rollouts_f.flush()
 
     def print(self, msg: str) -> None:
-        if self.console is not None:
-            self.console.print(msg, highlight=False)
+        """Notes and warnings: always shown (``progress`` only silences the per-step lines)."""
+        self.console.print(msg, highlight=False)
 
     def close(self) -> None:
         self.metrics_f.close()

@@ -6,7 +6,13 @@
     logger.log(reward_metrics(out, [f.name for f in fns]))
 """
 
-from plainrl.rewards.builtins import correctness, extract_final_answer, format_reward, numeric_closeness
+from plainrl.rewards.builtins import (
+    correctness,
+    extract_final_answer,
+    format_reward,
+    last_number_correct,
+    numeric_closeness,
+)
 from plainrl.rewards.loading import RewardFn, RewardLoadError, build_reward_fns, load_reward_fn
 from plainrl.rewards.runner import RewardError, reward_metrics, score
 
@@ -18,6 +24,7 @@ __all__ = [
     "correctness",
     "extract_final_answer",
     "format_reward",
+    "last_number_correct",
     "load_reward_fn",
     "numeric_closeness",
     "reward_metrics",

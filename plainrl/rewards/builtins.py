@@ -13,7 +13,7 @@ import threading
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-__all__ = ["correctness", "extract_final_answer", "format_reward", "numeric_closeness"]
+__all__ = ["correctness", "extract_final_answer", "format_reward", "last_number_correct", "numeric_closeness"]
 
 _MISSING: Any = object()
 
@@ -272,6 +272,33 @@ def _to_number(s: str, *, lenient: bool) -> float | None:
     if found:
         return float(found[-1].replace(",", ""))
     return None
+
+
+def last_number_correct(completion: str, answer: Any = _MISSING, **_: Any) -> float | None:
+    """1.0 when the last number written anywhere in the completion equals the reference.
+
+    A lenient companion of :func:`correctness` that ignores the answer format, so a
+    model that works a sum out in its own words (``"23 + 45 = 68"``) is rewarded for
+    the arithmetic while :func:`correctness` rewards stating it as the final answer.
+    Numbers are compared as decimals (``"1,234"`` and ``"1234.0"`` equal ``1234``).
+
+    Returns:
+        1.0 or 0.0; None when the reference is None or not a plain number (unscorable).
+
+    Raises:
+        TypeError: the row has no ``answer`` column.
+    """
+    ref_s = _reference(answer, "last_number_correct")
+    if ref_s is None:
+        return None
+    ref = _to_number(ref_s, lenient=False)
+    if ref is None:
+        return None
+    numbers = _NUMBER_RE.findall(completion)
+    if not numbers:
+        return 0.0
+    pred = _to_number(numbers[-1], lenient=True)
+    return 1.0 if pred is not None and pred == ref else 0.0
 
 
 def numeric_closeness(completion: str, answer: Any = _MISSING, *, sharpness: float = 5.0, **_: Any) -> float | None:

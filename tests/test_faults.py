@@ -1,0 +1,81 @@
+"""Faults: SIGTERM/SIGINT stop at a step boundary with a checkpoint; non-finite steps are skipped."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import plainrl.learner as learner_mod
+import plainrl.loop as loop
+from conftest import REPO, tiny_overrides
+from plainrl.config import load_config
+
+DATA = REPO / "tests" / "data"
+
+
+def _over(tiny_model_dir, run_dir, steps):
+    return tiny_overrides(tiny_model_dir, run_dir) + [
+        f"train.steps={steps}", "eval.before=false", "eval.after=false", "log.tensorboard=false",
+        f"rewards=[{{fn: '{DATA / 'my_reward.py'}:length_bonus'}}]",
+    ]
+
+
+def _steps_logged(run_dir):
+    f = run_dir / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in f.read_text().splitlines()] if f.exists() else []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_checkpoints_and_exits_75_then_resumes(tiny_model_dir, tmp_path, sig):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+           *_over(tiny_model_dir, run, 500)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not _steps_logged(run) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert "resume" in err
+    done = max(_steps_logged(run)) + 1
+    assert (run / "checkpoints" / f"step-{done:06d}" / "manifest.json").is_file()
+    # the same command resumes from there (a short run this time)
+    cmd_resume = [*cmd[:-len(_over(tiny_model_dir, run, 500))], *_over(tiny_model_dir, run, done + 1)]
+    out = subprocess.run(cmd_resume, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"resumed from" in out.stderr
+    assert _steps_logged(run) == list(range(done + 1))
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(tiny_model_dir, tmp_path, monkeypatch):
+    real = learner_mod.policy_loss
+
+    def nan_loss(*a, **k):
+        loss, stats = real(*a, **k)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(learner_mod, "policy_loss", nan_loss)
+    seen = {}
+    real_setup = loop.setup
+
+    def spy_setup(cfg):
+        run = real_setup(cfg)
+        seen["run"] = run
+        seen["before"] = [p.detach().clone() for p in run.learner.params]
+        return run
+
+    monkeypatch.setattr(loop, "setup", spy_setup)
+    cfg = load_config(REPO / "examples" / "arithmetic_grpo.yaml",
+                      _over(tiny_model_dir, tmp_path / "run", 10) + ["train.max_bad_steps=3"])
+    with pytest.raises(loop.Diverged, match="step 2: 3 steps in a row"):
+        loop.train(cfg)
+    assert all(torch.equal(a, b) for a, b in zip(seen["before"], seen["run"].learner.params))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_step"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(r["loss"] == "nan" for r in rows)  # logged as it is, not smoothed
