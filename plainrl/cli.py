@@ -1,4 +1,5 @@
-"""Command line: ``plainrl train CONFIG [key=value ...]`` and ``plainrl eval CONFIG_OR_RUN_DIR [key=value ...]``."""
+"""Command line: ``plainrl train CONFIG [key=value ...]`` (RL, or SFT/DPO/RM when
+``algorithm.name`` is sft, dpo or rm) and ``plainrl eval CONFIG_OR_RUN_DIR [key=value ...]``."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from plainrl.config import ConfigError, load_config
 
 
 def _cmd_train(args) -> int:
-    from plainrl.loop import train
-
-    from plainrl.loop import Preempted
+    from plainrl.loop import Preempted, train
+    from plainrl.offline import train_offline
 
     cfg = load_config(args.config, args.overrides)
     try:
-        train(cfg)
+        # algorithm.name picks the trainer: sft/dpo/rm learn from data rows, the rest by RL
+        (train_offline if cfg.algorithm.offline else train)(cfg)
     except Preempted as e:
         print(f"plainrl: {e}; run the same command again to resume", file=sys.stderr)
         return Preempted.exit_code
@@ -41,6 +42,9 @@ def _cmd_eval(args) -> int:
     if new_dataset:  # a dataset named on the command line is evaluated whole
         overrides.append("data.eval_holdout=0")
     cfg = load_config(run_dir / "config.yaml" if run_dir else target, overrides)
+    if cfg.algorithm.name == "rm":
+        raise ConfigError("plainrl eval measures a policy's answers; a reward model (algorithm.name=rm) has none. "
+                          "Its held-out accuracy is logged as eval/accuracy in metrics.jsonl")
     seed_everything(cfg.seed)
     prep = prepare(cfg)
     # otherwise the run's own held-out rows (a task's eval set, data.eval_path/eval_split/eval_holdout)
@@ -70,7 +74,7 @@ def _cmd_eval(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plainrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="RL fine-tuning from a YAML config")
+    p = sub.add_parser("train", help="training from a YAML config: RL, or sft/dpo/rm per algorithm.name")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
     p.set_defaults(func=_cmd_train)

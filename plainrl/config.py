@@ -115,18 +115,110 @@ class RewardSpec(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
-class AlgorithmConfig(_Section):
-    """Advantage estimator and policy loss (see docs/algorithms.md)."""
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "sft", "dpo", "rm"]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
+KLPlacement = Literal["loss", "reward"]
 
-    name: Literal["grpo", "dr_grpo"] = "grpo"
-    norm_std: bool | None = None  # None: the preset's choice (grpo: True, dr_grpo: False)
-    clip_low: float = Field(0.2, ge=0.0)
+# Trained on rows from data.path by plainrl.offline, not by the RL loop.
+OFFLINE_ALGORITHMS = ("sft", "dpo", "rm")
+
+# algorithm.name -> defaults of the other algorithm.* knobs. A preset only fills in
+# keys the user did not set, so an explicit value always wins; the resolved values
+# are what config.yaml records. Sources and reasoning: docs/algorithms.md, "Presets".
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {"advantage": "grpo", "norm_std": True, "loss_agg": "token-mean"},
+    "dr_grpo": {"advantage": "grpo", "norm_std": False, "loss_agg": "seq-mean-token-sum-norm"},
+    "dapo": {
+        "advantage": "grpo", "norm_std": True, "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.28,
+        "kl_coef": 0.0, "dynamic_sampling": True, "overlong_buffer": 0.2, "overlong_filter": True,
+    },
+    "rloo": {"advantage": "rloo", "loss_agg": "seq-mean-token-sum-norm"},
+    "reinforce_pp": {
+        "advantage": "reinforce_pp", "loss_agg": "token-mean", "kl_coef": 0.01, "kl_estimator": "k1",
+        "kl_placement": "reward", "gamma": 1.0,
+    },
+    "gspo": {
+        "advantage": "grpo", "norm_std": True, "ratio_level": "sequence", "loss_agg": "seq-mean-token-mean",
+        "clip_low": 3e-4, "clip_high": 4e-4, "mini_batches": 4,
+    },
+    "ppo": {
+        "advantage": "gae", "gamma": 1.0, "lam": 0.95, "value_clip": 0.2, "loss_agg": "token-mean",
+        "kl_coef": 0.01, "kl_estimator": "k1", "kl_placement": "reward", "ppo_epochs": 2,
+    },
+    "sft": {"loss_agg": "token-mean"},
+    "dpo": {"beta": 0.1},
+    "rm": {},
+}
+
+
+class AlgorithmConfig(_Section):
+    """Which algorithm, as configuration of the pure functions in plainrl.algorithms
+    (formulas, knobs and papers: docs/algorithms.md).
+
+    ``name`` is a preset: it sets defaults of the other knobs (:data:`PRESETS`) for
+    the keys not given explicitly; every knob can still be set on its own.
+    """
+
+    name: AlgorithmName = "grpo"
+    # advantages
+    advantage: AdvantageEstimator = "grpo"
+    norm_std: bool = True  # grpo: divide by the group std (False: Dr. GRPO)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount per token (reinforce_pp, gae)
+    lam: float = Field(1.0, ge=0.0, le=1.0)  # GAE lambda
+    # policy loss
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
     clip_high: float = Field(0.2, ge=0.0)
     dual_clip: float | None = Field(None, gt=1.0)
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: float = Field(0.0, ge=0.0)
+    # KL to the reference policy (the base model under LoRA)
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_placement: KLPlacement = "loss"  # loss: a penalty term; reward: folded into the (token) reward
+    # passes over one rollout batch; >1 in total recomputes old logprobs before the first
+    ppo_epochs: int = Field(1, gt=0)
+    mini_batches: int = Field(1, gt=0)  # optimiser steps per epoch
+    value_clip: float | None = Field(0.2, gt=0.0)  # gae: critic value clipping (None: off)
+    # DAPO
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, sample more
+    dynamic_sampling_tries: int = Field(4, gt=0)  # rollout batches per step at most
+    overlong_buffer: float | None = Field(None, gt=0.0, le=1.0)  # L_cache / completion budget (None: off)
+    overlong_penalty: float = Field(1.0, ge=0.0)  # the largest length penalty
+    overlong_filter: bool = False  # truncated completions get loss mask 0
+    # DPO
+    beta: float = Field(0.1, gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("norm_std", True) is None:  # configs saved before presets: null meant "the preset's"
+            del data["norm_std"]
+        preset = PRESETS.get(data.get("name", "grpo"), {})  # an unknown name is reported by the Literal check
+        return {**preset, **data}
+
+    @property
+    def offline(self) -> bool:
+        """Trained on data rows (sft, dpo, rm) rather than by RL."""
+        return self.name in OFFLINE_ALGORITHMS
+
+    @property
+    def multi_pass(self) -> bool:
+        """More than one optimiser step per rollout batch (old logprobs must be recomputed)."""
+        return self.ppo_epochs > 1 or self.mini_batches > 1
+
+
+class CriticConfig(_Section):
+    """The value model of ``algorithm.advantage: gae`` (PPO): a transformers backbone
+    with a linear value head, trained by its own optimiser (see docs/algorithms.md)."""
+
+    model: str | None = None  # default: model.name (same dtype and max_context)
+    lora: LoraConfig | None = None  # default: model.lora (its own adapter); enabled=false: full weights
+    lr: float | None = Field(None, gt=0.0)  # default: train.lr
+    warmup_steps: int = Field(0, ge=0)  # the first N steps train only the critic
 
 
 class TrainConfig(_Section):
@@ -140,6 +232,7 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one forward/backward
+    batch_size: int = Field(8, gt=0)  # sft/dpo/rm: rows (pairs) per optimiser step; RL uses the rollout's
     max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row
 
 
@@ -180,6 +273,7 @@ class Config(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     rewards: list[RewardSpec] = Field(default_factory=list)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
@@ -187,6 +281,13 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
+        a = self.algorithm
+        if self.train.warmup_steps > self.train.steps:
+            raise ValueError(
+                f"train.warmup_steps={self.train.warmup_steps} exceeds train.steps={self.train.steps}; lower it"
+            )
+        if a.offline:
+            return self._check_offline()
         d = self.data
         if (d.task is None) == (d.path is None):
             raise ValueError(
@@ -208,28 +309,57 @@ class Config(_Section):
                 "rewards: no reward function given; add at least one, e.g. "
                 "rewards: [{fn: plainrl.rewards.builtins:correctness, weight: 1.0}]"
             )
-        if self.train.warmup_steps > self.train.steps:
+        if self.rollout.group_size < 2 and (a.advantage in ("grpo", "rloo") or a.dynamic_sampling):
+            why = "dynamic sampling keeps groups" if a.dynamic_sampling else "group-relative advantages need"
             raise ValueError(
-                f"train.warmup_steps={self.train.warmup_steps} exceeds train.steps={self.train.steps}; lower it"
-            )
-        if self.rollout.group_size < 2 and self.algorithm.name in ("grpo", "dr_grpo"):
-            raise ValueError(
-                f"rollout.group_size={self.rollout.group_size}: group-relative advantages need at least "
-                "2 samples per prompt; set rollout.group_size>=2"
+                f"rollout.group_size={self.rollout.group_size}: {why} at least 2 samples per prompt "
+                f"(algorithm.advantage={a.advantage!r}); set rollout.group_size>=2"
             )
         if self.rollout.temperature == 0 and self.rollout.group_size > 1:
             raise ValueError(
                 "rollout.temperature=0 (greedy) makes every sample of a group identical, so every "
                 "advantage is 0; use a temperature > 0 for training"
             )
+        episodes = self.rollout.prompts_per_step * self.rollout.group_size
+        if a.mini_batches > episodes:
+            raise ValueError(
+                f"algorithm.mini_batches={a.mini_batches} exceeds the {episodes} episodes of a step "
+                "(rollout.prompts_per_step x rollout.group_size); lower it"
+            )
+        changed = [k for k, f in CriticConfig.model_fields.items() if getattr(self.critic, k) != f.default]
+        if a.advantage != "gae" and (unused := changed):
+            raise ValueError(
+                f"critic.{unused[0]}={getattr(self.critic, unused[0])!r}: the critic is only used by "
+                f"algorithm.advantage=gae (PPO), not {a.advantage!r}; remove the critic section or set "
+                "algorithm.name=ppo"
+            )
+        if self.critic.warmup_steps >= self.train.steps:
+            raise ValueError(
+                f"critic.warmup_steps={self.critic.warmup_steps} leaves no policy step out of "
+                f"train.steps={self.train.steps}; lower it"
+            )
+        return self
+
+    def _check_offline(self) -> "Config":
+        a, d = self.algorithm, self.data
+        if d.path is None or d.task is not None:
+            columns = "messages (or prompt + completion)" if a.name == "sft" else "chosen and rejected"
+            raise ValueError(
+                f"algorithm.name={a.name!r} trains on rows with {columns} from data.path; got "
+                f"data.path={d.path!r}, data.task={d.task!r}: set data.path (and not data.task)"
+            )
+        if self.rewards:
+            raise ValueError(
+                f"rewards: algorithm.name={a.name!r} learns from data rows, not reward functions; remove rewards"
+            )
+        if a.name == "rm" and a.kl_coef > 0:
+            raise ValueError("algorithm.kl_coef: a reward model has no reference policy; set algorithm.kl_coef=0")
         return self
 
     @property
     def norm_std(self) -> bool:
-        """Whether advantages divide by the group std (GRPO) or not (Dr. GRPO)."""
-        if self.algorithm.norm_std is not None:
-            return self.algorithm.norm_std
-        return self.algorithm.name == "grpo"
+        """Whether group advantages divide by the group std (GRPO) or not (Dr. GRPO)."""
+        return self.algorithm.norm_std
 
 
 # ----------------------------------------------------------------------------- loading

@@ -13,23 +13,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plainrl.algorithms import grpo_advantages
 from plainrl.checkpoint import (
-    FATAL_FIELDS, WARN_FIELDS, CheckpointError, check_compatible, find_latest, load_checkpoint, read_config,
-    resolve_resume,
-    save_checkpoint,
+    CHECKPOINTS_DIR, FATAL_FIELDS, WARN_FIELDS, CheckpointError, check_compatible, find_latest, load_checkpoint,
+    read_config, resolve_resume, save_checkpoint, step_dir_name,
 )
-from plainrl.config import Config, dump_config
+from plainrl.config import Config, ConfigError, dump_config
+from plainrl.critic import Critic
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.engines.hf import HFEngine
 from plainrl.envs import env_metrics
+from plainrl.estimators import compute_advantages, reward_kl
 from plainrl.evaluate import evaluate
-from plainrl.learner import Learner
+from plainrl.learner import Learner, UpdateStats
 from plainrl.metrics import MetricsLogger
-from plainrl.models import load_policy, load_tokenizer, resolve_device, save_policy
+from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, save_policy
 from plainrl.rewards import RewardFn, build_reward_fns, reward_metrics
-from plainrl.rollout import make_env_factory, rollout, sampling_params, score_episodes
-from plainrl.types import Episode
+from plainrl.rollout import (
+    dynamic_sampling, make_env_factory, rollout, sampling_params, score_episodes, shape_overlong,
+)
+from plainrl.types import Episode, RewardOutput
 
 
 @dataclass
@@ -48,6 +50,11 @@ def prepare(cfg: Config) -> Prepared:
     reward_fns = build_reward_fns(cfg.rewards)
     max_prompt = cfg.model.max_context - cfg.rollout.completion_budget
     data = load_prompt_data(cfg.data, tokenizer, max_prompt_tokens=max_prompt, seed=cfg.seed)
+    if cfg.algorithm.advantage == "gae" and cfg.critic.model is not None:
+        # the critic reads the policy's token ids, so both must mean the same tokens
+        if load_tokenizer(cfg.critic.model, cfg.model.cache_dir).get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(f"critic.model={cfg.critic.model!r} has another tokenizer than model.name="
+                              f"{cfg.model.name!r}; use a critic of the same model family (or leave critic.model unset)")
     return Prepared(tokenizer, data, reward_fns, make_env_factory(cfg.rollout))
 
 
@@ -57,17 +64,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def compute_advantages(episodes: list[Episode], cfg: Config) -> torch.Tensor:
-    """Group-relative advantages [N]; unscorable episodes (reward None) get exactly 0."""
-    valid = torch.tensor([e.reward is not None for e in episodes])
-    rewards = torch.tensor([e.reward if e.reward is not None else float("nan") for e in episodes])
-    adv = grpo_advantages(rewards, cfg.rollout.group_size, norm_std=cfg.norm_std, valid=valid)
-    for e, a in zip(episodes, adv.tolist()):
-        e.advantage = a
-    return adv
-
-
-def step_metrics(episodes: list[Episode], reward_fns: list[RewardFn], rewards_out, stats, times: dict) -> dict:
+def step_metrics(
+    episodes: list[Episode], reward_fns: list[RewardFn], rewards_out, stats: UpdateStats, times: dict,
+    extra: dict | None = None,
+) -> dict:
+    """One step's row of metrics.jsonl; ``extra`` (sampling, shaping, critic, KL metrics) is added last."""
     lengths = [len(e.completion_ids) for e in episodes]
     m = reward_metrics(rewards_out, [f.name for f in reward_fns])
     m["reward/unscorable"] = float(sum(e.reward is None for e in episodes))
@@ -80,6 +81,13 @@ def step_metrics(episodes: list[Episode], reward_fns: list[RewardFn], rewards_ou
         "response_length/clipped_frac": statistics.fmean(e.finish_reason == "length" for e in episodes),
         "tokens/completion": sum(lengths), **{f"time/{k}": v for k, v in times.items()},
     })
+    if stats.optimizer_steps != 1:
+        m["optimizer_steps"] = float(stats.optimizer_steps)
+    if stats.optimizer_steps > 1:
+        m["approx_kl"] = stats.approx_kl
+    if stats.entropy:
+        m["entropy"] = stats.entropy
+    m.update(extra or {})
     return m
 
 
@@ -147,6 +155,7 @@ class Run:
     sampler: PromptSampler
     generator: torch.Generator
     start: int  # first step to run (> 0 when resumed)
+    critic: Critic | None = None  # algorithm.advantage: gae
 
     def evaluate(self) -> dict[str, float]:
         c = self.cfg
@@ -157,6 +166,14 @@ class Run:
         )
 
     def save(self, step: int) -> Path:
+        if self.critic is not None:
+            # written first: the policy's checkpoint is the commit point, so a critic
+            # checkpoint always exists for the step that `latest` names
+            save_checkpoint(
+                self.run_dir / "critic", step, model=self.critic.model, optimizer=self.critic.optimizer,
+                scheduler=self.critic.scheduler, sampler_state={}, generator=None, config_yaml=dump_config(self.cfg),
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
         return save_checkpoint(
             self.run_dir, step, model=self.model, optimizer=self.learner.optimizer, scheduler=self.learner.scheduler,
             sampler_state=self.sampler.state_dict(), generator=self.generator, config_yaml=dump_config(self.cfg),
@@ -164,8 +181,24 @@ class Run:
         )
 
 
+def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_id: int) -> Critic:
+    """PPO's critic: ``critic.model`` / ``critic.lora`` over the policy's ``model`` section.
+
+    With LoRA on both and the same base, the critic reuses the policy's frozen base
+    weights (two adapters, one copy of the base; :func:`plainrl.models.share_frozen_weights`).
+    """
+    update = {"lora": cfg.critic.lora or cfg.model.lora}
+    if cfg.critic.model is not None:
+        update["name"] = cfg.critic.model
+    model_cfg = cfg.model.model_copy(update=update)
+    shared = cfg.model.lora.enabled and model_cfg.lora.enabled and model_cfg.name == cfg.model.name
+    model = load_value_model(model_cfg, device, per_token=True, share_with=policy if shared else None)
+    return Critic(model, cfg, pad_id=pad_id)
+
+
 def setup(cfg: Config) -> Run:
-    """Everything before the first step: checks, data, model, engine, learner; resume or eval-before."""
+    """Everything before the first step: checks, data, model, engine, learner (and PPO's
+    critic); resume or eval-before."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resume_from, resume_warnings = check_resume(cfg, run_dir)
@@ -175,7 +208,8 @@ def setup(cfg: Config) -> Run:
     seed_everything(cfg.seed)
     prep = prepare(cfg)
     device = resolve_device(cfg.device)
-    logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
+    logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
+                           progress=cfg.log.progress)
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
     for w in resume_warnings:
         logger.print(f"warning: resuming with a changed setting: {w}")
@@ -190,11 +224,19 @@ def setup(cfg: Config) -> Run:
         PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),
         torch.Generator(device=device).manual_seed(cfg.seed), start=0,
     )
+    if cfg.algorithm.advantage == "gae":
+        run.critic = load_critic(cfg, model, device, engine.pad_id)
     if resume_from is not None:
         state = load_checkpoint(resume_from, model=model, optimizer=run.learner.optimizer,
                                 scheduler=run.learner.scheduler, generator=run.generator)
         run.sampler.load_state_dict(state.sampler_state)
         run.start = state.step
+        if run.critic is not None:
+            critic_ckpt = resume_from.parent.parent / "critic" / CHECKPOINTS_DIR / step_dir_name(state.step)
+            if not critic_ckpt.is_dir():
+                raise CheckpointError(f"cannot resume the critic: {critic_ckpt} is missing")
+            load_checkpoint(critic_ckpt, model=run.critic.model, optimizer=run.critic.optimizer,
+                            scheduler=run.critic.scheduler, restore_rng=False)
         logger.resume_at(run.start)
         logger.print(f"resumed from {resume_from} at step {run.start}")
     elif cfg.eval.before and prep.data.eval:  # (on resume it ran already; re-running would shift the RNG)
@@ -202,11 +244,60 @@ def setup(cfg: Config) -> Run:
     return run
 
 
-def train(cfg: Config) -> Path:
-    """Run GRPO (or a relative, per ``cfg.algorithm``) and save the final policy.
+def collect(run: Run, params, step: int) -> tuple[list[Episode], RewardOutput, dict[str, float]]:
+    """This step's scored episodes: one rollout batch, or DAPO's dynamic sampling
+    (``algorithm.dynamic_sampling``), then overlong shaping/filtering when configured.
 
     Returns:
-        the run directory (``config.yaml``, ``metrics.jsonl``, ``rollouts.jsonl``, ``tb/``, ``final/``).
+        ``(episodes, rewards of every episode drawn, metrics)``; ``metrics["time/generate"]``
+        is the time spent in the engine (the rest went to reward functions).
+    """
+    cfg, prep = run.cfg, run.prep
+    generating = 0.0
+
+    def draw() -> list[Episode]:
+        nonlocal generating
+        t = time.perf_counter()
+        episodes = rollout(run.engine, run.sampler.next_batch(), params, prep.tokenizer, cfg=cfg,
+                           env_factory=prep.env_factory, step=step, generator=run.generator)
+        generating += time.perf_counter() - t
+        return episodes
+
+    if cfg.algorithm.dynamic_sampling:
+        episodes, rewards_out, metrics = dynamic_sampling(
+            draw, prep.reward_fns, group_size=cfg.rollout.group_size, num_groups=cfg.rollout.prompts_per_step,
+            max_tries=cfg.algorithm.dynamic_sampling_tries)
+    else:
+        episodes = draw()
+        rewards_out, metrics = score_episodes(episodes, prep.reward_fns), {}
+    metrics.update(shape_overlong(episodes, cfg.algorithm, cfg.rollout.completion_budget))
+    metrics["time/generate"] = generating
+    return episodes, rewards_out, metrics
+
+
+def estimate(run: Run, episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """Advantages per ``algorithm.advantage``, with what the estimator needs: the KL to
+    the reference when it goes into the reward, the critic's values for GAE.
+
+    Returns:
+        ``(advantages [N] or [N, L], critic values [N, L] or None, metrics)``.
+    """
+    a = run.cfg.algorithm
+    kl = None
+    if a.kl_coef > 0 and a.kl_placement == "reward":
+        kl = reward_kl(episodes, run.learner.completion_logps(episodes, reference=True), run.cfg)  # [N, L]
+    values = run.critic.values(episodes) if run.critic is not None else None
+    advantages = compute_advantages(episodes, run.cfg, kl=kl, values=values)
+    tokens = sum(sum(e.loss_mask) for e in episodes)
+    return advantages, values, ({"kl": float(kl.sum()) / max(1, tokens)} if kl is not None else {})
+
+
+def train(cfg: Config) -> Path:
+    """Run the RL algorithm of ``cfg.algorithm`` and save the final policy.
+
+    Returns:
+        the run directory (``config.yaml``, ``metrics.jsonl``, ``rollouts.jsonl``, ``tb/``, ``final/``;
+        ``critic/`` with PPO).
 
     Raises:
         Preempted: SIGTERM/SIGINT; a checkpoint of the last finished step was written.
@@ -219,17 +310,19 @@ def train(cfg: Config) -> Path:
     with GracefulStop() as stop:
         for step in range(run.start, cfg.train.steps):
             t0 = time.perf_counter()
-            episodes = rollout(run.engine, run.sampler.next_batch(), params, prep.tokenizer, cfg=cfg,
-                               env_factory=prep.env_factory, step=step, generator=run.generator)
+            episodes, rewards_out, extra = collect(run, params, step)  # rollout + rewards (+ DAPO's filters)
+            advantages, values, kl_metrics = estimate(run, episodes)   # per algorithm.advantage
+            extra.update(kl_metrics)
             t1 = time.perf_counter()
-            rewards_out = score_episodes(episodes, prep.reward_fns)
-            advantages = compute_advantages(episodes, cfg)
-            t2 = time.perf_counter()
-            stats = run.learner.update(episodes, advantages)
+            if run.critic is not None:
+                extra.update(run.critic.update(episodes, advantages, values))
+            # during PPO's critic warm-up the policy waits until the values mean something
+            stats = run.learner.update(episodes, advantages) if step >= cfg.critic.warmup_steps else run.learner.skip()
             run.engine.load_weights(run.model)
-            t3 = time.perf_counter()
-            times = {"generate": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "step": t3 - t0}
-            logger.log(step, step_metrics(episodes, prep.reward_fns, rewards_out, stats, times))
+            t2 = time.perf_counter()
+            gen = extra.pop("time/generate")
+            times = {"generate": gen, "reward": t1 - t0 - gen, "update": t2 - t1, "step": t2 - t0}
+            logger.log(step, step_metrics(episodes, prep.reward_fns, rewards_out, stats, times, extra))
             logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
             bad_steps = bad_steps + 1 if stats.skipped else 0
             if bad_steps >= cfg.train.max_bad_steps:
@@ -248,6 +341,8 @@ def train(cfg: Config) -> Path:
     if cfg.eval.after and prep.data.eval:
         logger.log_eval(cfg.train.steps, run.evaluate())
     save_policy(run.model, prep.tokenizer, run.run_dir / "final")
+    if run.critic is not None:
+        save_policy(run.critic.model, prep.tokenizer, run.run_dir / "critic" / "final")
     logger.print(f"saved the final policy to {run.run_dir / 'final'}")
     logger.close()
     return run.run_dir

@@ -14,6 +14,13 @@ from rich.console import Console
 from plainrl.types import Episode
 
 
+# (metric, label, format) of the per-step progress line; absent metrics are left out
+_PROGRESS = (
+    ("reward/mean", "reward", ".3f"), ("kl", "kl", ".4f"), ("response_length/mean", "len", ".1f"),
+    ("accuracy", "acc", ".3f"), ("loss", "loss", "+.4f"), ("time/step", "step", ".1f"),
+)
+
+
 def _clean(v: Any) -> Any:
     # JSON has no NaN/inf; write them as strings so a bad step is logged as it is.
     if isinstance(v, float) and not math.isfinite(v):
@@ -78,11 +85,10 @@ class MetricsLogger:
         if self.progress:
             elapsed = time.monotonic() - self.started
             eta = elapsed / self.steps_done * max(0, self.total_steps - step - 1)
+            shown = " ".join(f"{label} {metrics[k]:{fmt}}" for k, label, fmt in _PROGRESS
+                             if isinstance(metrics.get(k), (int, float)))
             self.console.print(
-                f"[bold]step {step + 1}/{self.total_steps}[/] reward {metrics.get('reward/mean', float('nan')):.3f} "
-                f"kl {metrics.get('kl', 0.0):.4f} len {metrics.get('response_length/mean', 0.0):.1f} "
-                f"loss {metrics.get('loss', 0.0):+.4f} step {metrics.get('time/step', 0.0):.1f}s eta {eta / 60:.1f}min",
-                highlight=False,
+                f"[bold]step {step + 1}/{self.total_steps}[/] {shown} eta {eta / 60:.1f}min", highlight=False,
             )
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:

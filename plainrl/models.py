@@ -153,8 +153,10 @@ def load_tokenizer(name: str, cache_dir: str | None = None):
     return tok
 
 
-def apply_lora(model, lora: LoraConfig):
-    """Wrap ``model`` with LoRA adapters (peft). Only adapter weights stay trainable.
+def apply_lora(model, lora: LoraConfig, *, task_type: str = "CAUSAL_LM"):
+    """Wrap ``model`` with LoRA adapters (peft). Only adapter weights stay trainable,
+    plus, for ``task_type`` ``TOKEN_CLS``/``SEQ_CLS``, the model's new ``score`` head
+    (peft's ``modules_to_save``: trained and saved with the adapter).
 
     Raises:
         ModelLoadError: a target module name matches no layer; the message lists the
@@ -168,7 +170,7 @@ def apply_lora(model, lora: LoraConfig):
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     try:
         # Adapters in the model's dtype: peft's default (fp32 adapters on a bf16 model)
@@ -183,6 +185,53 @@ def apply_lora(model, lora: LoraConfig):
         ) from e
 
 
+def share_frozen_weights(model: torch.nn.Module, donor: torch.nn.Module) -> int:
+    """Make ``model`` use ``donor``'s frozen parameters wherever both have one of the same
+    name, shape and dtype, so a second model on the same base (the PPO critic next to a
+    LoRA policy) holds no second copy of the base weights.
+
+    Names are compared without peft's wrapping (``base_model.model.``, ``.base_layer``).
+    Only frozen donor parameters are shared, so training either model never changes
+    the other's weights through them; call it before ``model`` gets its own adapters.
+    The engine's merged-LoRA decoding writes into the shared weights during generation
+    and restores them exactly afterwards, and nothing else runs meanwhile.
+
+    Returns:
+        the number of parameters now shared.
+    """
+    frozen = {
+        name.removeprefix("base_model.model.").replace(".base_layer", ""): p
+        for name, p in donor.named_parameters() if not p.requires_grad
+    }
+    shared = 0
+    for name, p in list(model.named_parameters()):
+        d = frozen.get(name)
+        if d is not None and d.shape == p.shape and d.dtype == p.dtype and d.device == p.device:
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, d)
+            shared += 1
+    return shared
+
+
+def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, share_with=None, **kwargs):
+    path = resolve_model_path(cfg.name, cfg.cache_dir)
+    attn = cfg.attn_implementation
+    if attn == "auto":
+        attn = "sdpa" if device.type == "cuda" else "eager"
+    model = _from_pretrained(auto_class, path, dtype=DTYPES[cfg.dtype], attn_implementation=attn, **kwargs)
+    model.to(device)
+    model.config.use_cache = False  # the learner never needs a cache; the engine passes its own
+    if kwargs.get("num_labels") is not None:
+        # the new head stays float32: it is small, and values/rewards need the precision
+        model.score.float()
+    if share_with is not None:
+        share_frozen_weights(model, share_with)
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora, task_type=task_type)
+    model.train()
+    return model
+
+
 def load_policy(cfg: ModelConfig, device: torch.device):
     """Load the policy (with LoRA when enabled) in ``cfg.dtype`` on ``device``.
 
@@ -194,17 +243,40 @@ def load_policy(cfg: ModelConfig, device: torch.device):
     """
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(cfg.name, cfg.cache_dir)
-    attn = cfg.attn_implementation
-    if attn == "auto":
-        attn = "sdpa" if device.type == "cuda" else "eager"
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype=DTYPES[cfg.dtype], attn_implementation=attn)
-    model.to(device)
-    model.config.use_cache = False  # the learner never needs a cache; the engine passes its own
-    if cfg.lora.enabled:
-        model = apply_lora(model, cfg.lora)
-    model.train()
-    return model
+    return _load(cfg, device, AutoModelForCausalLM, "CAUSAL_LM")
+
+
+def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool, share_with=None):
+    """A value model: the backbone of ``cfg.name`` with a new linear head ``score``
+    (hidden -> 1, float32), LoRA per ``cfg.lora`` with the head trained beside it.
+
+    ``per_token=True`` loads ``AutoModelForTokenClassification`` (a critic: one value per
+    position), ``False`` ``AutoModelForSequenceClassification`` (a reward model: one score
+    per sequence). Both are standard transformers classes, so a saved value model loads
+    without plainrl; read values with :func:`plainrl.critic.token_values` /
+    :func:`plainrl.critic.sequence_scores`.
+
+    ``share_with``: a model on the same base whose frozen weights this one reuses
+    (:func:`share_frozen_weights`); pass it only when both train adapters, not full weights.
+
+    Raises:
+        ModelLoadError: as :func:`load_policy`, or the architecture has no such head class.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    from transformers.utils import logging as hf_logging
+
+    auto, task = (AutoModelForTokenClassification, "TOKEN_CLS") if per_token else (
+        AutoModelForSequenceClassification, "SEQ_CLS")
+    # transformers warns at length that `score` is newly initialised: here that is the point
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return _load(cfg, device, auto, task, share_with=share_with, num_labels=1)
+    except ValueError as e:  # transformers: "Unrecognized configuration class ... for this kind of AutoModel"
+        raise ModelLoadError(f"model {cfg.name!r} has no {auto.__name__} head: {e}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:

@@ -93,11 +93,22 @@ class RewardOutput:
 class MicroBatch:
     """Padded tensors for one learner forward/backward.
 
+    Target index t predicts token t+1, so per-token tensors are [B, T-1]; completion
+    token k of a row with a P-token prompt sits at target P-1+k.
+
     input_ids:      [B, T] prompt + completion, right-padded with pad id.
     attention_mask: [B, T] 1 on real tokens.
     loss_mask:      [B, T-1] 1 where target token t+1 is a policy token to train on.
-    old_logps:      [B, T-1] logprobs of targets under the sampling policy.
-    advantages:     [B] one advantage per sequence (broadcast over its tokens).
+    old_logps:      [B, T-1] logprobs of targets under the sampling policy (the engine's,
+                    or the learner's own recomputed ones before several passes).
+    advantages:     [B] one advantage per sequence (broadcast over its tokens), or
+                    [B, T-1] per token (REINFORCE++, GAE).
+    ref_logps:      [B, T-1] reference-policy logprobs, when computed beforehand.
+    index:          [B] each row's position in the step's episode list.
+    completion_pos: [B, T-1] the completion position k of each target, -1 elsewhere
+                    (maps results back to the [N, L] completion frame).
+    old_values:     [B, T-1] critic values at rollout time (GAE).
+    returns:        [B, T-1] the critic's targets (GAE's lambda-returns).
     """
 
     input_ids: torch.Tensor
@@ -106,3 +117,7 @@ class MicroBatch:
     old_logps: torch.Tensor
     advantages: torch.Tensor
     ref_logps: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+    completion_pos: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None

@@ -515,3 +515,94 @@ def test_entropy_from_logits():
     assert certain.item() == 0.0
     out = entropy_from_logits(torch.zeros(2, 3, 5, dtype=torch.bfloat16))
     assert out.dtype == torch.float32 and out.shape == (2, 3)
+
+
+# ----------------------------------------------------------------------------- token rewards, groups, shaping
+
+
+def test_token_rewards_hand_computed():
+    # row 0: loss tokens 0,1 -> KL penalty -0.5*kl on both, reward 1 on the last (index 1):
+    #        [-0.05, -0.1 + 1, 0]; row 1: loss tokens 1,2 -> [0, -0.25, -0.3 + 2];
+    # row 2: invalid -> all 0 (its NaN reward never reaches a sum).
+    from plainrl.algorithms import token_rewards
+
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 1, 1]])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
+    valid = torch.tensor([True, True, False])
+    out = token_rewards(t(1.0, 2.0, NAN), mask, kl=kl, kl_coef=0.5, valid=valid)
+    close(out, [[-0.05, 0.9, 0.0], [0.0, -0.25, 1.7], [0.0, 0.0, 0.0]])
+    close(token_rewards(t(1.0, 2.0, NAN), mask, valid=valid), [[0, 1, 0], [0, 0, 2], [0, 0, 0]])
+    # a row without loss tokens gets nothing, not a reward at position -1
+    assert torch.equal(token_rewards(t(5.0), torch.zeros(1, 3)), torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="marked valid"):
+        token_rewards(t(NAN), torch.ones(1, 2))
+
+
+def test_informative_groups():
+    # groups of 2: [1, 1] all equal; [0, 1] informative; [NaN (invalid), 1] one valid sample
+    from plainrl.algorithms import informative_groups
+
+    valid = torch.tensor([True, True, True, True, False, True])
+    out = informative_groups(t(1.0, 1.0, 0.0, 1.0, NAN, 1.0), 2, valid=valid)
+    assert out.tolist() == [False, True, False]
+    # exactly the groups whose GRPO advantages are not all zero
+    adv = grpo_advantages(t(1.0, 1.0, 0.0, 1.0, NAN, 1.0), 2, valid=valid).view(-1, 2)
+    assert (adv != 0).any(dim=1).tolist() == out.tolist()
+
+
+def test_overlong_penalty_hand_computed():
+    # L_max = 10, L_cache = 4: free up to 6 tokens, then (6 - |y|) / 4, -1 beyond 10.
+    # |y| = 5, 6 -> 0; 7 -> -0.25; 8 -> -0.5; 10 -> -1; 11 -> -1.
+    from plainrl.algorithms import overlong_penalty
+
+    lengths = torch.tensor([5, 6, 7, 8, 10, 11])
+    close(overlong_penalty(lengths, 10, 4), [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    close(overlong_penalty(lengths, 10, 4, factor=2.0), [0.0, 0.0, -0.5, -1.0, -2.0, -2.0])
+    # L_cache = L_max: the penalty starts at the first token, -|y| / 10
+    close(overlong_penalty(lengths, 10, 10), [-0.5, -0.6, -0.7, -0.8, -1.0, -1.0])
+    for bad in (dict(max_len=0, cache_len=1), dict(max_len=10, cache_len=0), dict(max_len=10, cache_len=11)):
+        with pytest.raises(ValueError):
+            overlong_penalty(lengths, **bad)
+
+
+# ----------------------------------------------------------------------------- preference losses
+
+
+def test_dpo_loss_hand_computed():
+    # pair 0: beta 0.5; chosen reward 0.5 * (-1 - -1.5) = 0.25, rejected 0.5 * (-2 - -1.5) = -0.25,
+    #   margin 0.5, loss = -log sigmoid(0.5) = log(1 + e^-0.5) = 0.474077;
+    #   d loss / d policy_chosen = -beta * sigmoid(-0.5) = -0.5 * 0.377541 = -0.188771, and +0.188771
+    #   for policy_rejected.
+    # pair 1: policy = reference, margin 0: loss = log 2 = 0.693147.
+    from plainrl.algorithms import dpo_loss
+
+    pc = torch.tensor([-1.0, -3.0], requires_grad=True)
+    pr = torch.tensor([-2.0, -4.0], requires_grad=True)
+    losses, chosen, rejected = dpo_loss(pc, pr, t(-1.5, -3.0), t(-1.5, -4.0), beta=0.5)
+    close(losses, [0.474077, 0.693147])
+    close(chosen, [0.25, 0.0])
+    close(rejected, [-0.25, 0.0])
+    losses[0].backward()
+    close(pc.grad, [-0.188771, 0.0])
+    close(pr.grad, [0.188771, 0.0])
+    # a huge margin neither overflows nor gives NaN
+    big, _, _ = dpo_loss(t(0.0), t(-1e6), t(0.0), t(0.0), beta=1.0)
+    assert big.item() == 0.0
+    huge, _, _ = dpo_loss(t(-1e6), t(0.0), t(0.0), t(0.0), beta=1.0)
+    close(huge, [1e6])
+    with pytest.raises(ValueError, match="beta"):
+        dpo_loss(t(0.0), t(0.0), t(0.0), t(0.0), beta=0.0)
+    with pytest.raises(ValueError, match="shape"):
+        dpo_loss(t(0.0, 1.0), t(0.0), t(0.0), t(0.0))
+
+
+def test_bradley_terry_loss_hand_computed():
+    # r_w - r_l = 1: loss = log(1 + e^-1) = 0.313262, d/d r_w = -sigmoid(-1) = -0.268941;
+    # equal scores: log 2.
+    from plainrl.algorithms import bradley_terry_loss
+
+    chosen = torch.tensor([2.0, 0.0], requires_grad=True)
+    loss = bradley_terry_loss(chosen, t(1.0, 0.0))
+    close(loss, [0.313262, 0.693147])
+    loss.sum().backward()
+    close(chosen.grad, [-0.268941, -0.5])

@@ -11,6 +11,8 @@ from plainrl.cli import main
 from plainrl.config import load_config
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+# sft/dpo/rm examples train on data rows, not rollouts: tests/test_offline.py runs them
+RL_EXAMPLES = [e for e in EXAMPLES if not load_config(e).algorithm.offline]
 DATA = REPO / "tests" / "data"
 
 
@@ -21,7 +23,14 @@ def _data_overrides(example: Path) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_preset_has_an_example():
+    from plainrl.config import PRESETS
+
+    names = {load_config(e).algorithm.name for e in EXAMPLES}
+    assert names == set(PRESETS), set(PRESETS) - names
+
+
+@pytest.mark.parametrize("example", RL_EXAMPLES, ids=lambda p: p.name)
 def test_every_example_runs_tiny(example, tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     assert main(["train", str(example), *tiny_overrides(tiny_model_dir, run), *_data_overrides(example)]) == 0

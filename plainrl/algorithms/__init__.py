@@ -1,9 +1,17 @@
-"""The algorithm math as pure tensor functions (advantages, KL estimators, losses).
+"""The algorithm math as pure tensor functions (advantages, KL estimators, losses,
+reward shaping, preference losses).
 
 See docs/algorithms.md for the formulas, knobs and sources.
 """
 
-from plainrl.algorithms.advantages import gae, grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from plainrl.algorithms.advantages import (
+    gae,
+    grpo_advantages,
+    informative_groups,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    token_rewards,
+)
 from plainrl.algorithms.kl import LOG_RATIO_CLAMP, KLEstimator, kl_estimate
 from plainrl.algorithms.losses import (
     LossAgg,
@@ -13,6 +21,8 @@ from plainrl.algorithms.losses import (
     policy_loss,
     value_loss,
 )
+from plainrl.algorithms.preference import bradley_terry_loss, dpo_loss
+from plainrl.algorithms.shaping import overlong_penalty
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -20,12 +30,17 @@ __all__ = [
     "LossAgg",
     "RatioLevel",
     "aggregate_loss",
+    "bradley_terry_loss",
+    "dpo_loss",
     "entropy_from_logits",
     "gae",
     "grpo_advantages",
+    "informative_groups",
     "kl_estimate",
+    "overlong_penalty",
     "policy_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "token_rewards",
     "value_loss",
 ]

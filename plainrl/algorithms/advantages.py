@@ -306,3 +306,86 @@ def gae(
     adv = torch.stack(advs, dim=1)
     returns = torch.where(m, adv + v, torch.zeros_like(adv))
     return adv, returns
+
+
+def informative_groups(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which groups carry a learning signal: at least two valid rewards, not all equal.
+
+    The groups for which :func:`grpo_advantages` and :func:`rloo_advantages` are not
+    identically 0; DAPO's dynamic sampling keeps only these (for a 0/1 accuracy
+    reward, exactly the constraint ``0 < |{o_i correct}| < G``).
+
+    Args:
+        rewards:    [N] scalar reward per episode, groups contiguous; invalid entries may be NaN.
+        group_size: episodes per prompt group (>= 1).
+        valid:      [N] bool, False for unscorable episodes; None: all valid.
+
+    Returns:
+        [N / group_size] bool.
+
+    Raises:
+        ValueError: as :func:`grpo_advantages`.
+
+    Source: Yu et al. 2025 (DAPO, arXiv:2503.14476) Sec. 3.2, eq. 11 (dynamic sampling).
+    """
+    r, v = _grouped(rewards, group_size, valid)
+    return _group_stats(r, v)[3].squeeze(1)
+
+
+def token_rewards(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token rewards from sequence rewards, with an optional KL penalty folded in.
+
+    ``r_t = -kl_coef * kl_t`` on every loss token, plus the sequence reward on the
+    row's last loss token (the action that ended the episode). Invalid rows
+    (``valid=False``) get 0 everywhere: their reward is unknown, and a KL-only
+    reward would give them a one-sided signal.
+
+    Args:
+        rewards: [B] sequence rewards; entries with ``valid=False`` may be NaN.
+        mask:    [B, T] 1 on loss tokens.
+        kl:      [B, T] per-token KL estimate (e.g. :func:`plainrl.algorithms.kl_estimate`); None: no penalty.
+        kl_coef: beta >= 0.
+        valid:   [B] bool; None: all valid.
+
+    Returns:
+        [B, T] float32 (detached), 0 off the mask; the input of
+        :func:`reinforce_pp_advantages` and :func:`gae`.
+
+    Raises:
+        ValueError: shapes that do not fit, ``kl_coef < 0``, a valid reward that is NaN/inf.
+
+    Source: the KL-shaped reward of RLHF, Ouyang et al. 2022 (InstructGPT,
+    arXiv:2203.02155) eq. 2, per token as in Hu 2025 (REINFORCE++, arXiv:2501.03262).
+    """
+    if rewards.dim() != 1 or mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"rewards must be [B] and mask [B, T]; got {tuple(rewards.shape)} and {tuple(mask.shape)}")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if valid is None:
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+    r = torch.where(valid, rewards.detach().float(), torch.zeros_like(rewards, dtype=torch.float32))
+    if not torch.isfinite(r).all():
+        raise ValueError("a reward marked valid is NaN or infinite; mark that sample invalid (valid=False)")
+    m = mask.bool() & valid[:, None]
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if kl is not None and kl_coef > 0:
+        _check_bt(mask=mask, kl=kl)
+        out = torch.where(m, -kl_coef * kl.detach().float(), out)
+    if mask.shape[1]:
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        last = torch.where(m, positions, -1).amax(dim=1)  # [B], -1 when a row has no loss token
+        rows = (last >= 0).nonzero().squeeze(1)
+        out[rows, last[rows]] += r[rows]
+    return out
