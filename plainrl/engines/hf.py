@@ -137,6 +137,20 @@ class HFEngine:
         finally:
             self.model.train(was_training)
 
+    def _next_logits(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        """float32 logits [b, V] of the next token after each row.
+
+        The LM head runs on a contiguous [b, H] copy of the last hidden states: on the
+        strided [b, 1, H] slice that ``logits_to_keep=1`` takes, matmul broadcasts the
+        LM head to [b, H, V] (one 54 MiB copy per prompt for SmolLM2).
+        """
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        hidden = base.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True,
+        ).last_hidden_state[:, -1].contiguous()  # [b, H]
+        return base.get_output_embeddings()(hidden).float()
+
     @torch.no_grad()
     def _generate_batch(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None
@@ -168,10 +182,7 @@ class HFEngine:
         active = torch.arange(n, device=dev)  # original row of each live batch row
         stop_window = max((len(s) for s in params.stop), default=0) + 4
 
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        ).logits[:, -1].float()[inverse]  # [n, V]
+        logits = self._next_logits(input_ids, attn, position_ids, cache)[inverse]  # [n, V]
         if len(uniq) < n:
             cache.batch_select_indices(inverse)
         attn, position_ids = attn[inverse], position_ids[inverse]
@@ -207,10 +218,7 @@ class HFEngine:
                 cache.batch_select_indices(idx)
                 attn, active, tok, next_pos = attn[idx], active[idx], tok[idx], next_pos[idx]
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=-1)
-            logits = self.model(
-                input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                past_key_values=cache, use_cache=True,
-            ).logits[:, -1].float()
+            logits = self._next_logits(tok[:, None], attn, next_pos, cache)
             next_pos = next_pos + 1
         return [
             Generation(token_ids=tokens[r], logprobs=logps[r], finish_reason=reasons[r] or "length")
