@@ -469,16 +469,22 @@ def test_multi_turn_rollout_hf_engine_calculator(tokenizer, tiny_model_dir):
     for a, b in chain.items():
         table[a] = b
 
-    def bias(module, args, kwargs, output):
-        inp = kwargs["input_ids"]
-        k = output.logits.shape[1]
-        nxt = table[inp[:, -k:]]  # [B, k]
-        add = torch.zeros_like(output.logits)
-        add.scatter_(-1, nxt.clamp(min=0)[..., None], 12.0 * (nxt >= 0).float()[..., None])
-        output.logits = output.logits + add
-        return output
+    seen = {}
 
-    model.register_forward_hook(bias, with_kwargs=True)
+    def remember_ids(module, args, kwargs):
+        seen["ids"] = kwargs["input_ids"]
+
+    def bias(module, args, output):
+        # at the LM head, so the engine (decoder + LM head on the last position, [b, V])
+        # and a full forward ([B, T, V]) both see it
+        inp = seen["ids"]
+        nxt = table[inp[:, -1]] if output.dim() == 2 else table[inp[:, -output.shape[1]:]]
+        add = torch.zeros_like(output)
+        add.scatter_(-1, nxt.clamp(min=0)[..., None], 12.0 * (nxt >= 0).float()[..., None])
+        return output + add
+
+    model.get_decoder().register_forward_pre_hook(remember_ids, with_kwargs=True)
+    model.get_output_embeddings().register_forward_hook(bias)
     engine = HFEngine(model, tokenizer, batch_size=8)
     prompts = [make_prompt(tokenizer, "What is 48/2?", 0), make_prompt(tokenizer, "Halve 48, please.", 1)]
     eps = multi_turn_rollout(engine, prompts, CalculatorEnv, SamplingParams(max_new_tokens=12, temperature=0.0),
