@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from plainrl.checkpoint import CheckpointError
     from plainrl.data import DataError
     from plainrl.models import ModelLoadError
-    from plainrl.rewards import RewardLoadError
+    from plainrl.rewards import RewardError, RewardLoadError
 
     try:
         return args.func(args)
@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         # the user's input is wrong: say what and how to fix it, without a traceback
         print(f"plainrl: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:  # rollout.fail_fast: a reward function could not score a sample
+        print(f"plainrl: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("plainrl: interrupted", file=sys.stderr)
         return 130

@@ -98,6 +98,10 @@ class RolloutConfig(_Section):
     max_turns: int = Field(8, gt=0)
     max_total_tokens: int | None = Field(None, gt=0)  # completion budget over all turns; default max_new_tokens
     tool_timeout_s: float = Field(5.0, gt=0)  # per environment step
+    # per reward call: run reward functions in worker processes with this timeout
+    # (None: in process, no timeout); a timeout makes the sample unscorable
+    reward_timeout_s: float | None = Field(None, gt=0)
+    fail_fast: bool = False  # an unscorable sample stops the run instead of being counted
 
 
     @property

@@ -263,13 +263,14 @@ def collect(run: Run, params, step: int) -> tuple[list[Episode], RewardOutput, d
         generating += time.perf_counter() - t
         return episodes
 
+    runner = dict(timeout_s=cfg.rollout.reward_timeout_s, fail_fast=cfg.rollout.fail_fast)
     if cfg.algorithm.dynamic_sampling:
         episodes, rewards_out, metrics = dynamic_sampling(
             draw, prep.reward_fns, group_size=cfg.rollout.group_size, num_groups=cfg.rollout.prompts_per_step,
-            max_tries=cfg.algorithm.dynamic_sampling_tries)
+            max_tries=cfg.algorithm.dynamic_sampling_tries, **runner)
     else:
         episodes = draw()
-        rewards_out, metrics = score_episodes(episodes, prep.reward_fns), {}
+        rewards_out, metrics = score_episodes(episodes, prep.reward_fns, **runner), {}
     metrics.update(shape_overlong(episodes, cfg.algorithm, cfg.rollout.completion_budget))
     metrics["time/generate"] = generating
     return episodes, rewards_out, metrics

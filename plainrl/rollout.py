@@ -115,6 +115,7 @@ def dynamic_sampling(
     group_size: int,
     num_groups: int,
     max_tries: int,
+    **runner_kwargs,
 ) -> tuple[list[Episode], RewardOutput, dict[str, float]]:
     """DAPO's dynamic sampling: keep only groups whose rewards are not all equal
     (they alone have non-zero group-relative advantages), drawing and scoring more
@@ -132,6 +133,7 @@ def dynamic_sampling(
         group_size, num_groups: the batch the step wants (``rollout.group_size``,
             ``rollout.prompts_per_step``).
         max_tries: the most batches to draw (``algorithm.dynamic_sampling_tries``).
+        runner_kwargs: passed to :func:`plainrl.rewards.score` (``timeout_s``, ``fail_fast``).
     Returns:
         ``(episodes, rewards of every episode drawn, metrics)``; metrics:
         ``sampling/tries``, ``sampling/filtered_frac`` (groups dropped / groups drawn),
@@ -146,7 +148,7 @@ def dynamic_sampling(
     while len(kept) < num_groups and tries < max_tries:
         batch = draw()
         tries += 1
-        outs.append(score_episodes(batch, fns))
+        outs.append(score_episodes(batch, fns, **runner_kwargs))
         valid = torch.tensor([e.reward is not None for e in batch])
         rewards = torch.tensor([e.reward if e.reward is not None else float("nan") for e in batch])
         groups = [batch[i : i + group_size] for i in range(0, len(batch), group_size)]

@@ -21,6 +21,7 @@ class Preempted(Exception):
 def _cfg(tiny_model_dir, run_dir, *extra):
     over = tiny_overrides(tiny_model_dir, run_dir) + [
         "train.steps=4", "checkpoint.every=2", "train.lr=1e-2", "eval.before=true", "log.tensorboard=false",
+        "log.rollouts_per_step=4",
         f"rewards=[{{fn: '{DATA / 'my_reward.py'}:length_bonus'}}]", *extra,
     ]
     return load_config(REPO / "examples" / "arithmetic_grpo.yaml", over)
@@ -52,6 +53,8 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, monkeypatch, lora):
     loop.train(_cfg(tiny_model_dir, cut, *extra))  # the same command again resumes
 
     assert _metrics(cut) == _metrics(full)
+    # the sampled completions (logged per step) are identical too
+    assert (cut / "rollouts.jsonl").read_text() == (full / "rollouts.jsonl").read_text()
     assert [r["step"] for r in _metrics(cut) if "reward/mean" in r] == [0, 1, 2, 3]
     name = "checkpoints/step-000004/weights.safetensors"
     a, b = load_file(full / name), load_file(cut / name)

@@ -1,0 +1,35 @@
+"""Reward functions that raise, hang or return NaN, inside a real training step."""
+
+import json
+
+import pytest
+
+import plainrl.loop as loop
+from conftest import REPO, tiny_overrides
+from plainrl.config import load_config
+from plainrl.rewards import RewardError
+
+FNS = REPO / "tests" / "data" / "my_reward.py"
+
+
+def _cfg(tiny_model_dir, run_dir, bad, *extra):
+    rewards = f"[{{fn: '{FNS}:length_bonus'}}, {{fn: '{FNS}:{bad}', weight: 0.5}}]"
+    return load_config(REPO / "examples" / "arithmetic_grpo.yaml", tiny_overrides(tiny_model_dir, run_dir) + [
+        f"rewards={rewards}", "eval.before=false", "eval.after=false", *extra])
+
+
+@pytest.mark.parametrize("bad, extra", [("raises", []), ("nan", []), ("hangs", ["rollout.reward_timeout_s=1"])])
+def test_unscorable_samples_are_counted_and_the_run_continues(tiny_model_dir, tmp_path, bad, extra):
+    run = loop.train(_cfg(tiny_model_dir, tmp_path / "run", bad, *extra))
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["reward/unscorable"] == 4.0  # every sample: the bad function has a non-zero weight
+        assert r["loss"] == 0.0  # unscorable samples get advantage 0
+    lines = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert all(x["reward"] is None and x["reward_parts"][bad] is None for x in lines)
+
+
+def test_fail_fast_stops_with_the_function_and_sample(tiny_model_dir, tmp_path):
+    with pytest.raises(RewardError, match="raises"):
+        loop.train(_cfg(tiny_model_dir, tmp_path / "run", "raises", "rollout.fail_fast=true"))
