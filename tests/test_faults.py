@@ -30,11 +30,26 @@ def _steps_logged(run_dir):
     return [json.loads(x)["step"] for x in f.read_text().splitlines()] if f.exists() else []
 
 
+def _survivors(run_dir):
+    """Processes still alive that belong to the run (forked workers share its command line)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if str(run_dir) in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_checkpoints_and_exits_75_then_resumes(tiny_model_dir, tmp_path, sig):
     run = tmp_path / "run"
+    # reward calls in worker processes, so there are children to leave behind
     cmd = [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
-           *_over(tiny_model_dir, run, 500)]
+           *_over(tiny_model_dir, run, 500), "rollout.reward_timeout_s=30"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not _steps_logged(run) and time.monotonic() < deadline and proc.poll() is None:
@@ -43,14 +58,36 @@ def test_signal_checkpoints_and_exits_75_then_resumes(tiny_model_dir, tmp_path, 
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
     assert "resume" in err
+    assert not _survivors(run)
     done = max(_steps_logged(run)) + 1
     assert (run / "checkpoints" / f"step-{done:06d}" / "manifest.json").is_file()
     # the same command resumes from there (a short run this time)
-    cmd_resume = [*cmd[:-len(_over(tiny_model_dir, run, 500))], *_over(tiny_model_dir, run, done + 1)]
+    cmd_resume = [*cmd[:-len(_over(tiny_model_dir, run, 500)) - 1], *_over(tiny_model_dir, run, done + 1)]
     out = subprocess.run(cmd_resume, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert f"resumed from" in out.stderr
     assert _steps_logged(run) == list(range(done + 1))
+
+
+def test_second_sigint_exits_at_once(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    # a reward that sleeps keeps the step busy, so only the second SIGINT can end it quickly
+    slow = f"rewards=[{{fn: '{DATA / 'my_reward.py'}:hangs'}}]"
+    cmd = [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+           *_over(tiny_model_dir, run, 500), slow]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run / "config.yaml").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(8)  # past model loading, inside the first step's reward call
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert time.monotonic() - start < 10
+    assert not _steps_logged(run)
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(tiny_model_dir, tmp_path, monkeypatch):
