@@ -12,7 +12,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from plainrl.algorithms import aggregate_loss, entropy_from_logits, kl_estimate, policy_loss

@@ -196,9 +196,13 @@ def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_
     return Critic(model, cfg, pad_id=pad_id)
 
 
-def setup(cfg: Config) -> Run:
-    """Everything before the first step: checks, data, model, engine, learner (and PPO's
-    critic); resume or eval-before."""
+def open_run(cfg: Config) -> tuple[Path, Path | None, list[str]]:
+    """Create ``run_dir``, find the checkpoint to resume from (before anything is
+    written over), save the resolved config, set threads and seeds.
+
+    Returns:
+        (run_dir, checkpoint to resume from or None, warnings about changed settings).
+    """
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resume_from, resume_warnings = check_resume(cfg, run_dir)
@@ -206,6 +210,13 @@ def setup(cfg: Config) -> Run:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
+    return run_dir, resume_from, resume_warnings
+
+
+def setup(cfg: Config) -> Run:
+    """Everything before the first step: checks, data, model, engine, learner (and PPO's
+    critic); resume or eval-before."""
+    run_dir, resume_from, resume_warnings = open_run(cfg)
     prep = prepare(cfg)
     device = resolve_device(cfg.device)
     logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,

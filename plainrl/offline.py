@@ -452,15 +452,9 @@ def train_offline(cfg: Config) -> Path:
         Preempted: SIGTERM/SIGINT (a checkpoint was written).
         Diverged: ``train.max_bad_steps`` non-finite steps in a row.
     """
-    from plainrl.loop import Diverged, GracefulStop, Preempted, check_resume, seed_everything
+    from plainrl.loop import Diverged, GracefulStop, Preempted, open_run
 
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resume_from, resume_warnings = check_resume(cfg, run_dir)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    seed_everything(cfg.seed)
+    run_dir, resume_from, resume_warnings = open_run(cfg)
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.cache_dir)
     data = load_offline_data(cfg, tokenizer)
     logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,

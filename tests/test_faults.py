@@ -1,7 +1,6 @@
 """Faults: SIGTERM/SIGINT stop at a step boundary with a checkpoint; non-finite steps are skipped."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -65,7 +64,7 @@ def test_signal_checkpoints_and_exits_75_then_resumes(tiny_model_dir, tmp_path, 
     cmd_resume = [*cmd[:-len(_over(tiny_model_dir, run, 500)) - 1], *_over(tiny_model_dir, run, done + 1)]
     out = subprocess.run(cmd_resume, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert f"resumed from" in out.stderr
+    assert "resumed from" in out.stderr
     assert _steps_logged(run) == list(range(done + 1))
 
 
