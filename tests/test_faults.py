@@ -71,7 +71,7 @@ def test_signal_checkpoints_and_exits_75_then_resumes(tiny_model_dir, tmp_path, 
 def test_second_sigint_exits_at_once(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     # a reward that sleeps keeps the step busy, so only the second SIGINT can end it quickly
-    slow = f"rewards=[{{fn: '{DATA / 'my_reward.py'}:hangs'}}]"
+    slow = f"rewards=[{{fn: '{DATA / 'bad_rewards.py'}:hangs'}}]"
     cmd = [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
            *_over(tiny_model_dir, run, 500), slow]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

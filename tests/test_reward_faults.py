@@ -10,10 +10,11 @@ from plainrl.config import load_config
 from plainrl.rewards import RewardError
 
 FNS = REPO / "tests" / "data" / "my_reward.py"
+BAD = REPO / "tests" / "data" / "bad_rewards.py"
 
 
 def _cfg(tiny_model_dir, run_dir, bad, *extra):
-    rewards = f"[{{fn: '{FNS}:length_bonus'}}, {{fn: '{FNS}:{bad}', weight: 0.5}}]"
+    rewards = f"[{{fn: '{FNS}:length_bonus'}}, {{fn: '{BAD}:{bad}', weight: 0.5}}]"
     return load_config(REPO / "examples" / "arithmetic_grpo.yaml", tiny_overrides(tiny_model_dir, run_dir) + [
         f"rewards={rewards}", "eval.before=false", "eval.after=false", *extra])
 

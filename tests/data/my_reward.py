@@ -14,18 +14,3 @@ def length_bonus(completion, scale=1.0):
     """No **kwargs: the runner passes only `scale`."""
     return scale * math.tanh(len(completion) / 100)
 
-
-def raises(completion, **kwargs):
-    """Always fails: the sample must become unscorable, not zero."""
-    raise RuntimeError("reward backend down")
-
-
-def hangs(completion, **kwargs):
-    """Never returns: the runner's timeout must cut it."""
-    import time
-
-    time.sleep(10_000)
-
-
-def nan(completion, **kwargs):
-    return float("nan")
