@@ -138,7 +138,7 @@ def test_non_object_jsonl_line(tmp_path):
 
 
 def test_gsm8k_conversion_fixture():
-    rows, rep = to_prompt_rows(load_rows(str(DATA / "gsm8k_mini.jsonl")), source="t", format="gsm8k")
+    rows, rep = to_prompt_rows(load_rows(str(DATA / "gsm_format_mini.jsonl")), source="t", format="gsm8k")
     assert rep.total == 0
     assert [r["answer"] for r in rows] == ["7", "2400", "6"]
     assert rows[0]["prompt"].startswith("Tom has 3 apples")

@@ -19,7 +19,7 @@ DATA = REPO / "tests" / "data"
 def _data_overrides(example: Path) -> list[str]:
     cfg = load_config(example)
     if cfg.data.path is not None:  # hub datasets are not reachable in tests; use the fixture file
-        return [f"data.path={DATA / 'gsm8k_mini.jsonl'}", "data.subset=null", "data.eval_holdout=1"]
+        return [f"data.path={DATA / 'gsm_format_mini.jsonl'}", "data.subset=null", "data.eval_holdout=1"]
     return []
 
 
@@ -88,7 +88,7 @@ def test_cli_eval_on_config_and_run_dir(tiny_model_dir, tmp_path, capsys):
     assert out["eval/n"] == 4 and 0.0 <= out["eval/pass@1"] <= 1.0 and "eval/mean@2" in out
     assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
     capsys.readouterr()
-    assert main(["eval", str(tmp_path / "run"), f"data.path={DATA / 'gsm8k_mini.jsonl'}", "data.task=null",
+    assert main(["eval", str(tmp_path / "run"), f"data.path={DATA / 'gsm_format_mini.jsonl'}", "data.task=null",
                  "data.format=gsm8k"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"].endswith("final") and out["eval/n"] == 3

@@ -22,7 +22,7 @@ DATA = REPO / "tests" / "data"
 
 def _fixture(cfg) -> str:
     if cfg.data.format == "gsm8k":
-        return str(DATA / "gsm8k_mini.jsonl")
+        return str(DATA / "gsm_format_mini.jsonl")
     return str(DATA / ("sft_mini.jsonl" if cfg.algorithm.name == "sft" else "preferences_mini.jsonl"))
 
 
