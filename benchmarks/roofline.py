@@ -133,7 +133,9 @@ def memory_bandwidth(mib: int, repeats: int, device: torch.device) -> dict[str, 
 
 def model_counts(model) -> dict[str, int]:
     """Parameter counts of a (peft-wrapped) causal LM, LoRA adapters apart."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    from plainrl.models import unwrap
+
+    base = unwrap(model)
     cfg = base.config
     emb = base.get_input_embeddings().weight
     head = base.get_output_embeddings().weight

@@ -17,14 +17,14 @@ import torch
 from plainrl.algorithms import value_loss
 from plainrl.config import Config
 from plainrl.learner import (
-    MasterAdamW, _unwrap, completion_tensor, make_micro_batches, mini_batch_indices, to_completion_frame,
+    MasterAdamW, completion_tensor, make_micro_batches, mini_batch_indices, to_completion_frame,
 )
-from plainrl.models import trainable_parameters
+from plainrl.models import trainable_parameters, unwrap
 from plainrl.types import Episode
 
 
 def _hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return _unwrap(model).get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return unwrap(model).get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
 def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         [B, T-1] float32 values (differentiable when grad is enabled).
     """
     hidden = _hidden(model, input_ids, attention_mask)[:, :-1]  # [B, T-1, H]
-    return _unwrap(model).score(hidden.float()).squeeze(-1)
+    return unwrap(model).score(hidden.float()).squeeze(-1)
 
 
 def sequence_scores(
@@ -59,7 +59,7 @@ def sequence_scores(
     """
     hidden = _hidden(model, input_ids, attention_mask)  # [B, T, H]
     picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last.to(hidden.device)]  # [B, H]
-    return _unwrap(model).score(picked.float()).squeeze(-1)
+    return unwrap(model).score(picked.float()).squeeze(-1)
 
 
 class Critic:

@@ -16,16 +16,11 @@ from torch.utils.checkpoint import checkpoint
 
 from plainrl.algorithms import aggregate_loss, entropy_from_logits, kl_estimate, policy_loss
 from plainrl.config import Config, TrainConfig
-from plainrl.models import trainable_parameters
+from plainrl.models import trainable_parameters, unwrap
 from plainrl.types import Episode, MicroBatch
 
 # Largest [B, chunk, V] float32 block of logits held at once (elements): 2^26 = 256 MiB.
 LOGIT_BLOCK_ELEMENTS = 1 << 26
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a peft wrapper (LoRA layers stay injected)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _target_logps(
@@ -66,7 +61,7 @@ def sequence_logps(
         [B, T-1] float32 logprobs of ``input_ids[:, 1:]`` (0 where ``positions`` is False);
         with ``with_entropy``, ``(logps, entropy)``, both [B, T-1].
     """
-    base = _unwrap(model)
+    base = unwrap(model)
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
     b, t = input_ids.shape
     # flatten to 2-D rows so every chunk is contiguous: a strided 3-D slice makes

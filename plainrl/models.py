@@ -279,6 +279,11 @@ def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool,
         hf_logging.set_verbosity(verbosity)
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (LoRA layers stay injected in it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """Parameters with ``requires_grad`` (the adapters under LoRA)."""
     return [p for p in model.parameters() if p.requires_grad]

@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from plainrl.models import unwrap
 from plainrl.types import Generation, SamplingParams
 
 
@@ -144,7 +145,7 @@ class HFEngine:
         strided [b, 1, H] slice that ``logits_to_keep=1`` takes, matmul broadcasts the
         LM head to [b, H, V] (one 54 MiB copy per prompt for SmolLM2).
         """
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base = unwrap(self.model)
         hidden = base.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True,
