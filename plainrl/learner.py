@@ -104,6 +104,27 @@ def completion_tensor(episodes: list[Episode], values: list[list[float]] | None 
     return out
 
 
+def pack_by_length(widths: list[int], token_budget: int, rows: list[int] | None = None) -> list[list[int]]:
+    """Indices grouped longest first so each group's padded size, members x rows each x
+    the group's longest width, stays within ``token_budget`` (a single item may exceed it).
+
+    Args:
+        widths: [N] padded length of each item.
+        rows: [N] sequences per item (2 for a chosen/rejected pair); default 1.
+    Returns:
+        groups of indices covering 0..N-1 exactly once.
+    """
+    rows = rows or [1] * len(widths)
+    groups: list[list[int]] = []
+    for i in sorted(range(len(widths)), key=lambda i: -widths[i]):
+        # sorted descending, so the group's first member sets its padded width
+        if groups and (len(groups[-1]) + 1) * rows[i] * widths[groups[-1][0]] <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def make_micro_batches(
     episodes: list[Episode],
     advantages: torch.Tensor,
@@ -128,14 +149,7 @@ def make_micro_batches(
     Returns:
         micro-batches covering every episode exactly once.
     """
-    order = sorted(range(len(episodes)), key=lambda i: -_len(episodes[i]))
-    groups: list[list[int]] = []
-    for i in order:
-        # sorted descending, so the group's first member sets its padded width
-        if groups and (len(groups[-1]) + 1) * _len(episodes[groups[-1][0]]) <= token_budget:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+    groups = pack_by_length([_len(e) for e in episodes], token_budget)
     frames = {"advantages": advantages, "old_logps": old_logps, "old_values": old_values, "returns": returns}
     return [_collate(episodes, g, pad_id, {k: v for k, v in frames.items() if v is not None}) for g in groups]
 

@@ -36,7 +36,7 @@ from plainrl.config import Config, DataConfig, dump_config
 from plainrl.critic import sequence_scores
 from plainrl.data import DataError, DropReport, PromptSampler, load_rows, render_prompt
 from plainrl.data.loading import _as_id_list, _check_messages, _gsm8k_row, _handle_invalid, _Invalid
-from plainrl.learner import MasterAdamW, sequence_logps
+from plainrl.learner import MasterAdamW, pack_by_length, sequence_logps
 from plainrl.metrics import MetricsLogger
 from plainrl.models import (
     load_policy, load_tokenizer, load_value_model, resolve_device, save_policy, trainable_parameters,
@@ -295,13 +295,8 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
 
 def micro_batches(examples: list[Example], token_budget: int) -> list[list[Example]]:
     """Examples grouped, longest first, so a group's padded tokens stay within the budget."""
-    groups: list[list[Example]] = []
-    for ex in sorted(examples, key=lambda e: -e.width):
-        if groups and (len(groups[-1]) + 1) * len(ex.seqs) * groups[-1][0].width <= token_budget:
-            groups[-1].append(ex)
-        else:
-            groups.append([ex])
-    return groups
+    groups = pack_by_length([e.width for e in examples], token_budget, [len(e.seqs) for e in examples])
+    return [[examples[i] for i in g] for g in groups]
 
 
 # ----------------------------------------------------------------------------- objectives
