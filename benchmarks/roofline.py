@@ -267,7 +267,7 @@ def plainrl_part(args, cfg) -> dict:
     sync(dev)
     gen_s = time.perf_counter() - t0
     score_episodes(episodes, run.prep.reward_fns)
-    advantages = compute_advantages(episodes, cfg)
+    advantages = compute_advantages(episodes, cfg).advantages
     completion = sum(len(e.completion_ids) for e in episodes)
     seq_lens = [len(e.prompt_ids) + len(e.completion_ids) for e in episodes]
     mbs = make_micro_batches(episodes, advantages, pad_id=run.learner.pad_id,
@@ -302,7 +302,7 @@ def plainrl_part(args, cfg) -> dict:
             eps = rollout(run.engine, run.sampler.next_batch(), params, run.prep.tokenizer, cfg=cfg, step=1,
                           generator=run.generator)
             score_episodes(eps, run.prep.reward_fns)
-            run.learner.update(eps, compute_advantages(eps, cfg))
+            run.learner.update(eps, compute_advantages(eps, cfg).advantages)
         out["largest_tensor"] = {"shape": list(big.shape), "dtype": str(big.dtype), "bytes": big.nbytes,
                                  "op": big.op, "text": big.describe()}
     return out

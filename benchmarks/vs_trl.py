@@ -224,7 +224,7 @@ class PlainrlStepper:
             sync(dev)
             t1 = time.perf_counter()
             rewards_out = score_episodes(episodes, prep.reward_fns)
-            advantages = compute_advantages(episodes, cfg)
+            advantages = compute_advantages(episodes, cfg).advantages
             t2 = time.perf_counter()
             self.fwd.reset()
             stats = run.learner.update(episodes, advantages)

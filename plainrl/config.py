@@ -148,6 +148,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ppo": {
         "advantage": "gae", "gamma": 1.0, "lam": 0.95, "value_clip": 0.2, "loss_agg": "token-mean",
         "kl_coef": 0.01, "kl_estimator": "k1", "kl_placement": "reward", "ppo_epochs": 2,
+        "whiten_advantages": True,
     },
     "sft": {"loss_agg": "token-mean"},
     "dpo": {"beta": 0.1},
@@ -169,6 +170,7 @@ class AlgorithmConfig(_Section):
     norm_std: bool = True  # grpo: divide by the group std (False: Dr. GRPO)
     gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount per token (reinforce_pp, gae)
     lam: float = Field(1.0, ge=0.0, le=1.0)  # GAE lambda
+    whiten_advantages: bool = False  # normalise advantages over the batch's loss tokens (PPO)
     # policy loss
     clip_low: float = Field(0.2, ge=0.0, le=1.0)
     clip_high: float = Field(0.2, ge=0.0)

@@ -5,7 +5,7 @@ score per sequence), each a transformers backbone with a linear head ``score``
     critic = Critic(load_value_model(cfg.model, device, per_token=True), cfg, pad_id=pad)
     values = critic.values(episodes)                      # [N, L], before the update
     advantages = gae(token_rewards, values, mask, ...)     # (plainrl.estimators)
-    metrics = critic.update(episodes, advantages, values)  # value loss, own optimiser
+    metrics = critic.update(episodes, returns, values)  # value loss, own optimiser
 """
 
 from __future__ import annotations
@@ -98,14 +98,14 @@ class Critic:
             to_completion_frame(token_values(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev)), mb, out)
         return out
 
-    def update(self, episodes: list[Episode], advantages: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
-        """Fit the values to the lambda-returns ``advantages + old_values`` with the
+    def update(self, episodes: list[Episode], returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        """Fit the values to the lambda-returns (GAE's ``A + V``, before whitening) with the
         (clipped) value loss, over the same epochs and mini-batches as the policy;
         steps the LR schedule once. Unscorable episodes (reward None) are left out.
 
         Args:
             episodes: N episodes.
-            advantages: [N, L] GAE advantages (completion frame).
+            returns: [N, L] lambda-returns (completion frame), :class:`plainrl.estimators.Advantages`.
             old_values: [N, L] :meth:`values` from before this update.
         Returns:
             ``critic/loss``, ``critic/clip_frac``, ``critic/grad_norm`` (means over optimiser
@@ -113,7 +113,6 @@ class Critic:
         """
         a, dev = self.cfg.algorithm, self.device
         valid = torch.tensor([e.reward is not None for e in episodes], dtype=torch.float32)
-        returns = advantages + old_values  # [N, L]
         losses, clips, norms = [], [], []
         self.model.train()
         for idx in mini_batch_indices(len(episodes), a.ppo_epochs, a.mini_batches):

@@ -9,7 +9,7 @@ completion frame of :func:`plainrl.learner.completion_tensor`. The learner takes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -20,6 +20,7 @@ from plainrl.algorithms import (
     reinforce_pp_advantages,
     rloo_advantages,
     token_rewards,
+    whiten_advantages,
 )
 from plainrl.config import AlgorithmConfig, Config
 from plainrl.learner import completion_tensor
@@ -103,13 +104,26 @@ def reward_kl(episodes: list[Episode], ref_logps: torch.Tensor, cfg: Config) -> 
     return torch.where(mask, kl, torch.zeros_like(kl))
 
 
+class Advantages(NamedTuple):
+    """What :func:`compute_advantages` gives the learner and the critic.
+
+    advantages: [N] (grpo, rloo) or [N, L] (reinforce_pp, gae), detached; whitened
+                when ``algorithm.whiten_advantages``.
+    returns:    [N, L] the critic's targets, GAE's lambda-returns ``A + V`` computed
+                before any whitening; None without a critic.
+    """
+
+    advantages: torch.Tensor
+    returns: torch.Tensor | None
+
+
 def compute_advantages(
     episodes: list[Episode],
     cfg: Config,
     *,
     kl: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> Advantages:
     """Advantages by ``algorithm.advantage`` (:data:`ADVANTAGE_ESTIMATORS`); unscorable
     episodes (reward None) get exactly 0. Sets each ``Episode.advantage`` (for logs:
     the mean over its loss tokens for token-level estimators).
@@ -119,7 +133,7 @@ def compute_advantages(
         kl: [N, L] :func:`reward_kl`, when the KL goes into the reward.
         values: [N, L] critic values, for gae.
     Returns:
-        [N] (grpo, rloo) or [N, L] (reinforce_pp, gae) advantages, detached.
+        :class:`Advantages`.
     Raises:
         ValueError: gae without ``values``.
     """
@@ -127,7 +141,14 @@ def compute_advantages(
     rewards = torch.tensor([e.reward if e.reward is not None else float("nan") for e in episodes])
     x = EstimatorInputs(rewards, valid, completion_tensor(episodes), kl, values)
     adv = ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage](x, cfg)
+    returns = None
+    if values is not None and adv.dim() == 2:
+        returns = torch.where(x.mask.bool(), adv + values, torch.zeros_like(adv))
+    if cfg.algorithm.whiten_advantages:
+        # unscorable rows stay out of the statistics and at exactly 0
+        m = (x.mask if adv.dim() == 2 else torch.ones(len(episodes))) * valid.reshape(-1, *[1] * (adv.dim() - 1))
+        adv = whiten_advantages(adv, m)
     per_episode = adv if adv.dim() == 1 else (adv * x.mask).sum(1) / x.mask.sum(1).clamp(min=1)
     for e, value in zip(episodes, per_episode.tolist()):
         e.advantage = value
-    return adv
+    return Advantages(adv, returns)

@@ -22,7 +22,7 @@ from plainrl.critic import Critic
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.engines.hf import HFEngine
 from plainrl.envs import env_metrics
-from plainrl.estimators import compute_advantages, reward_kl
+from plainrl.estimators import Advantages, compute_advantages, reward_kl
 from plainrl.evaluate import evaluate
 from plainrl.learner import Learner, UpdateStats
 from plainrl.metrics import MetricsLogger
@@ -287,21 +287,21 @@ def collect(run: Run, params, step: int) -> tuple[list[Episode], RewardOutput, d
     return episodes, rewards_out, metrics
 
 
-def estimate(run: Run, episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+def estimate(run: Run, episodes: list[Episode]) -> tuple[Advantages, torch.Tensor | None, dict[str, float]]:
     """Advantages per ``algorithm.advantage``, with what the estimator needs: the KL to
     the reference when it goes into the reward, the critic's values for GAE.
 
     Returns:
-        ``(advantages [N] or [N, L], critic values [N, L] or None, metrics)``.
+        ``(advantages and the critic's returns, critic values [N, L] or None, metrics)``.
     """
     a = run.cfg.algorithm
     kl = None
     if a.kl_coef > 0 and a.kl_placement == "reward":
         kl = reward_kl(episodes, run.learner.completion_logps(episodes, reference=True), run.cfg)  # [N, L]
     values = run.critic.values(episodes) if run.critic is not None else None
-    advantages = compute_advantages(episodes, run.cfg, kl=kl, values=values)
+    out = compute_advantages(episodes, run.cfg, kl=kl, values=values)
     tokens = sum(sum(e.loss_mask) for e in episodes)
-    return advantages, values, ({"kl": float(kl.sum()) / max(1, tokens)} if kl is not None else {})
+    return out, values, ({"kl": float(kl.sum()) / max(1, tokens)} if kl is not None else {})
 
 
 def train(cfg: Config) -> Path:
@@ -323,13 +323,13 @@ def train(cfg: Config) -> Path:
         for step in range(run.start, cfg.train.steps):
             t0 = time.perf_counter()
             episodes, rewards_out, extra = collect(run, params, step)  # rollout + rewards (+ DAPO's filters)
-            advantages, values, kl_metrics = estimate(run, episodes)   # per algorithm.advantage
+            adv, values, kl_metrics = estimate(run, episodes)   # per algorithm.advantage
             extra.update(kl_metrics)
             t1 = time.perf_counter()
             if run.critic is not None:
-                extra.update(run.critic.update(episodes, advantages, values))
+                extra.update(run.critic.update(episodes, adv.returns, values))
             # during PPO's critic warm-up the policy waits until the values mean something
-            stats = run.learner.update(episodes, advantages) if step >= cfg.critic.warmup_steps else run.learner.skip()
+            stats = run.learner.update(episodes, adv.advantages) if step >= cfg.critic.warmup_steps else run.learner.skip()
             run.engine.load_weights(run.model)
             t2 = time.perf_counter()
             gen = extra.pop("time/generate")

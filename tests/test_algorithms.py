@@ -20,6 +20,7 @@ from plainrl.algorithms import (
     kl_estimate,
     policy_loss,
     reinforce_pp_advantages,
+    whiten_advantages,
     rloo_advantages,
     value_loss,
 )
@@ -171,6 +172,28 @@ def test_reinforce_pp_degenerate_batches():
     # No loss tokens at all (all-masked rows), NaN rewards in the padding.
     out = reinforce_pp_advantages(torch.full((2, 3), NAN), torch.zeros(2, 3))
     assert torch.equal(out, torch.zeros(2, 3))
+
+
+def test_whiten_advantages_hand_computed():
+    # Loss tokens 1, 2, 3, 6 (the 9 and the NaN are masked): mean 12/4 = 3, deviations
+    # [-2, -1, 0, 3], squares 4+1+0+9 = 14, population var 3.5, std 1.870829.
+    adv = torch.tensor([[1.0, 2.0, 9.0], [3.0, 6.0, NAN]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = whiten_advantages(adv, mask)
+    close(out, [[-2 / 1.870829, -1 / 1.870829, 0.0], [0.0, 3 / 1.870829, 0.0]])
+    # whitened loss tokens have mean 0 and population std 1
+    v = out[mask.bool()]
+    close(v.mean(), 0.0)
+    close(v.var(unbiased=False), 1.0)
+
+
+def test_whiten_advantages_degenerate():
+    # one distinct value (float residue must not become a signal), no loss tokens, a 1-D batch
+    assert torch.equal(whiten_advantages(torch.full((2, 2), 0.1), torch.ones(2, 2)), torch.zeros(2, 2))
+    assert torch.equal(whiten_advantages(torch.full((2, 2), NAN), torch.zeros(2, 2)), torch.zeros(2, 2))
+    close(whiten_advantages(torch.tensor([1.0, 3.0]), torch.ones(2)), [-1.0, 1.0])
+    with pytest.raises(ValueError, match="shape"):
+        whiten_advantages(torch.ones(2, 3), torch.ones(3, 2))
 
 
 # ----------------------------------------------------------------------------- GAE

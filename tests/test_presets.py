@@ -111,7 +111,7 @@ def _scored(rewards, lengths=None, reasons=None, texts=None, answer="7"):
 def test_token_level_estimators_give_token_advantages_and_zero_for_unscorable():
     cfg = _cfg("reinforce_pp", "rollout.group_size=2")
     eps = _scored([1.0, 0.0, None, 1.0], lengths=[2, 3, 3, 1])
-    adv = compute_advantages(eps, cfg)
+    adv = compute_advantages(eps, cfg).advantages
     assert adv.shape == (4, 3)
     assert torch.equal(adv[2], torch.zeros(3)) and eps[2].advantage == 0.0
     assert adv[0, 2] == 0 and adv[3, 1:].eq(0).all()  # beyond each completion: 0
@@ -125,9 +125,31 @@ def test_kl_in_the_reward_lowers_sequence_rewards_by_the_summed_kl():
     cfg = _cfg("grpo", "algorithm.kl_coef=0.5", "algorithm.kl_placement=reward", "rollout.group_size=2")
     eps = _scored([1.0, 1.0, 0.0, 1.0])
     kl = torch.tensor([[0.2, 0.2, 0.2], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    adv = compute_advantages(eps, cfg, kl=kl)
+    adv = compute_advantages(eps, cfg, kl=kl).advantages
     # rewards 1 - 0.5 * 0.6 = 0.7 and 1: the equal-reward group becomes informative
     torch.testing.assert_close(adv, grpo_advantages(torch.tensor([0.7, 1.0, 0.0, 1.0]), 2))
+
+
+def test_ppo_whitens_advantages_but_the_critic_gets_raw_returns():
+    from plainrl.algorithms import gae, token_rewards
+
+    cfg = _cfg("ppo", "algorithm.kl_coef=0", "rollout.group_size=2")
+    assert cfg.algorithm.whiten_advantages  # the preset's default
+    eps = _scored([1.0, 0.0, None, 1.0], lengths=[2, 3, 3, 1])
+    values = torch.tensor([[0.5, 0.2, 9.0], [0.1, 0.3, 0.4], [0.0, 0.0, 0.0], [0.7, 9.0, 9.0]])
+    out = compute_advantages(eps, cfg, values=values)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]])
+    valid = torch.tensor([1, 1, 0, 1])[:, None]
+    raw, returns = gae(token_rewards(torch.tensor([1.0, 0.0, 0.0, 1.0]), mask), values, mask * valid, gamma=1.0, lam=0.95)
+    # the critic's targets are the lambda-returns A + V of the raw advantages
+    torch.testing.assert_close(out.returns * (mask * valid), returns)
+    # the policy's advantages are whitened over the scorable rows' loss tokens; the unscorable row is 0
+    m = (mask * valid).bool()
+    torch.testing.assert_close(out.advantages[m], (raw[m] - raw[m].mean()) / raw[m].std(unbiased=False))
+    assert torch.equal(out.advantages[2], torch.zeros(3))
+    unwhitened = compute_advantages(eps, _cfg("ppo", "algorithm.kl_coef=0", "rollout.group_size=2",
+                                               "algorithm.whiten_advantages=false"), values=values)
+    torch.testing.assert_close(unwhitened.advantages, raw)
 
 
 def test_gae_without_a_critic_is_an_error():

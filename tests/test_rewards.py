@@ -21,6 +21,7 @@ from plainrl.rewards import (
     format_reward,
     load_reward_fn,
     numeric_closeness,
+    tool_success,
     reward_metrics,
     score,
 )
@@ -376,3 +377,12 @@ def test_reward_metrics():
     assert m == {"reward/mean": 3.0, "reward/ok/mean": 1.0, "reward/picky/mean": 1.0, "reward/unscorable": 1.0}
     empty = reward_metrics(score([RewardFn("n", _const(None))], ["a"], [{}], ["s0"]))
     assert math.isnan(empty["reward/mean"]) and empty["reward/unscorable"] == 1.0
+
+
+def test_tool_success_needs_a_clean_tool_call():
+    assert tool_success("x", env_info={"tool_calls": 2, "tool_errors": 0, "malformed_calls": 0}) == 1.0
+    assert tool_success("x", env_info={"tool_calls": 1, "tool_errors": 1}) == 0.0
+    assert tool_success("x", env_info={"tool_calls": 1, "malformed_calls": 1}) == 0.0
+    assert tool_success("x", env_info={"tool_calls": 1, "tool_timeouts": 1}) == 0.0
+    assert tool_success("x", env_info={"turns": 1}) == 0.0  # no call
+    assert tool_success("x") == 0.0  # no environment

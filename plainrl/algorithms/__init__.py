@@ -11,6 +11,7 @@ from plainrl.algorithms.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
     token_rewards,
+    whiten_advantages,
 )
 from plainrl.algorithms.kl import LOG_RATIO_CLAMP, KLEstimator, kl_estimate
 from plainrl.algorithms.losses import (
@@ -43,4 +44,5 @@ __all__ = [
     "rloo_advantages",
     "token_rewards",
     "value_loss",
+    "whiten_advantages",
 ]

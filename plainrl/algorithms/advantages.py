@@ -230,16 +230,54 @@ def reinforce_pp_advantages(
     if not x.is_floating_point():
         x = x.float()
     returns = _masked_reverse_scan(torch.where(m, x, torch.zeros_like(x)), m, gamma)
+    return whiten_advantages(returns, m, eps=eps)
+
+
+def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
+    """Batch whitening of token advantages: ``(A - mean) / sqrt(max(var, eps))``, with
+    the mean and population variance over every loss token of the batch.
+
+    Derivation of the edge cases: with one distinct value over the loss tokens the
+    centred advantages are 0 up to float residue of the mean, which the division by
+    a tiny std would blow up into a fake signal, so the result is exactly 0 then
+    (also with no loss tokens at all). Mask-0 positions are 0 on output.
+
+    Args:
+        advantages: [B, T] (or [N]) advantages; values at mask-0 positions may be anything
+                    finite or not, they are ignored.
+        mask:       same shape, 1 on loss tokens.
+        eps:        lower bound on the variance before the square root (> 0).
+
+    Returns:
+        same shape, detached, float dtype of ``advantages``.
+
+    Raises:
+        ValueError: shapes differ; ``eps <= 0``.
+
+    Source: the advantage normalisation of PPO implementations for language models
+    (Ziegler et al. 2019, arXiv:1909.08593, the ``whiten`` of its lm-human-preferences
+    code; Zheng et al. 2023, "Secrets of RLHF in Large Language Models Part I: PPO",
+    arXiv:2307.04964, Sec. 5.3.1, "advantage normalization"); REINFORCE++'s global
+    normalisation (Hu 2025, arXiv:2501.03262, Sec. 3) is the same operation on returns.
+    """
+    if advantages.shape != mask.shape:
+        raise ValueError(f"mask must have the shape of advantages {tuple(advantages.shape)}, got {tuple(mask.shape)}")
+    if eps <= 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    m = mask.bool()
+    x = advantages.detach()
+    if not x.is_floating_point():
+        x = x.float()
+    x = torch.where(m, x, torch.zeros_like(x))
+    if x.numel() == 0:
+        return x
     n = m.sum().clamp(min=1)
-    mean = returns.sum() / n
-    centred = torch.where(m, returns - mean, torch.zeros_like(returns))
+    mean = x.sum() / n
+    centred = torch.where(m, x - mean, torch.zeros_like(x))
     var = centred.square().sum() / n
     adv = centred * var.clamp(min=eps).rsqrt()
-    if adv.numel() == 0:
-        return adv
-    hi = torch.where(m, returns, torch.full_like(returns, -torch.inf)).amax()
-    lo = torch.where(m, returns, torch.full_like(returns, torch.inf)).amin()
-    # Equal returns carry no signal; float residue of the mean must not become one.
+    hi = torch.where(m, x, torch.full_like(x, -torch.inf)).amax()
+    lo = torch.where(m, x, torch.full_like(x, torch.inf)).amin()
     return torch.where(hi > lo, adv, torch.zeros_like(adv))
 
 

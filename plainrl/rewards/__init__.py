@@ -12,6 +12,7 @@ from plainrl.rewards.builtins import (
     format_reward,
     last_number_correct,
     numeric_closeness,
+    tool_success,
 )
 from plainrl.rewards.loading import RewardFn, RewardLoadError, build_reward_fns, load_reward_fn
 from plainrl.rewards.runner import RewardError, reward_metrics, score
@@ -29,4 +30,5 @@ __all__ = [
     "numeric_closeness",
     "reward_metrics",
     "score",
+    "tool_success",
 ]

@@ -11,9 +11,12 @@ import math
 import re
 import threading
 from decimal import Decimal, InvalidOperation
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["correctness", "extract_final_answer", "format_reward", "last_number_correct", "numeric_closeness"]
+__all__ = [
+    "correctness", "extract_final_answer", "format_reward", "last_number_correct", "numeric_closeness", "tool_success",
+]
 
 _MISSING: Any = object()
 
@@ -335,3 +338,25 @@ def numeric_closeness(completion: str, answer: Any = _MISSING, *, sharpness: flo
     if pred is None or not math.isfinite(pred):
         return 0.0
     return math.exp(-sharpness * abs(pred - ref) / max(1.0, abs(ref)))
+
+
+def tool_success(completion: str, env_info: Mapping[str, Any] | None = None, **_: Any) -> float:
+    """1.0 when the episode called a tool and every call ran cleanly, else 0.0: a
+    shaping reward that makes tool use itself worth learning before it pays off in
+    correct answers.
+
+    Reads the ``env_info`` column that :func:`plainrl.envs.multi_turn_rollout` adds:
+    ``tool_calls`` > 0, and ``malformed_calls``, ``tool_errors`` and ``tool_timeouts``
+    (as the built-in environments count them) all 0. Without an environment there
+    is no ``env_info`` and the reward is 0.0.
+
+    Args:
+        completion: the generated text (unused: the environment saw the calls).
+        env_info: the episode's summed step info.
+
+    Returns:
+        1.0 or 0.0.
+    """
+    info = env_info or {}
+    failures = sum(info.get(k, 0) for k in ("malformed_calls", "tool_errors", "tool_timeouts"))
+    return 1.0 if info.get("tool_calls", 0) > 0 and failures == 0 else 0.0
