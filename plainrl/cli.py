@@ -60,7 +60,8 @@ def _cmd_eval(args) -> int:
         model = load_policy(cfg.model.model_copy(update={"name": str(final)}), device)
     else:
         model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
-    engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora)
+    engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
+                      decoder=cfg.rollout.decoder)
     result = evaluate(
         engine, rows, prep.tokenizer,
         max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),

@@ -92,6 +92,9 @@ class RolloutConfig(_Section):
     stop: list[str] = Field(default_factory=list)
     batch_size: int = Field(64, gt=0)  # sequences decoded together
     merge_lora: bool = True  # decode with LoRA folded into the weights (faster; one weight copy)
+    # static: fused, prepacked Llama-family decode on a preallocated KV cache (plainrl.engines.static_decoder);
+    # transformers: the model's own forward (any causal LM); auto: static where the model is supported
+    decoder: Literal["auto", "static", "transformers"] = "auto"
     # Multi-turn: a built-in environment ("calculator", "python") or a factory
     # "module:fn" / "file.py:fn" returning an Environment (see docs/environments.md).
     env: str | None = None

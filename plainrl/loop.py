@@ -229,7 +229,8 @@ def setup(cfg: Config) -> Run:
     for note in prep.data.notes:
         logger.print(f"data: {note}")
     model = load_policy(cfg.model, device)
-    engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora)
+    engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
+                      decoder=cfg.rollout.decoder)
     run = Run(
         cfg, run_dir, prep, logger, model, engine, Learner(model, cfg, pad_id=engine.pad_id),
         PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),

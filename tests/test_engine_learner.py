@@ -22,8 +22,9 @@ def _prompts(tokenizer):
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
-def test_greedy_matches_transformers_generate(model, tokenizer):
-    engine = HFEngine(model, tokenizer, batch_size=8)
+@pytest.mark.parametrize("decoder", ["static", "transformers"])
+def test_greedy_matches_transformers_generate(model, tokenizer, decoder):
+    engine = HFEngine(model, tokenizer, batch_size=8, decoder=decoder)
     prompts = _prompts(tokenizer)
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
     for p, g in zip(prompts, gens):
@@ -33,9 +34,10 @@ def test_greedy_matches_transformers_generate(model, tokenizer):
         assert g.finish_reason in ("eos", "length")
 
 
-def test_logprobs_equal_a_full_forward_and_finished_rows_leave(model, tokenizer):
+@pytest.mark.parametrize("decoder", ["static", "transformers"])
+def test_logprobs_equal_a_full_forward_and_finished_rows_leave(model, tokenizer, decoder):
     """Left padding, the KV cache and dropping finished rows must not change any logprob."""
-    engine = HFEngine(model, tokenizer, batch_size=8)
+    engine = HFEngine(model, tokenizer, batch_size=8, decoder=decoder)
     prompts = _prompts(tokenizer) * 2
     gen = torch.Generator().manual_seed(0)
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.3), generator=gen)

@@ -485,7 +485,7 @@ def test_multi_turn_rollout_hf_engine_calculator(tokenizer, tiny_model_dir):
 
     model.get_decoder().register_forward_pre_hook(remember_ids, with_kwargs=True)
     model.get_output_embeddings().register_forward_hook(bias)
-    engine = HFEngine(model, tokenizer, batch_size=8)
+    engine = HFEngine(model, tokenizer, batch_size=8, decoder="transformers")  # the hooks need module forwards
     prompts = [make_prompt(tokenizer, "What is 48/2?", 0), make_prompt(tokenizer, "Halve 48, please.", 1)]
     eps = multi_turn_rollout(engine, prompts, CalculatorEnv, SamplingParams(max_new_tokens=12, temperature=0.0),
                              tokenizer, group_size=2, step=0, max_turns=3, max_total_tokens=40,

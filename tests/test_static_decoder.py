@@ -1,0 +1,137 @@
+"""The static decoder against the transformers forward (float32, tiny random models),
+its fallbacks, and the engine's categorical sampler."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from plainrl.config import LoraConfig
+from plainrl.engines.hf import HFEngine, sample_categorical
+from plainrl.engines.static_decoder import StaticDecoder, unsupported_reason
+from plainrl.models import apply_lora
+from plainrl.types import SamplingParams
+
+
+def _with_lora(model):
+    model = apply_lora(model, LoraConfig(enabled=True, r=4, alpha=8))
+    with torch.no_grad():  # a fresh adapter is a no-op (B = 0); make it change the outputs
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+    return model.eval()
+
+
+@pytest.fixture()
+def llama(tiny_model_dir):
+    return _with_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+
+
+@pytest.fixture()
+def qwen2(tokenizer):
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return _with_lora(Qwen2ForCausalLM(cfg))
+
+
+def _batch():
+    # two left-padded prompts (lengths 3 and 6), then three decoded tokens per row
+    prompts = [[11, 12, 13], [21, 22, 23, 24, 25, 26]]
+    width = 6
+    ids = torch.full((2, width), 0)
+    valid = torch.zeros(2, width, dtype=torch.bool)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        valid[r, width - len(p):] = True
+    return ids, valid, torch.tensor([[31, 32, 33], [41, 42, 43]])
+
+
+def _reference(model, ids, valid, new):
+    full = torch.cat([ids, new], dim=1)
+    attn = torch.cat([valid, torch.ones_like(new, dtype=torch.bool)], dim=1).long()
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=full, attention_mask=attn, position_ids=pos).logits.float()  # [2, 9, V]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("prepack", [False, True])
+def test_logits_equal_the_transformers_forward(arch, prepack, request):
+    model = request.getfixturevalue(arch)
+    if prepack and not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    ids, valid, new = _batch()
+    ref = _reference(model, ids, valid, new)
+    dec = StaticDecoder(model, prepack=prepack)
+    outs = [dec.start(ids, valid, capacity=12)]
+    outs += [dec.step(new[:, t]) for t in range(3)]
+    for t, out in enumerate(outs):
+        torch.testing.assert_close(out, ref[:, ids.shape[1] - 1 + t], atol=1e-4, rtol=1e-4)
+
+
+def test_select_repeats_and_drops_rows(llama):
+    ids, valid, new = _batch()
+    ref = _reference(llama, ids, valid, new)
+    dec = StaticDecoder(llama)
+    dec.start(ids, valid, capacity=12)
+    dec.select(torch.tensor([1, 0, 1]))  # row 1 twice (a group sharing one prefill), row 0 once
+    out = dec.step(torch.tensor([41, 31, 41]))
+    torch.testing.assert_close(out, ref[:, 6][[1, 0, 1]], atol=1e-4, rtol=1e-4)
+    dec.select(torch.tensor([1]))  # rows finish and leave
+    out = dec.step(torch.tensor([32]))
+    torch.testing.assert_close(out, ref[0, 7][None], atol=1e-4, rtol=1e-4)
+
+
+def test_full_cache_and_short_capacity_are_errors(llama):
+    ids, valid, _ = _batch()
+    dec = StaticDecoder(llama)
+    with pytest.raises(ValueError, match="capacity"):
+        dec.start(ids, valid, capacity=3)
+    dec.start(ids, valid, capacity=7)
+    dec.step(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="full"):
+        dec.step(torch.tensor([1, 2]))
+
+
+def test_unsupported_models_fall_back_to_transformers(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
+    assert "gpt2" in unsupported_reason(gpt2)
+    assert HFEngine(gpt2, tokenizer).decoder == "transformers"
+    with pytest.raises(ValueError, match="rollout.decoder=static cannot run"):
+        HFEngine(gpt2, tokenizer, decoder="static")
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        HFEngine(gpt2, tokenizer, decoder="fast")
+
+
+def test_engine_rebuilds_the_decoder_after_a_weight_update(llama, tokenizer):
+    engine = HFEngine(llama, tokenizer, decoder="static")
+    reference = HFEngine(llama, tokenizer, decoder="transformers")
+    prompts = [tokenizer("What is 2 + 2?")["input_ids"]]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    first = engine.generate(prompts, greedy)[0]
+    assert engine.generate(prompts, greedy)[0].token_ids == first.token_ids  # built once, reused
+    built = engine._static[1]
+    engine.generate(prompts, greedy)
+    assert engine._static[1] is built
+    with torch.no_grad():  # an optimiser step changes the adapter in place
+        for name, p in llama.named_parameters():
+            if "lora_A" in name:
+                p.mul_(-3.0)
+    after = engine.generate(prompts, greedy)[0]
+    assert engine._static[1] is not built
+    expect = reference.generate(prompts, greedy)[0]
+    assert after.token_ids == expect.token_ids
+    torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(expect.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_sample_categorical_follows_the_distribution():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 2.0]])  # unnormalised rows are fine
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_categorical(probs[:1].repeat(1000, 1), gen) for _ in range(20)])  # [20, 1000]
+    counts = torch.bincount(draws.flatten(), minlength=4).float() / draws.numel()
+    # 20,000 draws of row 0: each frequency within 4 standard errors (sqrt(p(1-p)/n) <= 0.0035)
+    torch.testing.assert_close(counts, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.014, rtol=0)
+    assert (draws != 1).all()  # a zero-probability token is never drawn
+    assert sample_categorical(probs[1:].repeat(50, 1), gen).eq(3).all()
