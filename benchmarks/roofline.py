@@ -178,41 +178,35 @@ def train_flops(c: dict, seq_lens: list[int], completion_tokens: int) -> dict[st
 
 @torch.no_grad()
 def time_decode(run, prompt_ids: list[int], batch: int, steps: int) -> dict[str, float]:
-    """Seconds per decode step of ``batch`` sequences, the way the engine decodes (KV cache,
-    merged LoRA, fp32 logits of the last position), with EOS ignored so the batch stays full."""
-    from transformers import DynamicCache
+    """Seconds per decode step of ``batch`` sequences through the engine's own decoder
+    (``rollout.decoder``: the static decoder, or the transformers forward with merged LoRA),
+    fp32 logits and logprobs of the last position, EOS ignored so the batch stays full."""
+    import contextlib
 
     from plainrl.engines.hf import merged_lora
 
-    model, dev = run.model, run.learner.device
+    model, dev, engine = run.model, run.learner.device, run.engine
     was_training = model.training
     model.eval()
     try:
-        with merged_lora(model):
+        with merged_lora(model) if engine.decoder != "static" else contextlib.nullcontext():
+            dec = engine.make_decoder()
             ids = torch.tensor([prompt_ids] * batch, device=dev)
-            attn = torch.ones_like(ids)
-            pos = torch.arange(ids.shape[1], device=dev).expand(batch, -1)
-            cache = DynamicCache()
-            logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits[:, -1].float()
-            next_pos = pos[:, -1:] + 1
+            logits = dec.start(ids, torch.ones_like(ids, dtype=torch.bool), ids.shape[1] + steps + 2)
             times = []
             for _ in range(steps + 2):  # 2 warm-up steps
                 tok = logits.argmax(-1)
-                attn = torch.cat([attn, attn.new_ones(batch, 1)], dim=-1)
                 sync(dev)
                 t0 = time.perf_counter()
-                logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                               past_key_values=cache, use_cache=True).logits[:, -1].float()
+                logits = dec.step(tok)
                 torch.log_softmax(logits, dim=-1)  # the engine's per-step logprobs
                 sync(dev)
                 times.append(time.perf_counter() - t0)
-                next_pos = next_pos + 1
     finally:
         model.train(was_training)
     step_s = statistics.median(times[2:])
     return {"batch": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
-            "context_mid": len(prompt_ids) + 2 + steps // 2}
+            "context_mid": len(prompt_ids) + 2 + steps // 2, "decoder": engine.decoder}
 
 
 class LargestTensor:

@@ -112,15 +112,15 @@ def test_engine_rebuilds_the_decoder_after_a_weight_update(llama, tokenizer):
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     first = engine.generate(prompts, greedy)[0]
     assert engine.generate(prompts, greedy)[0].token_ids == first.token_ids  # built once, reused
-    built = engine._static[1]
+    built = engine.make_decoder()
     engine.generate(prompts, greedy)
-    assert engine._static[1] is built
+    assert engine.make_decoder() is built
     with torch.no_grad():  # an optimiser step changes the adapter in place
         for name, p in llama.named_parameters():
             if "lora_A" in name:
                 p.mul_(-3.0)
     after = engine.generate(prompts, greedy)[0]
-    assert engine._static[1] is not built
+    assert engine.make_decoder() is not built
     expect = reference.generate(prompts, greedy)[0]
     assert after.token_ids == expect.token_ids
     torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(expect.logprobs), atol=1e-4, rtol=1e-4)

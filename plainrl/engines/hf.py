@@ -222,24 +222,30 @@ class HFEngine:
         """
         was_training = self.model.training
         self.model.eval()
-        static = self._static_decoder() if self.decoder == "static" else None
-        merge = merged_lora(self.model) if self.merge_lora and static is None else contextlib.nullcontext()
+        static = self.decoder == "static"
+        merge = merged_lora(self.model) if self.merge_lora and not static else contextlib.nullcontext()
         try:
             with merge:
                 out: list[Generation] = []
                 for i in range(0, len(prompts), self.batch_size):
-                    dec = static or _TransformersDecoder(self.model)
+                    dec = self.make_decoder()
                     out.extend(self._generate_batch(dec, prompts[i : i + self.batch_size], params, generator))
+                    if static:
+                        dec.release()
             return out
         finally:
-            if static is not None:
-                static.release()
             self.model.train(was_training)
 
-    def _static_decoder(self) -> StaticDecoder:
-        """The static decoder of the current weights: rebuilt (fused copies, prepacking)
-        only when a parameter was replaced or changed in place since the last call, so
-        the turns of a multi-turn rollout share one build."""
+    def make_decoder(self) -> Decoder:
+        """A :class:`Decoder` of the current weights, as :meth:`generate` uses it.
+
+        The static decoder is rebuilt (fused copies, prepacking) only when a parameter
+        was replaced or changed in place since the last call, so the batches and the
+        turns of a multi-turn rollout share one build. The transformers decoder runs the
+        model as it is: wrap its use in :func:`merged_lora` to decode with merged LoRA.
+        """
+        if self.decoder != "static":
+            return _TransformersDecoder(self.model)
         key = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
         if self._static is None or self._static[0] != key:
             self._static = (key, StaticDecoder(self.model))
