@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="TRL's default (recompute activations in backward); off by default, as in plainrl")
     p.add_argument("--trl-attn", choices=["same", "eager", "sdpa"], default="same",
                    help="TRL's attention kernel; 'same' = plainrl's (eager on CPU, sdpa on GPU)")
+    p.add_argument("--decoder", choices=["auto", "static", "transformers"], default="auto",
+                   help="plainrl's rollout.decoder (auto: the static decoder for this model)")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama with the real tokenizer (smoke test)")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     p.add_argument("--workdir", type=Path, default=None, help="run directories (default: a temporary directory)")
@@ -177,6 +179,7 @@ def plainrl_config(args, model_path: str, run_dir: Path):
         f"data.prompt_template={json.dumps(PROMPT_TEMPLATE)}", "data.eval_size=0",
         f"rollout.group_size={args.group_size}", f"rollout.prompts_per_step={args.prompts_per_step}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.temperature={args.temperature}",
+        f"rollout.decoder={args.decoder}",
         f'rewards=[{{fn: "{REWARD_FN}", weight: 1.0}}]',
         "algorithm.name=grpo", "algorithm.kl_coef=0.0", "algorithm.clip_low=0.2", "algorithm.clip_high=0.2",
         "algorithm.loss_agg=token-mean",
@@ -437,6 +440,7 @@ def main(argv=None) -> int:
     print(f"workload: {args.prompts_per_step} prompts x group {args.group_size} = "
           f"{args.prompts_per_step * args.group_size} completions/step, max_new_tokens={args.max_new_tokens}, "
           f"temperature={args.temperature:g}, lr={args.lr:g}, KL off, 1 optimiser step per rollout; "
+          f"plainrl decoder={stepper.run.engine.decoder}; "
           f"TRL: micro-batches/step={args.trl_grad_accum}, gradient_checkpointing={args.trl_gradient_checkpointing}, "
           f"attn={attn}; trainable params {n_plain} each, in {'/'.join(sorted(dt_plain))} in plainrl (AdamW on fp32 masters) "
           f"and {'/'.join(sorted(dt_trl))} in TRL; same prompts at every step: {'yes' if same_prompts else 'NO'}; setup {setup_s:.0f}s")

@@ -1,0 +1,68 @@
+"""Decode speed of the embedded engine, per rollout.decoder: HFEngine.generate on the
+vs_trl workload's shape (2 prompts x 8 samples, 64 new tokens, temperature 1), with EOS
+ignored so every sequence runs the full length.
+
+    python benchmarks/decode.py                 # torch's thread count
+    python benchmarks/decode.py --threads 1
+    python benchmarks/decode.py --tiny          # smoke test on a tiny random Llama
+
+Prints milliseconds per decode step for each decoder (the second of two generate calls;
+the first builds and warms up) and ends with ``static_vs_transformers=X.XX``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--tiny", action="store_true", help="a tiny random Llama with the real tokenizer")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from plainrl.config import LoraConfig
+    from plainrl.engines.hf import HFEngine
+    from plainrl.models import DTYPES, apply_lora, load_tokenizer, resolve_model_path
+    from plainrl.types import SamplingParams
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    if args.tiny:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        model = model.to(DTYPES[args.dtype])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m-instruct"),
+                                                     dtype=DTYPES[args.dtype], attn_implementation="eager")
+    model = apply_lora(model, LoraConfig(enabled=True, r=16, alpha=32))
+    questions = [f"What is {i + 12} + {3 * i + 7}? End your reply with 'Answer: <number>'." for i in range(args.prompts)]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"])
+               for q in questions for _ in range(args.group_size)]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
+    results = {}
+    for decoder in ("transformers", "static"):
+        engine = HFEngine(model, tok, batch_size=len(prompts), decoder=decoder)
+        engine.eos_ids = torch.tensor([-1])  # no sequence ends early
+        gen = torch.Generator().manual_seed(0)
+        engine.generate(prompts, params, generator=gen)
+        t0 = time.perf_counter()
+        engine.generate(prompts, params, generator=gen)
+        results[decoder] = (time.perf_counter() - t0) / args.max_new_tokens
+        print(f"{decoder:>12}: {1000 * results[decoder]:.1f} ms per decode step of {len(prompts)} sequences "
+              f"({torch.get_num_threads()} threads, {args.dtype})")
+    print(f"static_vs_transformers={results['transformers'] / results['static']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
