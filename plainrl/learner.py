@@ -33,6 +33,68 @@ def _target_logps(
     return (logps, entropy_from_logits(logits)) if with_entropy else logps
 
 
+def _shared_prompt_hidden(
+    base: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor
+) -> torch.Tensor | None:
+    """The decoder's last hidden states [B, T, H] with each distinct prompt run once.
+
+    A GRPO group's samples share their prompt, and a prompt is often longer than the
+    completions; recomputing it for every sample is most of the training forward and
+    backward. Here the distinct prompts run first (left-padded so they all end at
+    column P, with use_cache), their keys and values are repeated to the rows that
+    share them (an index, so gradients from every row sum into the one prompt
+    computation), and the completions run on top with the cache. The result is laid out
+    as the plain forward's: row b's position i is prompt column P - p_b + i for i < p_b,
+    else completion column i - p_b. The mathematics is that of one causal forward per
+    row; only float rounding differs.
+
+    Args:
+        base: the unwrapped transformers causal LM.
+        input_ids: [B, T] prompt + completion, right-padded.
+        attention_mask: [B, T] 1 on real tokens.
+        prompt_lens: [B] prompt tokens per row.
+    Returns:
+        [B, T, H] hidden states (padding positions hold finite values of no meaning),
+        or None when no two rows share a prompt (nothing to save).
+    """
+    from transformers import DynamicCache
+
+    b, t = input_ids.shape
+    lens = attention_mask.sum(1).tolist()
+    p_lens = prompt_lens.tolist()
+    first: dict[tuple[int, ...], int] = {}
+    owner = [first.setdefault(tuple(input_ids[r, : p_lens[r]].tolist()), len(first)) for r in range(b)]
+    if len(first) == b or min(p_lens) < 1:
+        return None
+    dev = input_ids.device
+    width = max(p_lens)  # P: prompts end at column P
+    suffix = max(n - p for n, p in zip(lens, p_lens))  # longest completion
+    prompt_ids = torch.zeros(len(first), width, dtype=torch.long, device=dev)
+    prompt_mask = torch.zeros(len(first), width, dtype=torch.long, device=dev)
+    for key, g in first.items():
+        prompt_ids[g, width - len(key):] = torch.tensor(key, device=dev)
+        prompt_mask[g, width - len(key):] = 1
+    comp_ids = torch.zeros(b, suffix, dtype=torch.long, device=dev)
+    comp_mask = torch.zeros(b, suffix, dtype=torch.long, device=dev)
+    for r in range(b):
+        comp_ids[r, : lens[r] - p_lens[r]] = input_ids[r, p_lens[r] : lens[r]]
+        comp_mask[r, : lens[r] - p_lens[r]] = 1
+    owner_t = torch.tensor(owner, device=dev)
+    p_t = prompt_lens.to(dev)
+    decoder = base.get_decoder()
+    cache = DynamicCache()
+    prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_hidden = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos,
+                            past_key_values=cache, use_cache=True).last_hidden_state  # [G, P, H]
+    cache.batch_select_indices(owner_t)  # [G, ...] -> [B, ...], differentiable
+    comp_pos = p_t[:, None] + torch.arange(suffix, device=dev)[None]  # [B, C]
+    comp_hidden = decoder(input_ids=comp_ids, attention_mask=torch.cat([prompt_mask[owner_t], comp_mask], dim=1),
+                          position_ids=comp_pos, past_key_values=cache, use_cache=True).last_hidden_state  # [B, C, H]
+    joined = torch.cat([prompt_hidden[owner_t], comp_hidden], dim=1)  # [B, P + C, H]
+    column = (width - p_t[:, None] + torch.arange(t, device=dev)[None]).clamp(max=width + suffix - 1)  # [B, T]
+    return joined.gather(1, column[..., None].expand(-1, -1, joined.shape[-1]))
+
+
 def sequence_logps(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -41,6 +103,7 @@ def sequence_logps(
     temperature: float = 1.0,
     positions: torch.Tensor | None = None,
     with_entropy: bool = False,
+    prompt_lens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi_T(x_{t+1} | x_{<=t}) for every position, in float32, where
     pi_T = softmax(logits / temperature) is the policy the engine sampled from;
@@ -57,12 +120,18 @@ def sequence_logps(
         positions: optional [B, T-1] bool; the LM head runs only where it is True
             (the completion tokens: prompts are most of a sequence and need no logits).
         with_entropy: also return the entropy of pi_T (:func:`entropy_from_logits`).
+        prompt_lens: optional [B] prompt lengths; rows with identical prompts then run
+            their prompt once (:func:`_shared_prompt_hidden`).
     Returns:
         [B, T-1] float32 logprobs of ``input_ids[:, 1:]`` (0 where ``positions`` is False);
         with ``with_entropy``, ``(logps, entropy)``, both [B, T-1].
     """
     base = unwrap(model)
-    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    hidden = None
+    if prompt_lens is not None:
+        hidden = _shared_prompt_hidden(base, input_ids, attention_mask, prompt_lens)
+    if hidden is None:
+        hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
     b, t = input_ids.shape
     # flatten to 2-D rows so every chunk is contiguous: a strided 3-D slice makes
     # F.linear fall back to a batched matmul that copies the whole LM head per row
@@ -187,7 +256,9 @@ def _collate(episodes: list[Episode], index: list[int], pad_id: int, frames: dic
             continue
         fields[name] = torch.where(pos >= 0, rows.gather(1, pos.clamp(0, rows.shape[1] - 1)), 0.0)
     fields.setdefault("old_logps", old)
-    return MicroBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, index=idx, completion_pos=pos, **fields)
+    prompt_lens = torch.tensor([len(e.prompt_ids) for e in eps])
+    return MicroBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, index=idx, completion_pos=pos,
+                      prompt_lens=prompt_lens, **fields)
 
 
 def to_completion_frame(x: torch.Tensor, mb: MicroBatch, out: torch.Tensor) -> None:
@@ -334,10 +405,16 @@ class Learner:
             return self.model.disable_adapter()
         return contextlib.nullcontext()
 
+    def _prompt_lens(self, mb: MicroBatch) -> torch.Tensor | None:
+        return mb.prompt_lens if self.cfg.train.share_prompts else None
+
     @torch.no_grad()
-    def _ref_logps(self, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _ref_logps(self, mb: MicroBatch) -> torch.Tensor:
+        dev = self.device
         with self._ref_context():
-            return sequence_logps(self.ref_model or self.model, ids, attn, temperature=self.temperature, positions=mask > 0)
+            return sequence_logps(self.ref_model or self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev),
+                                  temperature=self.temperature, positions=mb.loss_mask.to(dev) > 0,
+                                  prompt_lens=self._prompt_lens(mb))
 
     @torch.no_grad()
     def completion_logps(self, episodes: list[Episode], *, reference: bool = False) -> torch.Tensor:
@@ -352,11 +429,12 @@ class Learner:
                                  token_budget=self.cfg.train.micro_batch_tokens)
         dev = self.device
         for mb in mbs:
-            ids, attn, mask = mb.input_ids.to(dev), mb.attention_mask.to(dev), mb.loss_mask.to(dev)
             if reference:
-                lp = self._ref_logps(ids, attn, mask)
+                lp = self._ref_logps(mb)
             else:
-                lp = sequence_logps(self.model, ids, attn, temperature=self.temperature, positions=mask > 0)
+                lp = sequence_logps(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev),
+                                    temperature=self.temperature, positions=mb.loss_mask.to(dev) > 0,
+                                    prompt_lens=self._prompt_lens(mb))
             to_completion_frame(lp, mb, out)
         return out
 
@@ -403,7 +481,7 @@ class Learner:
             ids, attn = mb.input_ids.to(dev), mb.attention_mask.to(dev)
             mask, adv = mb.loss_mask.to(dev), mb.advantages.to(dev)
             out = sequence_logps(self.model, ids, attn, temperature=self.temperature, positions=mask > 0,
-                                 with_entropy=a.entropy_coef > 0)
+                                 with_entropy=a.entropy_coef > 0, prompt_lens=self._prompt_lens(mb))
             logps, entropy = out if a.entropy_coef > 0 else (out, None)  # [B, T-1]
             old = logps.detach() if old_logps is None else mb.old_logps.to(dev)
             loss, stats = policy_loss(
@@ -411,7 +489,7 @@ class Learner:
                 dual_clip=a.dual_clip, ratio_level=a.ratio_level, agg=a.loss_agg, **agg,
             )
             if a.kl_coef > 0 and a.kl_placement == "loss":
-                kl = kl_estimate(logps, self._ref_logps(ids, attn, mask), a.kl_estimator)  # [B, T-1]
+                kl = kl_estimate(logps, self._ref_logps(mb), a.kl_estimator)  # [B, T-1]
                 kl_loss = aggregate_loss(kl, mask, a.loss_agg, **agg)
                 loss = loss + a.kl_coef * kl_loss
                 kl_sum += kl_loss.item()

@@ -109,6 +109,8 @@ class MicroBatch:
                     (maps results back to the [N, L] completion frame).
     old_values:     [B, T-1] critic values at rollout time (GAE).
     returns:        [B, T-1] the critic's targets (GAE's lambda-returns).
+    prompt_lens:    [B] prompt tokens of each row (rows with equal prompts share their
+                    computation in :func:`plainrl.learner.sequence_logps`).
     """
 
     input_ids: torch.Tensor
@@ -121,3 +123,4 @@ class MicroBatch:
     completion_pos: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    prompt_lens: torch.Tensor | None = None
