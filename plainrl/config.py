@@ -47,6 +47,9 @@ class ModelConfig(_Section):
     name: str = "smollm2-135m-instruct"
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    # a peft LoRA adapter directory to start from and train further (e.g. an SFT run's final/);
+    # its own r/alpha/targets are used; needs lora.enabled
+    adapter: str | None = None
     cache_dir: str | None = None  # where GGUF conversions are cached; default ~/.cache/plainrl
     max_context: int = Field(1024, gt=0)  # prompt + completion tokens
     # auto: eager attention on CPU (its backward is ~4x faster than the CPU SDPA kernel's

@@ -226,10 +226,32 @@ def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, sh
         model.score.float()
     if share_with is not None:
         share_frozen_weights(model, share_with)
-    if cfg.lora.enabled:
+    if cfg.adapter is not None:
+        model = load_adapter(model, cfg.adapter, lora_enabled=cfg.lora.enabled)
+    elif cfg.lora.enabled:
         model = apply_lora(model, cfg.lora, task_type=task_type)
     model.train()
     return model
+
+
+def load_adapter(model, adapter: str | Path, *, lora_enabled: bool = True):
+    """Wrap ``model`` with a saved peft LoRA adapter, trainable, in the model's dtype
+    (as :func:`apply_lora`): how an RL run starts from an SFT run's ``final/``.
+
+    Raises:
+        ModelLoadError: LoRA is off, the directory is missing or holds no adapter.
+    """
+    from peft import PeftModel
+
+    path = Path(adapter)
+    if not lora_enabled:
+        raise ModelLoadError(f"model.adapter={str(adapter)!r} needs model.lora.enabled=true")
+    if not (path / "adapter_config.json").is_file():
+        raise ModelLoadError(
+            f"model.adapter={str(adapter)!r}: no adapter_config.json there; give a peft adapter directory "
+            "such as a LoRA run's RUN_DIR/final"
+        )
+    return PeftModel.from_pretrained(model, str(path), is_trainable=True, autocast_adapter_dtype=False)
 
 
 def load_policy(cfg: ModelConfig, device: torch.device):

@@ -210,3 +210,35 @@ def test_sft_resume_is_exact(tiny_model_dir, tmp_path, monkeypatch):
     offline.train_offline(cfg(tmp_path / "cut"))
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
     assert strip(_rows(tmp_path / "cut")) == strip(_rows(full))
+
+
+def test_rl_starts_from_an_sft_adapter(tiny_model_dir, tmp_path):
+    """SFT, then RL from its final/ adapter (model.adapter): the RL policy starts with the
+    SFT weights and trains them further."""
+    from safetensors.torch import load_file
+
+    from plainrl.models import ModelLoadError, load_policy
+
+    sft = REPO / "examples" / "sft_gsm8k.yaml"
+    assert main(["train", str(sft), *tiny_overrides(tiny_model_dir, tmp_path / "sft"), *_data_overrides(sft),
+                 "train.lr=1e-2"]) == 0
+    adapter = tmp_path / "sft" / "final"
+    saved = load_file(adapter / "adapter_model.safetensors")
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # SFT moved the adapter
+    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.dtype=float32", f"model.adapter={adapter}",
+                             "data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]"])
+    policy = load_policy(cfg.model, torch.device("cpu"))
+    loaded = {k: v for k, v in policy.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(saved)
+    for k, v in saved.items():
+        torch.testing.assert_close(loaded[k.replace(".weight", ".default.weight")], v)
+    assert all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)
+    rl = REPO / "examples" / "arithmetic_grpo.yaml"
+    assert main(["train", str(rl), *tiny_overrides(tiny_model_dir, tmp_path / "rl"), f"model.adapter={adapter}"]) == 0
+    with pytest.raises(ModelLoadError, match="no adapter_config.json"):
+        load_policy(load_config(None, [f"model.name={tiny_model_dir}", f"model.adapter={tmp_path}", "data.task=arithmetic",
+                                       "rewards=[{fn: plainrl.rewards.builtins:correctness}]"]).model, torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match="needs model.lora.enabled"):
+        load_policy(load_config(None, [f"model.name={tiny_model_dir}", f"model.adapter={adapter}", "model.lora.enabled=false",
+                                       "data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]"]).model,
+                    torch.device("cpu"))
