@@ -1,6 +1,7 @@
 """Faults: SIGTERM/SIGINT stop at a step boundary with a checkpoint; non-finite steps are skipped."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -74,11 +75,13 @@ def test_second_sigint_exits_at_once(tiny_model_dir, tmp_path):
     slow = f"rewards=[{{fn: '{DATA / 'bad_rewards.py'}:hangs'}}]"
     cmd = [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
            *_over(tiny_model_dir, run, 500), slow]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (run / "config.yaml").exists() and time.monotonic() < deadline:
+    marker = tmp_path / "in_reward"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PLAINRL_TEST_MARKER": str(marker)})
+    deadline = time.monotonic() + 180
+    while not marker.exists() and time.monotonic() < deadline:  # inside the first step's reward call
         time.sleep(0.2)
-    time.sleep(8)  # past model loading, inside the first step's reward call
+    assert marker.exists(), "the run never reached its reward call"
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     start = time.monotonic()

@@ -7,9 +7,14 @@ def raises(completion, **kwargs):
 
 
 def hangs(completion, **kwargs):
-    """Never returns: the runner's timeout must cut it."""
+    """Never returns: the runner's timeout must cut it. Touches $PLAINRL_TEST_MARKER first,
+    when set, so a test can tell the step has reached the reward call."""
+    import os
+    import pathlib
     import time
 
+    if os.environ.get("PLAINRL_TEST_MARKER"):
+        pathlib.Path(os.environ["PLAINRL_TEST_MARKER"]).touch()
     time.sleep(10_000)
 
 
