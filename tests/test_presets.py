@@ -282,6 +282,7 @@ def test_entropy_bonus_is_computed_and_moves_the_loss(tiny_model_dir):
 def _ppo(tiny_model_dir, run_dir, *extra):
     over = tiny_overrides(tiny_model_dir, run_dir) + [
         "train.lr=1e-2", "critic.lr=1e-2", "log.tensorboard=false", "eval.before=false", "eval.after=false",
+        "critic.warmup_steps=0",  # the example waits 2 steps; these 2-step runs must move the policy
         f"rewards=[{{fn: '{DATA / 'my_reward.py'}:length_bonus'}}]", *extra,
     ]
     return load_config(REPO / "examples" / "arithmetic_ppo.yaml", over)
