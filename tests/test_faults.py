@@ -81,12 +81,15 @@ def test_second_sigint_exits_at_once(tiny_model_dir, tmp_path):
     deadline = time.monotonic() + 180
     while not marker.exists() and time.monotonic() < deadline:  # inside the first step's reward call
         time.sleep(0.2)
-    assert marker.exists(), "the run never reached its reward call"
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    start = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        assert marker.exists(), "the run never reached its reward call"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # never leave a training process behind a failed test
     assert proc.returncode == 130, err
     assert time.monotonic() - start < 10
     assert not _steps_logged(run)
