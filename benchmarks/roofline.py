@@ -163,9 +163,28 @@ def model_counts(model) -> dict[str, int]:
     }
 
 
-def train_flops(c: dict, seq_lens: list[int], completion_tokens: int) -> dict[str, float]:
-    tokens = sum(seq_lens)
-    attention = sum(12 * t * t * c["attn_dim"] * c["layers"] for t in seq_lens)
+def learner_work(episodes, mbs, share_prompts: bool) -> tuple[int, float]:
+    """(tokens the learner runs, sum of squared attention lengths): with
+    ``train.share_prompts`` a micro-batch whose rows share prompts runs each distinct
+    prompt once (as plainrl.learner._shared_prompt_hidden does), so its tokens and its
+    prompt self-attention count once."""
+    tokens, attn_sq = 0, 0.0
+    for mb in mbs:
+        rows = [episodes[i] for i in mb.index.tolist()]
+        prompts = {tuple(e.prompt_ids) for e in rows}
+        shared = share_prompts and len(prompts) < len(rows)
+        for e in rows:
+            p, t = len(e.prompt_ids), len(e.prompt_ids) + len(e.completion_ids)
+            tokens += t - p if shared else t
+            attn_sq += t * t - p * p if shared else t * t
+        if shared:
+            tokens += sum(len(p) for p in prompts)
+            attn_sq += sum(len(p) ** 2 for p in prompts)
+    return tokens, attn_sq
+
+
+def train_flops(c: dict, tokens: int, attn_sq: float, completion_tokens: int) -> dict[str, float]:
+    attention = 12 * attn_sq * c["attn_dim"] * c["layers"]
     return {
         "conventional_6ND": 6 * c["base"] * tokens,
         "lora_aware": 4 * c["decoder_linear"] * tokens + 6 * c["lora"] * tokens
@@ -267,6 +286,7 @@ def plainrl_part(args, cfg) -> dict:
     mbs = make_micro_batches(episodes, advantages, pad_id=run.learner.pad_id,
                              token_budget=cfg.train.micro_batch_tokens)
     padded = sum(mb.input_ids.numel() for mb in mbs)
+    learner_tokens, attn_sq = learner_work(episodes, mbs, cfg.train.share_prompts)
 
     # the training phase: learner.update on this batch (weights change; the work does not)
     run.learner.update(episodes, advantages)  # warm-up
@@ -284,7 +304,8 @@ def plainrl_part(args, cfg) -> dict:
         "counts": counts, "sequences": len(episodes), "seq_len_mean": statistics.fmean(seq_lens),
         "tokens": sum(seq_lens), "padded_tokens": padded, "completion_tokens": completion,
         "micro_batches": len(mbs), "update_s": update_s, "update_times": times,
-        "flops": train_flops(counts, seq_lens, completion),
+        "learner_tokens": learner_tokens,
+        "flops": train_flops(counts, learner_tokens, attn_sq, completion),
         "generate_s": gen_s, "engine_tokens_per_s": completion / gen_s, "decode": decode,
         "rss_start": rss_start, "rss_after_model": rss_model, "peak_rss": peak_rss_bytes(),
         "whole_logits_fp32_bytes": max(mb.input_ids.numel() for mb in mbs) * counts["vocab"] * 4,
@@ -358,7 +379,8 @@ def main(argv=None) -> int:
     print()
     print("training phase (learner.update: forward, backward, optimiser)")
     print(f"  batch: {p['sequences']} sequences, mean {p['seq_len_mean']:.1f} tokens, {p['tokens']} tokens "
-          f"({p['padded_tokens']} padded, {p['micro_batches']} micro-batch(es)), {p['completion_tokens']} completion tokens")
+          f"({p['padded_tokens']} padded, {p['micro_batches']} micro-batch(es)), {p['completion_tokens']} completion tokens; "
+          f"the learner runs {p['learner_tokens']} (shared prompts once), the N x tokens counted below")
     print(f"  params: base {c['base'] / 1e6:.1f}M (decoder linear {c['decoder_linear'] / 1e6:.1f}M, "
           f"embedding {c['embedding'] / 1e6:.1f}M{' tied' if c['tied'] else ''}), LoRA {c['lora'] / 1e6:.2f}M")
     print(f"  time: {p['update_s']:.3f} s (median of {len(p['update_times'])}: "
