@@ -183,9 +183,9 @@ class HFEngine:
         if decoder == "static" and self.unsupported is not None:
             raise ValueError(f"rollout.decoder=static cannot run this model ({self.unsupported}); "
                              "use rollout.decoder=auto or transformers")
-        self.decoder = "static" if decoder == "auto" and self.unsupported is None else decoder
-        if self.decoder == "auto":
-            self.decoder = "transformers"
+        if decoder == "auto":
+            decoder = "static" if self.unsupported is None else "transformers"
+        self.decoder = decoder
         self._static: tuple[tuple, StaticDecoder] | None = None  # (weights key, decoder)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
