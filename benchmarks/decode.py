@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,21 +31,18 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from plainrl.config import LoraConfig
+    import tempfile
+
+    from plainrl.config import LoraConfig, ModelConfig
     from plainrl.engines.hf import HFEngine
-    from plainrl.models import DTYPES, apply_lora, load_tokenizer, resolve_model_path
+    from plainrl.models import load_policy, load_tokenizer
     from plainrl.types import SamplingParams
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from vs_trl import make_tiny_model  # benchmarks/ is on sys.path when run as a script
 
     tok = load_tokenizer("smollm2-135m-instruct")
-    if args.tiny:
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-        model = model.to(DTYPES[args.dtype])
-    else:
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m-instruct"),
-                                                     dtype=DTYPES[args.dtype], attn_implementation="eager")
-    model = apply_lora(model, LoraConfig(enabled=True, r=16, alpha=32))
+    name = make_tiny_model(Path(tempfile.mkdtemp())) if args.tiny else "smollm2-135m-instruct"
+    model = load_policy(ModelConfig(name=name, dtype=args.dtype, lora=LoraConfig(enabled=True, r=16, alpha=32)),
+                        torch.device("cpu"))
     questions = [f"What is {i + 12} + {3 * i + 7}? End your reply with 'Answer: <number>'." for i in range(args.prompts)]
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"])

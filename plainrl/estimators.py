@@ -146,7 +146,7 @@ def compute_advantages(
         returns = torch.where(x.mask.bool(), adv + values, torch.zeros_like(adv))
     if cfg.algorithm.whiten_advantages:
         # unscorable rows stay out of the statistics and at exactly 0
-        m = (x.mask if adv.dim() == 2 else torch.ones(len(episodes))) * valid.reshape(-1, *[1] * (adv.dim() - 1))
+        m = x.mask * valid[:, None] if adv.dim() == 2 else valid
         adv = whiten_advantages(adv, m)
     per_episode = adv if adv.dim() == 1 else (adv * x.mask).sum(1) / x.mask.sum(1).clamp(min=1)
     for e, value in zip(episodes, per_episode.tolist()):

@@ -13,7 +13,7 @@ from typing import Literal, Protocol, get_args
 import torch
 
 from plainrl.engines.static_decoder import StaticDecoder, unsupported_reason
-from plainrl.models import unwrap
+from plainrl.models import lora_delta, unwrap
 from plainrl.types import Generation, SamplingParams
 
 
@@ -85,14 +85,13 @@ def merged_lora(model: torch.nn.Module):
     try:
         with torch.no_grad():
             for m in model.modules():
-                if isinstance(m, LoraLayer) and not m.merged and isinstance(m.base_layer, torch.nn.Linear):
-                    active = [a for a in m.active_adapters if a in m.lora_A]
-                    if not active:
-                        continue
+                if not isinstance(m, LoraLayer) or not isinstance(m.base_layer, torch.nn.Linear):
+                    continue
+                delta = lora_delta(m)
+                if delta is not None:
                     w = m.base_layer.weight
-                    delta = sum(m.get_delta_weight(a) for a in active)
                     saved.append((w, w.data))
-                    w.data = w.data + delta.to(w.dtype)
+                    w.data = w.data + delta
         with model.disable_adapter():
             yield
     finally:
@@ -179,12 +178,12 @@ class HFEngine:
             raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
         self.model = model
         self.merge_lora = merge_lora
-        self.unsupported = unsupported_reason(model)
-        if decoder == "static" and self.unsupported is not None:
-            raise ValueError(f"rollout.decoder=static cannot run this model ({self.unsupported}); "
+        unsupported = unsupported_reason(model)
+        if decoder == "static" and unsupported is not None:
+            raise ValueError(f"rollout.decoder=static cannot run this model ({unsupported}); "
                              "use rollout.decoder=auto or transformers")
         if decoder == "auto":
-            decoder = "static" if self.unsupported is None else "transformers"
+            decoder = "static" if unsupported is None else "transformers"
         self.decoder = decoder
         self._static: tuple[tuple, StaticDecoder] | None = None  # (weights key, decoder)
         self.tokenizer = tokenizer

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plainrl.models import unwrap
+from plainrl.models import lora_delta, unwrap
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -61,15 +61,9 @@ def _mkldnn_packing_works(dtype: torch.dtype) -> bool:
 def _effective_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [out, in], bias [out] or None) of a Linear, with the active LoRA adapters
     of a peft-wrapped one folded in (W + s * B @ A), without changing the module."""
-    base = getattr(linear, "base_layer", None)
-    if base is None:
-        return linear.weight, linear.bias
-    w = base.weight
-    if not getattr(linear, "merged", False) and not getattr(linear, "disable_adapters", False):
-        active = [a for a in linear.active_adapters if a in linear.lora_A]
-        if active:
-            w = w + sum(linear.get_delta_weight(a) for a in active).to(w.dtype)
-    return w, base.bias
+    base = getattr(linear, "base_layer", linear)
+    delta = lora_delta(linear)
+    return (base.weight if delta is None else base.weight + delta), base.bias
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
