@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from plainrl.checkpoint import CheckpointError
     from plainrl.data import DataError
+    from plainrl.envs import EnvError
     from plainrl.models import ModelLoadError
     from plainrl.rewards import RewardError, RewardLoadError
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         # the user's input is wrong: say what and how to fix it, without a traceback
         print(f"plainrl: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    except RewardError as e:  # rollout.fail_fast: a reward function could not score a sample
+    except (RewardError, EnvError) as e:  # rollout.fail_fast: a sample could not be scored
         print(f"plainrl: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ from plainrl.config import Config, ConfigError, dump_config
 from plainrl.critic import Critic
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.engines.hf import HFEngine
-from plainrl.envs import env_metrics
+from plainrl.envs import EnvWorkers, env_metrics
 from plainrl.estimators import Advantages, compute_advantages, reward_kl
 from plainrl.evaluate import evaluate
 from plainrl.learner import Learner, UpdateStats
@@ -42,6 +42,11 @@ class Prepared:
     data: PromptData
     reward_fns: list[RewardFn]
     env_factory: object | None  # () -> Environment, for multi-turn rollouts
+
+    def close(self) -> None:
+        """Stop the environment workers, if any (``rollout.env_timeout_s``)."""
+        if isinstance(self.env_factory, EnvWorkers):
+            self.env_factory.close()
 
 
 def prepare(cfg: Config) -> Prepared:
@@ -215,9 +220,17 @@ def open_run(cfg: Config) -> tuple[Path, Path | None, list[str]]:
 
 def setup(cfg: Config) -> Run:
     """Everything before the first step: checks, data, model, engine, learner (and PPO's
-    critic); resume or eval-before."""
+    critic); resume or eval-before. The caller closes ``run.prep`` when done."""
     run_dir, resume_from, resume_warnings = open_run(cfg)
     prep = prepare(cfg)
+    try:
+        return _setup(cfg, prep, run_dir, resume_from, resume_warnings)
+    except BaseException:
+        prep.close()
+        raise
+
+
+def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None, resume_warnings: list[str]) -> Run:
     device = resolve_device(cfg.device)
     logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress)
@@ -228,6 +241,9 @@ def setup(cfg: Config) -> Run:
         logger.print(f"data: {prep.data.dropped.summary()}")
     for note in prep.data.notes:
         logger.print(f"data: {note}")
+    if isinstance(prep.env_factory, EnvWorkers):
+        # forked while this process is small: a fork after the model loads copies more page tables
+        prep.env_factory.prestart(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
     model = load_policy(cfg.model, device)
     engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
                       decoder=cfg.rollout.decoder)
@@ -317,7 +333,14 @@ def train(cfg: Config) -> Path:
         Diverged: ``train.max_bad_steps`` non-finite steps in a row (no weights were changed by them).
     """
     run = setup(cfg)
-    prep, logger = run.prep, run.logger
+    try:
+        return _train(run)
+    finally:
+        run.prep.close()
+
+
+def _train(run: Run) -> Path:
+    cfg, prep, logger = run.cfg, run.prep, run.logger
     params = sampling_params(cfg.rollout)
     bad_steps = 0
     with GracefulStop() as stop:
@@ -337,6 +360,7 @@ def train(cfg: Config) -> Path:
             times = {"generate": gen, "reward": t1 - t0 - gen, "update": t2 - t1, "step": t2 - t0}
             logger.log(step, step_metrics(episodes, prep.reward_fns, rewards_out, stats, times, extra))
             logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
+            logger.log_errors(step, rewards_out.errors)
             bad_steps = bad_steps + 1 if stats.skipped else 0
             if bad_steps >= cfg.train.max_bad_steps:
                 latest = find_latest(run.run_dir)

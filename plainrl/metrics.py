@@ -1,5 +1,6 @@
 """Metric sinks: ``metrics.jsonl`` (one object per step), TensorBoard scalars, sampled
-rollouts as JSON Lines, and a live progress line on the terminal (rich)."""
+rollouts and unscorable samples' errors as JSON Lines, and a live progress line on
+the terminal (rich)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from plainrl.types import Episode
+from plainrl.types import Episode, SampleError
 
 
 # (metric, label, format) of the per-step progress line; absent metrics are left out
@@ -32,7 +33,7 @@ class MetricsLogger:
     """Writes every step's metrics to all sinks.
 
     Args:
-        run_dir: directory receiving ``metrics.jsonl``, ``rollouts.jsonl`` and ``tb/``.
+        run_dir: directory receiving ``metrics.jsonl``, ``rollouts.jsonl``, ``errors.jsonl`` and ``tb/``.
         total_steps: for the ETA.
         tensorboard: also write TensorBoard event files.
         progress: print one status line per step (and eval results).
@@ -59,8 +60,10 @@ class MetricsLogger:
         so a resumed run's files hold each step once."""
         self.metrics_f.close()
         self.rollouts_f.close()
-        for name in ("metrics.jsonl", "rollouts.jsonl"):
+        for name in ("metrics.jsonl", "rollouts.jsonl", "errors.jsonl"):
             path = self.run_dir / name
+            if not path.exists():
+                continue
             keep = []
             for line in path.read_text().splitlines():
                 row = json.loads(line)
@@ -115,6 +118,19 @@ class MetricsLogger:
             }
             self.rollouts_f.write(json.dumps(rec, default=str) + "\n")
         self.rollouts_f.flush()
+
+    def log_errors(self, step: int, errors: list[SampleError]) -> None:
+        """Append why samples were unscorable to ``errors.jsonl`` (``step``, ``sample_id``,
+        ``source``, ``error``) and print one line naming the first of them."""
+        if not errors:
+            return
+        with open(self.run_dir / "errors.jsonl", "a") as f:
+            for e in errors:
+                f.write(json.dumps({"step": step, "sample_id": e.sample_id, "source": e.source,
+                                    "error": e.message}) + "\n")
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        self.console.print(f"step {step + 1}: {errors[0]}{more}; see {self.run_dir / 'errors.jsonl'}",
+                           highlight=False, markup=False)
 
     def print(self, msg: str) -> None:
         """Notes and warnings: always shown (``progress`` only silences the per-step lines)."""

@@ -11,8 +11,9 @@ from plainrl.algorithms import informative_groups, overlong_penalty
 from plainrl.config import AlgorithmConfig, Config, RolloutConfig
 from plainrl.data import PromptRow
 from plainrl.engines.base import Engine
+from plainrl.envs.base import EnvError
 from plainrl.rewards import RewardFn, score
-from plainrl.types import Episode, RewardOutput, SamplingParams
+from plainrl.types import Episode, RewardOutput, SampleError, SamplingParams
 
 
 def sampling_params(cfg: RolloutConfig, **overrides) -> SamplingParams:
@@ -27,23 +28,29 @@ def sampling_params(cfg: RolloutConfig, **overrides) -> SamplingParams:
 def make_env_factory(cfg: RolloutConfig):
     """``rollout.env`` -> a zero-argument factory of environments, or None (single turn).
 
+    With ``rollout.env_timeout_s`` the factory is an :class:`~plainrl.envs.EnvWorkers`
+    (each episode's environment in a worker process, every call time-limited; call
+    its ``close()`` when done); no worker starts here.
+
     Raises:
         ValueError: an unknown name or a reference that cannot be loaded (before any model loads).
     """
     if cfg.env is None:
         return None
-    from plainrl.envs import CalculatorEnv, PythonToolEnv
+    from plainrl.envs import CalculatorEnv, EnvWorkers, PythonToolEnv
 
     builtins = {"calculator": CalculatorEnv, "python": lambda: PythonToolEnv(timeout_s=cfg.tool_timeout_s)}
     if cfg.env in builtins:
-        return builtins[cfg.env]
-    if ":" not in cfg.env:
+        factory = builtins[cfg.env]
+    elif ":" not in cfg.env:
         raise ValueError(
             f"rollout.env={cfg.env!r}: use a built-in ({', '.join(builtins)}) or a factory 'module:fn' / 'file.py:fn'"
         )
-    from plainrl.rewards.loading import load_reward_fn
+    else:
+        from plainrl.rewards.loading import load_reward_fn
 
-    return load_reward_fn(cfg.env)
+        factory = load_reward_fn(cfg.env)
+    return factory if cfg.env_timeout_s is None else EnvWorkers(factory, timeout_s=cfg.env_timeout_s)
 
 
 def rollout(
@@ -95,15 +102,34 @@ def rollout(
     return episodes
 
 
-def score_episodes(episodes: list[Episode], fns: list[RewardFn], **runner_kwargs) -> RewardOutput:
-    """Score episodes with the reward functions and store the totals and parts on them."""
-    out = score(
-        fns, [e.completion_text for e in episodes], [e.row for e in episodes],
-        [e.sample_id for e in episodes], **runner_kwargs,
-    )
+def score_episodes(episodes: list[Episode], fns: list[RewardFn], *, fail_fast: bool = False,
+                   **runner_kwargs) -> RewardOutput:
+    """Score episodes with the reward functions and store the totals and parts on them.
+
+    An episode whose environment failed (``row["env_error"]``) is unscorable: the
+    functions are not called on it (its parts are None) and its error joins the
+    output's ``errors``.
+
+    Args:
+        fail_fast: raise at the first failed environment or reward call instead.
+        runner_kwargs: passed to :func:`plainrl.rewards.score` (``timeout_s``, ``workers``).
+    Raises:
+        EnvError: ``fail_fast`` and an episode's environment failed (checked first).
+        RewardError: ``fail_fast`` and a reward call failed.
+    """
+    env_errors = [SampleError(e.sample_id, "environment", e.row["env_error"])
+                  for e in episodes if e.row.get("env_error") is not None]
+    if fail_fast and env_errors:
+        raise EnvError(str(env_errors[0]))
+    ok = [e for e in episodes if e.row.get("env_error") is None]
+    scored = score(fns, [e.completion_text for e in ok], [e.row for e in ok], [e.sample_id for e in ok],
+                   fail_fast=fail_fast, **runner_kwargs)
+    where = {id(e): i for i, e in enumerate(ok)}
+    pick = lambda vals: [vals[where[id(e)]] if id(e) in where else None for e in episodes]  # noqa: E731
+    out = RewardOutput(total=pick(scored.total), parts={k: pick(v) for k, v in scored.parts.items()},
+                       errors=scored.errors + env_errors)
     for i, e in enumerate(episodes):
-        # an environment that raised leaves the episode unscorable whatever the functions say
-        e.reward = None if e.row.get("env_error") is not None else out.total[i]
+        e.reward = out.total[i]
         e.reward_parts = {name: vals[i] for name, vals in out.parts.items()}
     return out
 
@@ -133,7 +159,7 @@ def dynamic_sampling(
         group_size, num_groups: the batch the step wants (``rollout.group_size``,
             ``rollout.prompts_per_step``).
         max_tries: the most batches to draw (``algorithm.dynamic_sampling_tries``).
-        runner_kwargs: passed to :func:`plainrl.rewards.score` (``timeout_s``, ``fail_fast``).
+        runner_kwargs: passed to :func:`score_episodes` (``timeout_s``, ``fail_fast``).
     Returns:
         ``(episodes, rewards of every episode drawn, metrics)``; metrics:
         ``sampling/tries``, ``sampling/filtered_frac`` (groups dropped / groups drawn),

@@ -75,18 +75,36 @@ class Episode:
     advantage: float = 0.0
 
 
+@dataclass(frozen=True)
+class SampleError:
+    """Why a sample could not be scored (or a part of it).
+
+    sample_id: the episode's ``sample_id``.
+    source:    what failed: ``"reward 'name'"`` or ``"environment"``.
+    message:   the problem, e.g. ``"ValueError: bad (at my_reward.py:3)"``, ``"timed out after 5s"``.
+    """
+
+    sample_id: str
+    source: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.source} on sample {self.sample_id!r}: {self.message}"
+
+
 @dataclass
 class RewardOutput:
     """Scores for N completions.
 
     total: [N] weighted sum of the parts, None when a part with non-zero weight is None.
     parts: {function name: [N]} each function's raw value (None = unscorable).
-    errors: human-readable messages for every unscorable (function, sample) pair.
+    errors: one record per unscorable (function, sample) pair, and per episode
+            whose environment failed.
     """
 
     total: list[float | None]
     parts: dict[str, list[float | None]]
-    errors: list[str] = field(default_factory=list)
+    errors: list[SampleError] = field(default_factory=list)
 
 
 @dataclass

@@ -210,7 +210,7 @@ def test_env_error_ends_episode(tokenizer):
     pa, pb, ta, tb, obs_a, engine = three_turn_setup(tokenizer, boom=True)
     (a,) = multi_turn_rollout(engine, [pa], ScriptedEnv, SamplingParams(max_new_tokens=32), tokenizer,
                               group_size=1, step=0, max_turns=None, max_total_tokens=200)
-    assert a.row["env_error"] == "RuntimeError: boom"
+    assert a.row["env_error"].startswith("RuntimeError: boom (at ")
     assert a.row["env_info"]["end_reason"] == "env_error"
     assert a.completion_ids == ta[0][0] + obs_a[0] + ta[1][0]
     assert env_reward(a.completion_text, env_reward=a.row["env_reward"], env_error=a.row["env_error"]) is None

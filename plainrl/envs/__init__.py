@@ -7,8 +7,9 @@
 See docs/environments.md for the protocol, the simple forms and the bookkeeping contract.
 """
 
-from plainrl.envs.base import EnvState, EnvTimeoutError, Environment, StepResult, call_with_timeout, env_reward
+from plainrl.envs.base import EnvError, EnvState, EnvTimeoutError, Environment, StepResult, call_with_timeout, env_reward
 from plainrl.envs.calculator import CalculatorEnv, CalculatorError, format_number, safe_eval
+from plainrl.envs.isolated import EnvWorkerError, EnvWorkers, EnvWorkerTimeout, RemoteEnv
 from plainrl.envs.multiturn import (
     build_env_prompt,
     env_metrics,
@@ -29,13 +30,18 @@ from plainrl.envs.tools import (
 )
 
 __all__ = [
+    "EnvError",
     "CalculatorEnv",
     "CalculatorError",
     "EnvState",
     "EnvTimeoutError",
+    "EnvWorkerError",
+    "EnvWorkerTimeout",
+    "EnvWorkers",
     "Environment",
     "InteractEnv",
     "PythonToolEnv",
+    "RemoteEnv",
     "StepResult",
     "ToolCall",
     "ToolCallError",

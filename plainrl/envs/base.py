@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 from plainrl.types import FinishReason
 
 __all__ = [
+    "EnvError",
     "EnvState",
     "EnvTimeoutError",
     "Environment",
@@ -97,7 +98,8 @@ class Environment(Protocol):
 
     Optionally, ``tools_schema() -> list[dict]`` (JSON schemas for the chat
     template's ``tools=`` argument): when present and non-empty, the prompt is
-    re-rendered with the tools.
+    re-rendered with the tools; and ``close() -> None``, called once when the
+    rollout is over (also when it failed), to release what the episode held.
     """
 
     stop: tuple[str, ...]
@@ -125,6 +127,10 @@ class Environment(Protocol):
             in ``row["env_error"]``.
         """
         ...
+
+
+class EnvError(RuntimeError):
+    """An environment failed on a sample while ``rollout.fail_fast`` is set; names the sample."""
 
 
 class EnvTimeoutError(TimeoutError):

@@ -21,8 +21,10 @@ import torch
 from plainrl.data import PromptRow, render_prompt
 from plainrl.engines.base import Engine
 from plainrl.envs.base import EnvState, Environment, StepResult
+from plainrl.envs.isolated import EnvWorkerError
 from plainrl.envs.tools import hermes_tools_prompt
 from plainrl.types import Episode, FinishReason, Generation, SamplingParams
+from plainrl.workers import describe_exception
 
 __all__ = [
     "build_env_prompt",
@@ -207,7 +209,7 @@ class _Run:
     prompt: PromptRow
     sample_id: str
     group: int
-    env: Environment
+    env: Environment | None  # None: the factory raised
     prompt_ids: list[int]
     state: EnvState
     stop: tuple[str, ...]
@@ -249,7 +251,7 @@ def _do_step(r: _Run) -> tuple[StepResult | None, str | None]:
             raise TypeError(f"env.step must return a StepResult, got {type(res).__name__}")
         return res, None
     except Exception as e:  # recorded on the episode: the caller makes it unscorable
-        return None, f"{type(e).__name__}: {e}"
+        return None, _describe(e)
 
 
 def multi_turn_rollout(
@@ -287,7 +289,14 @@ def multi_turn_rollout(
       after an empty one continues the same turn);
     - the completion reached ``max_total_tokens`` (an observation that does not
       fit is cut to fit; ``finish_reason`` is ``"length"``);
-    - ``env.step`` raised: the error goes to ``row["env_error"]``.
+    - the env raised (building it, ``reset`` or ``step``; with
+      :class:`~plainrl.envs.isolated.EnvWorkers`, also a call over its time
+      limit): ``"Type: message (at file:line)"`` goes to ``row["env_error"]``
+      and the episode is unscorable (an env that failed to start has an empty
+      completion).
+
+    At the end every episode's env is closed (its ``close()``, when it has one),
+    also when the rollout raised.
 
     Generation stops at the env's ``stop`` strings plus ``params.stop``; each
     call samples at most ``min(params.max_new_tokens, room)`` tokens, room being
@@ -300,7 +309,9 @@ def multi_turn_rollout(
         prompts: the step's prompts.
         env_factory: called once per episode for a fresh environment
             (``lambda: CalculatorEnv()``); the built-in envs are stateless, so
-            ``lambda: env`` sharing one instance works too.
+            ``lambda: env`` sharing one instance works too. An
+            :class:`~plainrl.envs.isolated.EnvWorkers` runs each episode's env
+            in a worker process, every call under a time limit.
         params: sampling settings; ``max_new_tokens`` is the per-turn limit.
         tokenizer: the policy's tokenizer (decoding turns for the env, tokenising
             observations, rendering chat observations).
@@ -322,7 +333,7 @@ def multi_turn_rollout(
         tokens skipped). ``prompt_ids`` may differ from the PromptRow's when the
         env re-rendered the prompt. ``row`` is a copy of the prompt row plus
         ``env_reward`` (sum of the step rewards, None if none was given),
-        ``env_error`` (``"Type: message"`` if ``env.step`` raised, else None) and
+        ``env_error`` (``"Type: message (at file:line)"`` if the env raised, else None) and
         ``env_info`` (the steps' info merged: numbers summed; plus ``turns``,
         ``generate_calls``, ``model_tokens``, ``observation_tokens`` and
         ``end_reason``).
@@ -339,17 +350,56 @@ def multi_turn_rollout(
         raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
 
     runs: list[_Run] = []
-    for i, p in enumerate(q for q in prompts for _ in range(group_size)):
+    try:
+        for i, p in enumerate(q for q in prompts for _ in range(group_size)):
+            runs.append(_start(p, f"s{step}-r{p.source_index}-{i % group_size}", i // group_size, env_factory,
+                               tokenizer, max_turns, system_prompt, prompt_template))
+        _run_turns(runs, engine, params, tokenizer, max_total_tokens, generator, max_workers)
+    finally:
+        for r in runs:
+            _close(r)
+    return [_episode(r, tokenizer) for r in runs]
+
+
+def _start(p: PromptRow, sample_id: str, group: int, env_factory: Callable[[], Environment], tokenizer,
+           max_turns: int | None, system_prompt: str | None, prompt_template: str) -> _Run:
+    """A new episode: a fresh environment and its prompt; one whose environment could not
+    be built or reset is over at once, with the error recorded (unscorable)."""
+    env = None
+    try:
         env = env_factory()
         prompt_ids, messages = build_env_prompt(p, env, tokenizer, system_prompt=system_prompt,
                                                 prompt_template=prompt_template)
-        limits = [m for m in (max_turns, getattr(env, "max_turns", None)) if m is not None]
-        runs.append(_Run(
-            prompt=p, sample_id=f"s{step}-r{p.source_index}-{i % group_size}", group=i // group_size, env=env,
-            prompt_ids=prompt_ids, state=EnvState(row=p.row, messages=messages),
-            stop=tuple(getattr(env, "stop", ()) or ()), max_turns=min(limits) if limits else None,
-        ))
+    except Exception as e:
+        r = _Run(prompt=p, sample_id=sample_id, group=group, env=env, prompt_ids=list(p.prompt_ids),
+                 state=EnvState(row=p.row), stop=(), max_turns=max_turns)
+        r.error = _describe(e)
+        _finish(r, "env_error")
+        return r
+    limits = [m for m in (max_turns, getattr(env, "max_turns", None)) if m is not None]
+    return _Run(prompt=p, sample_id=sample_id, group=group, env=env, prompt_ids=prompt_ids,
+                state=EnvState(row=p.row, messages=messages), stop=tuple(getattr(env, "stop", ()) or ()),
+                max_turns=min(limits) if limits else None)
 
+
+def _close(r: _Run) -> None:
+    close = getattr(r.env, "close", None)
+    if not callable(close):
+        return
+    try:
+        close()
+    except Exception as e:  # the episode is complete; a failing close only taints it
+        r.error = r.error or f"env.close: {_describe(e)}"
+
+
+def _describe(e: Exception) -> str:
+    # a worker's errors already say where they were raised, in the worker
+    return str(e) if isinstance(e, EnvWorkerError) else describe_exception(e)
+
+
+def _run_turns(runs: list[_Run], engine: Engine, params: SamplingParams, tokenizer, max_total_tokens: int,
+               generator: torch.Generator | None, max_workers: int) -> None:
+    """Generate and step every live episode, a round at a time, until all have ended."""
     user_stop = tuple(params.stop)
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(runs) or 1)),
                             thread_name_prefix="plainrl-env") as pool:
@@ -371,8 +421,6 @@ def multi_turn_rollout(
             results = list(pool.map(_do_step, live))
             for r, (res, err) in zip(live, results):
                 _apply(r, res, err, tokenizer, max_total_tokens, user_stop)
-
-    return [_episode(r, tokenizer) for r in runs]
 
 
 def _absorb(r: _Run, g: Generation, tokenizer, max_total_tokens: int) -> None:

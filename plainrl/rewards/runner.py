@@ -12,20 +12,16 @@ dropped because the generated completion takes that slot). A function without
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import numbers
-import os
-import signal
-import sys
 import time
-import traceback
 from collections import deque
 from collections.abc import Iterable, Mapping
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 from plainrl.rewards.loading import RewardFn
-from plainrl.types import RewardOutput
+from plainrl.types import RewardOutput, SampleError
+from plainrl.workers import Worker, WorkerDied, describe_exception
 
 __all__ = ["RewardError", "reward_metrics", "score"]
 
@@ -48,14 +44,8 @@ def _call(rf: RewardFn, completion: str, row: Mapping[str, Any]) -> _Result:
     try:
         value = rf.fn(completion, **columns)
     except Exception as e:
-        return None, _describe_exception(e), True, e
+        return None, describe_exception(e), True, e
     return _check_value(value)
-
-
-def _describe_exception(e: BaseException) -> str:
-    frames = traceback.extract_tb(e.__traceback__)
-    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(e).__name__}: {e}{where}"
 
 
 def _check_value(value: Any) -> _Result:
@@ -93,7 +83,7 @@ def score(
     A call that raises, returns NaN/inf or a non-number makes that part None and adds a
     message naming the function, the sample id and the problem to ``errors``; a
     function returning None marks the sample unscorable by intent (also noted in
-    ``errors``). ``bool`` counts as 0/1.
+    ``errors``, as :class:`~plainrl.types.SampleError`). ``bool`` counts as 0/1.
 
     Args:
         fns: from :func:`plainrl.rewards.build_reward_fns` (or built directly).
@@ -134,16 +124,16 @@ def score(
         raise ValueError(f"score: reward names must be unique, got {names}")
 
     parts: dict[str, list[float | None]] = {rf.name: [None] * n for rf in fns}
-    errors: list[str] = []
+    errors: list[SampleError] = []
 
     def record(k: int, i: int, result: _Result) -> None:
         value, problem, is_error, exc = result
         parts[fns[k].name][i] = value
         if problem is not None:
-            msg = f"reward {fns[k].name!r} on sample {sample_ids[i]!r}: {problem}"
+            err = SampleError(sample_ids[i], f"reward {fns[k].name!r}", problem)
             if is_error and fail_fast:
-                raise RewardError(msg) from exc
-            errors.append(msg)
+                raise RewardError(str(err)) from exc
+            errors.append(err)
 
     if timeout_s is None:
         for k, rf in enumerate(fns):
@@ -170,81 +160,6 @@ def score(
 # ----------------------------------------------------------------------------- workers
 
 
-def _worker_main(conn: Connection, parent_ends: list[Connection], parent_pid: int, fns: list[RewardFn]) -> None:
-    # Own process group, so a timeout can also kill processes the reward started;
-    # Ctrl-C is left to the parent, which shuts the workers down.
-    os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
-    # Fork copied the parent's ends of every worker pipe; holding them would keep
-    # recv() from seeing EOF (and exiting) if the parent dies without stopping us.
-    for c in parent_ends:
-        c.close()
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):
-            return
-        if task is None:
-            return
-        k, completion, row = task
-        value, problem, is_error, _ = _call(fns[k], completion, row)
-        try:
-            conn.send((value, problem, is_error, None))
-        except Exception as e:  # only plain floats/strs are sent, so this is a broken pipe
-            try:
-                conn.send((None, f"result could not be sent back: {e}", True, None))
-            except Exception:
-                return
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    # A worker stuck in a hung reward never reads its pipe again, so pipe EOF alone
-    # would not end it if the trainer is killed; on Linux ask the kernel to.
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(0)
-    except Exception:
-        pass
-
-
-class _Worker:
-    def __init__(self, ctx: Any, fns: list[RewardFn], pool: list[_Worker]) -> None:
-        self.conn, child = ctx.Pipe()
-        parent_ends = [self.conn] + [w.conn for w in pool if not w.conn.closed]
-        self.proc = ctx.Process(target=_worker_main, args=(child, parent_ends, os.getpid(), fns), daemon=False)
-        self.proc.start()
-        child.close()
-        self.task: tuple[int, int] | None = None
-        self.deadline = 0.0
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, OSError):
-            pass  # the group may not exist yet (before setpgrp) or already be gone
-        self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(None)
-        except Exception:
-            pass
-        self.proc.join(timeout=1)
-        if self.proc.is_alive():
-            self.kill()
-        else:
-            self.conn.close()
-
-
 def _score_in_workers(
     fns: list[RewardFn],
     completions: list[str],
@@ -253,59 +168,62 @@ def _score_in_workers(
     n_workers: int,
     record: Any,
 ) -> None:
-    ctx = mp.get_context("fork")
+    def handler(task: tuple[int, str, dict[str, Any]]) -> _Result:
+        k, completion, row = task
+        value, problem, is_error, _ = _call(fns[k], completion, row)
+        return value, problem, is_error, None  # the exception object may not pickle
+
     pending = deque((k, i) for k in range(len(fns)) for i in range(len(completions)))
-    pool: list[_Worker] = []
+    pool: list[Worker] = []
+    tasks: dict[Worker, tuple[int, int, float]] = {}  # busy worker -> (function, sample, deadline)
     try:
-        while pending or any(w.task for w in pool):
+        while pending or tasks:
             # hand out work (starting workers lazily, up to n_workers)
             while pending:
-                idle = next((w for w in pool if w.task is None), None)
+                idle = next((w for w in pool if w not in tasks), None)
                 if idle is None:
                     if len(pool) >= n_workers:
                         break
-                    idle = _Worker(ctx, fns, pool)
+                    idle = Worker(handler, name="plainrl-reward")
                     pool.append(idle)
                 k, i = pending.popleft()
                 try:
-                    idle.conn.send((k, completions[i], rows[i]))
-                except Exception as e:
-                    record(k, i, (None, f"could not send the row to the worker: {_describe_exception(e)}", True, None))
+                    idle.send((k, completions[i], rows[i]))
+                except WorkerDied as e:
+                    pool.remove(idle)
+                    record(k, i, (None, str(e), True, None))
                     continue
-                idle.task, idle.deadline = (k, i), time.monotonic() + timeout_s
+                except Exception as e:
+                    record(k, i, (None, f"could not send the row to the worker: {describe_exception(e)}", True, None))
+                    continue
+                tasks[idle] = (k, i, time.monotonic() + timeout_s)
 
-            busy = [w for w in pool if w.task is not None]
-            if not busy:
+            if not tasks:
                 continue
-            wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-            ready = set(wait([w.conn for w in busy], timeout=wait_s))
+            wait_s = max(0.0, min(d for _, _, d in tasks.values()) - time.monotonic())
+            ready = set(wait([w.conn for w in tasks], timeout=wait_s))
             now = time.monotonic()
-            for w in busy:
-                k, i = w.task  # type: ignore[misc]
+            for w, (k, i, deadline) in list(tasks.items()):
                 if w.conn in ready:
+                    del tasks[w]
                     try:
-                        result = w.conn.recv()
-                    except (EOFError, OSError):
-                        w.proc.join(timeout=1)
-                        result = (None, f"worker process died (exit code {w.proc.exitcode})", True, None)
-                        _replace(pool, w, ctx, fns)
-                    else:
-                        w.task = None
-                    record(k, i, result)
-                elif now >= w.deadline:
-                    _replace(pool, w, ctx, fns)
+                        status, value = w.recv()
+                    except WorkerDied as e:
+                        pool.remove(w)
+                        record(k, i, (None, str(e), True, None))
+                        continue
+                    record(k, i, value if status == "ok" else (None, value, True, None))
+                elif now >= deadline:
+                    del tasks[w]
+                    w.kill()
+                    pool.remove(w)
                     record(k, i, (None, f"timed out after {timeout_s:g}s", True, None))
     finally:
         for w in pool:
-            if w.task is None:
-                w.stop()
-            else:
+            if w in tasks:
                 w.kill()
-
-
-def _replace(pool: list[_Worker], w: _Worker, ctx: Any, fns: list[RewardFn]) -> None:
-    w.kill()
-    pool[pool.index(w)] = _Worker(ctx, fns, pool)
+            else:
+                w.stop()
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -320,8 +238,9 @@ def reward_metrics(out: RewardOutput, names: Iterable[str] | None = None) -> dic
 
     Returns:
         ``reward/mean`` (mean of non-None totals), ``reward/<name>/mean`` (mean of that
-        function's non-None values), ``reward/unscorable`` (count of None totals).
-        A mean over no values is NaN.
+        function's non-None values), ``reward/<name>/unscorable`` (count of that
+        function's None values: failures and None by intent), ``reward/unscorable``
+        (count of None totals). A mean over no values is NaN.
     """
 
     def mean(xs: Iterable[float | None]) -> float:
@@ -331,5 +250,6 @@ def reward_metrics(out: RewardOutput, names: Iterable[str] | None = None) -> dic
     metrics = {"reward/mean": mean(out.total)}
     for name in out.parts if names is None else names:
         metrics[f"reward/{name}/mean"] = mean(out.parts.get(name, []))
+        metrics[f"reward/{name}/unscorable"] = float(sum(v is None for v in out.parts.get(name, [])))
     metrics["reward/unscorable"] = float(sum(t is None for t in out.total))
     return metrics

@@ -1,0 +1,63 @@
+"""What ``rollout.env_timeout_s`` costs: forking environment workers, and one step's round trip.
+
+    python benchmarks/env_workers.py [--episodes 32] [--steps 2000] [--model smollm2-135m-instruct]
+
+Prints the fork cost per worker before and after the policy is loaded (the trainer
+forks its workers before; a replacement after a kill forks from the loaded trainer),
+and the mean time of one calculator ``step`` in process and through a worker, ending
+with ``worker_step_overhead_us=X``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from plainrl.config import ModelConfig
+from plainrl.envs import CalculatorEnv, EnvState, EnvWorkers
+from plainrl.models import load_policy, resolve_device
+
+
+def fork_ms(workers: EnvWorkers, n: int) -> float:
+    t = time.perf_counter()
+    workers.prestart(workers.idle + n)
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def step_us(env, steps: int) -> float:
+    state = EnvState(row={"prompt": "p"}, text="Half of 48 is <<48/2=",
+                     messages=[{"role": "user", "content": "p"}, {"role": "assistant", "content": "<<48/2="}])
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        env.step("<<48/2=", state)
+        times.append(time.perf_counter() - t)
+    return statistics.fmean(times) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--episodes", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    args = ap.parse_args()
+
+    with EnvWorkers(CalculatorEnv, timeout_s=30) as workers:
+        small = fork_ms(workers, args.episodes)
+        local = step_us(CalculatorEnv(), args.steps)
+        remote_env = workers()
+        remote_env.reset({"prompt": "p"})
+        remote = step_us(remote_env, args.steps)
+        remote_env.close()
+        model = load_policy(ModelConfig(name=args.model, dtype="bfloat16"), resolve_device("cpu"))
+        params = sum(p.numel() for p in model.parameters())
+        loaded = fork_ms(workers, 8)
+    print(f"fork per worker, before the model loads: {small:.1f} ms ({args.episodes} workers)")
+    print(f"fork per worker, with {params / 1e6:.0f}M parameters loaded: {loaded:.1f} ms (8 workers)")
+    print(f"calculator step in process: {local:.1f} us; through a worker: {remote:.1f} us ({args.steps} steps)")
+    print(f"worker_step_overhead_us={remote - local:.1f}")
+
+
+if __name__ == "__main__":
+    main()
