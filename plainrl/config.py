@@ -105,9 +105,9 @@ class RolloutConfig(_Section):
     max_total_tokens: int | None = Field(None, gt=0)  # completion budget over all turns; default max_new_tokens
     tool_timeout_s: float = Field(5.0, gt=0)  # per code run of the Python tool (its sandbox's wall-clock limit)
     # per environment call: each episode's environment lives in a worker process and
-    # every reset/step past this many seconds kills it, making the episode unscorable
-    # (None: environments run in this process, no time limit)
-    env_timeout_s: float | None = Field(None, gt=0)
+    # a reset/step past this many seconds is killed, making the episode unscorable
+    # (null: environments run in this process, without a limit that can kill)
+    env_timeout_s: float | None = Field(60.0, gt=0)
     # per reward call: run reward functions in worker processes with this timeout
     # (None: in process, no timeout); a timeout makes the sample unscorable
     reward_timeout_s: float | None = Field(None, gt=0)

@@ -28,9 +28,9 @@ def sampling_params(cfg: RolloutConfig, **overrides) -> SamplingParams:
 def make_env_factory(cfg: RolloutConfig):
     """``rollout.env`` -> a zero-argument factory of environments, or None (single turn).
 
-    With ``rollout.env_timeout_s`` the factory is an :class:`~plainrl.envs.EnvWorkers`
-    (each episode's environment in a worker process, every call time-limited; call
-    its ``close()`` when done); no worker starts here.
+    With ``rollout.env_timeout_s`` set (the default) the factory is an
+    :class:`~plainrl.envs.EnvWorkers` (each episode's environment in a worker process,
+    every call time-limited; call its ``close()`` when done); no worker starts here.
 
     Raises:
         ValueError: an unknown name or a reference that cannot be loaded (before any model loads).

@@ -17,6 +17,7 @@ episodes once the rollout closes the environment.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -155,7 +156,7 @@ class EnvWorkers:
         timeout_s: the time limit of each call (building the environment,
             ``reset``, ``tools_schema``, ``step``, ``close``), in seconds.
     Raises:
-        ValueError: ``timeout_s`` is not positive.
+        ValueError: ``timeout_s`` is not positive, or this OS cannot ``fork`` (Windows).
 
     Workers are kept between episodes (one episode per worker at a time) and
     replaced when one is killed; :meth:`prestart` forks them early, before the
@@ -166,6 +167,9 @@ class EnvWorkers:
     def __init__(self, factory: Callable[[], Environment], *, timeout_s: float) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
+        if "fork" not in mp.get_all_start_methods():
+            raise ValueError("environment workers need the 'fork' start method (Linux, macOS); "
+                             "set rollout.env_timeout_s: null to run environments in this process")
         self.factory, self.timeout_s = factory, timeout_s
         self._idle: list[Worker] = []
         self._all: list[Worker] = []
