@@ -108,9 +108,9 @@ class RolloutConfig(_Section):
     # a reset/step past this many seconds is killed, making the episode unscorable
     # (null: environments run in this process, without a limit that can kill)
     env_timeout_s: float | None = Field(60.0, gt=0)
-    # per reward call: run reward functions in worker processes with this timeout
-    # (None: in process, no timeout); a timeout makes the sample unscorable
-    reward_timeout_s: float | None = Field(None, gt=0)
+    # per reward call: reward functions run in worker processes and a call past this
+    # many seconds is killed, making the sample unscorable (null: in process, no limit)
+    reward_timeout_s: float | None = Field(60.0, gt=0)
     fail_fast: bool = False  # an unscorable sample stops the run instead of being counted
 
 

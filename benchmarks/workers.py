@@ -1,11 +1,16 @@
-"""What ``rollout.env_timeout_s`` costs: forking environment workers, and one step's round trip.
+"""What running user code in worker processes costs (``rollout.env_timeout_s``,
+``rollout.reward_timeout_s``): forking workers, an environment step's round trip, and
+scoring one step's completions.
 
-    python benchmarks/env_workers.py [--episodes 32] [--steps 2000] [--model smollm2-135m-instruct]
+    python benchmarks/workers.py [--episodes 32] [--steps 2000] [--model smollm2-135m-instruct]
 
-Prints the fork cost per worker before and after the policy is loaded (the trainer
-forks its workers before; a replacement after a kill forks from the loaded trainer),
-and the mean time of one calculator ``step`` in process and through a worker, ending
-with ``worker_step_overhead_us=X``.
+Prints the fork cost per environment worker before and after the policy is loaded
+(the trainer forks its environment workers before; a replacement after a kill forks
+from the loaded trainer), the mean time of one calculator ``step`` in process and
+through a worker, and the time to score ``--episodes`` completions with the
+``correctness`` reward in process and in a worker (forked per call, as the trainer
+does, with the model loaded); ends with ``worker_step_overhead_us=X`` and
+``reward_worker_overhead_ms=Y``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import time
 from plainrl.config import ModelConfig
 from plainrl.envs import CalculatorEnv, EnvState, EnvWorkers
 from plainrl.models import load_policy, resolve_device
+from plainrl.rewards import RewardFn, score
+from plainrl.rewards.builtins import correctness
 
 
 def fork_ms(workers: EnvWorkers, n: int) -> float:
@@ -36,6 +43,18 @@ def step_us(env, steps: int) -> float:
     return statistics.fmean(times) * 1e6
 
 
+def score_ms(n: int, timeout_s: float | None, repeats: int = 5) -> float:
+    fns = [RewardFn("correctness", correctness)]
+    completions = [f"48 / 2 = 24, and 24 + {i} = {24 + i}. The answer is {24 + i}." for i in range(n)]
+    rows = [{"answer": str(24 + i if i % 2 else i)} for i in range(n)]
+    ids = [f"s0-{i}" for i in range(n)]
+    score(fns, completions, rows, ids, timeout_s=timeout_s)  # warm: math-verify's first parse is slow
+    t = time.perf_counter()
+    for _ in range(repeats):
+        score(fns, completions, rows, ids, timeout_s=timeout_s)
+    return (time.perf_counter() - t) / repeats * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--episodes", type=int, default=32)
@@ -53,10 +72,14 @@ def main() -> None:
         model = load_policy(ModelConfig(name=args.model, dtype="bfloat16"), resolve_device("cpu"))
         params = sum(p.numel() for p in model.parameters())
         loaded = fork_ms(workers, 8)
+        reward_local, reward_worker = score_ms(args.episodes, None), score_ms(args.episodes, 60.0)
     print(f"fork per worker, before the model loads: {small:.1f} ms ({args.episodes} workers)")
     print(f"fork per worker, with {params / 1e6:.0f}M parameters loaded: {loaded:.1f} ms (8 workers)")
     print(f"calculator step in process: {local:.1f} us; through a worker: {remote:.1f} us ({args.steps} steps)")
+    print(f"scoring {args.episodes} completions with correctness: {reward_local:.1f} ms in process, "
+          f"{reward_worker:.1f} ms in a worker")
     print(f"worker_step_overhead_us={remote - local:.1f}")
+    print(f"reward_worker_overhead_ms={reward_worker - reward_local:.1f}")
 
 
 if __name__ == "__main__":
