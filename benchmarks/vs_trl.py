@@ -238,7 +238,7 @@ class PlainrlStepper:
             t4 = time.perf_counter()
             fwd = self.fwd.reset()
             times = {"generate": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "step": t4 - t0}
-            run.logger.log(step, step_metrics(episodes, prep.reward_fns, rewards_out, stats, times))
+            run.logger.log(step, step_metrics(episodes, [f.name for f in prep.reward_fns], rewards_out, stats, times))
             run.logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
             t5 = time.perf_counter()
         rec = {

@@ -121,12 +121,25 @@ class RolloutConfig(_Section):
 
 
 class RewardSpec(_Section):
-    """One reward function: ``module:fn`` or ``path/to/file.py:fn``, with a weight."""
+    """One reward, with a weight: a function ``fn`` (``module:fn`` or ``path/to/file.py:fn``)
+    or a trained reward model ``model`` (:class:`plainrl.rewards.model.RewardModel`)."""
 
-    fn: str
+    fn: str | None = None
+    # a reward model: an algorithm.name=rm run's final/ (adapter or full weights), or an
+    # AutoModelForSequenceClassification directory / hub id with one label and the policy's tokenizer
+    model: str | None = None
     weight: float = 1.0
-    name: str | None = None  # metric name; default: the function's name
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    name: str | None = None  # metric name; default: the function's name, or "reward_model"
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # extra keyword arguments of fn
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardSpec":
+        if (self.fn is None) == (self.model is None):
+            raise ValueError(f"a reward needs exactly one of fn (a function) or model (a reward model); "
+                             f"got fn={self.fn!r}, model={self.model!r}")
+        if self.model is not None and self.kwargs:
+            raise ValueError(f"kwargs go to reward functions; the reward model {self.model!r} takes none")
+        return self
 
 
 AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "sft", "dpo", "rm"]

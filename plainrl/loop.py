@@ -7,7 +7,7 @@ import signal
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from plainrl.learner import Learner, UpdateStats
 from plainrl.metrics import MetricsLogger
 from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, save_policy
 from plainrl.rewards import RewardFn, build_reward_fns, reward_metrics
+from plainrl.rewards.model import RewardModel
 from plainrl.rollout import (
     dynamic_sampling, make_env_factory, rollout, sampling_params, score_episodes, shape_overlong,
 )
@@ -53,6 +54,9 @@ def prepare(cfg: Config) -> Prepared:
     """Load the tokenizer, data and reward functions; fail on bad input before any model loads."""
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.cache_dir)
     reward_fns = build_reward_fns(cfg.rewards)
+    for spec in cfg.rewards:
+        if spec.model is not None:
+            RewardModel.check(spec)
     max_prompt = cfg.model.max_context - cfg.rollout.completion_budget
     data = load_prompt_data(cfg.data, tokenizer, max_prompt_tokens=max_prompt, seed=cfg.seed)
     if cfg.algorithm.advantage == "gae" and cfg.critic.model is not None:
@@ -70,12 +74,12 @@ def seed_everything(seed: int) -> None:
 
 
 def step_metrics(
-    episodes: list[Episode], reward_fns: list[RewardFn], rewards_out, stats: UpdateStats, times: dict,
+    episodes: list[Episode], reward_names: list[str], rewards_out, stats: UpdateStats, times: dict,
     extra: dict | None = None,
 ) -> dict:
     """One step's row of metrics.jsonl; ``extra`` (sampling, shaping, critic, KL metrics) is added last."""
     lengths = [len(e.completion_ids) for e in episodes]
-    m = reward_metrics(rewards_out, [f.name for f in reward_fns])
+    m = reward_metrics(rewards_out, reward_names)
     m["reward/unscorable"] = float(sum(e.reward is None for e in episodes))
     if any("env_info" in e.row for e in episodes):
         m.update(env_metrics(episodes))
@@ -161,6 +165,7 @@ class Run:
     generator: torch.Generator
     start: int  # first step to run (> 0 when resumed)
     critic: Critic | None = None  # algorithm.advantage: gae
+    reward_models: list[RewardModel] = field(default_factory=list)  # rewards: [{model: ...}]
 
     def evaluate(self) -> dict[str, float]:
         c = self.cfg
@@ -254,6 +259,10 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     )
     if cfg.algorithm.advantage == "gae":
         run.critic = load_critic(cfg, model, device, engine.pad_id)
+    run.reward_models = [
+        RewardModel.load(spec, cfg.model, prep.tokenizer, device, share_with=model if cfg.model.lora.enabled else None)
+        for spec in cfg.rewards if spec.model is not None
+    ]
     if resume_from is not None:
         state = load_checkpoint(resume_from, model=model, optimizer=run.learner.optimizer,
                                 scheduler=run.learner.scheduler, generator=run.generator)
@@ -291,7 +300,7 @@ def collect(run: Run, params, step: int) -> tuple[list[Episode], RewardOutput, d
         generating += time.perf_counter() - t
         return episodes
 
-    runner = dict(timeout_s=cfg.rollout.reward_timeout_s, fail_fast=cfg.rollout.fail_fast)
+    runner = dict(timeout_s=cfg.rollout.reward_timeout_s, fail_fast=cfg.rollout.fail_fast, models=run.reward_models)
     if cfg.algorithm.dynamic_sampling:
         episodes, rewards_out, metrics = dynamic_sampling(
             draw, prep.reward_fns, group_size=cfg.rollout.group_size, num_groups=cfg.rollout.prompts_per_step,
@@ -358,7 +367,8 @@ def _train(run: Run) -> Path:
             t2 = time.perf_counter()
             gen = extra.pop("time/generate")
             times = {"generate": gen, "reward": t1 - t0 - gen, "update": t2 - t1, "step": t2 - t0}
-            logger.log(step, step_metrics(episodes, prep.reward_fns, rewards_out, stats, times, extra))
+            names = [f.name for f in prep.reward_fns] + [m.name for m in run.reward_models]
+            logger.log(step, step_metrics(episodes, names, rewards_out, stats, times, extra))
             logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
             logger.log_errors(step, rewards_out.errors)
             bad_steps = bad_steps + 1 if stats.skipped else 0

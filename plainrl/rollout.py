@@ -3,7 +3,7 @@ DAPO's dynamic sampling and overlong reward shaping."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -12,7 +12,9 @@ from plainrl.config import AlgorithmConfig, Config, RolloutConfig
 from plainrl.data import PromptRow
 from plainrl.engines.base import Engine
 from plainrl.envs.base import EnvError
-from plainrl.rewards import RewardFn, score
+from plainrl.rewards import RewardError, RewardFn, score
+from plainrl.rewards.model import RewardModel
+from plainrl.rewards.runner import weighted_total
 from plainrl.types import Episode, RewardOutput, SampleError, SamplingParams
 
 
@@ -102,35 +104,47 @@ def rollout(
     return episodes
 
 
-def score_episodes(episodes: list[Episode], fns: list[RewardFn], *, fail_fast: bool = False,
-                   **runner_kwargs) -> RewardOutput:
-    """Score episodes with the reward functions and store the totals and parts on them.
+def score_episodes(episodes: list[Episode], fns: list[RewardFn], *, models: Sequence[RewardModel] = (),
+                   fail_fast: bool = False, **runner_kwargs) -> RewardOutput:
+    """Score episodes with the reward functions and reward models; store the totals and
+    parts on them.
 
-    An episode whose environment failed (``row["env_error"]``) is unscorable: the
-    functions are not called on it (its parts are None) and its error joins the
-    output's ``errors``.
+    An episode whose environment failed (``row["env_error"]``) is unscorable: nothing
+    scores it (its parts are None) and its error joins the output's ``errors``.
 
     Args:
-        fail_fast: raise at the first failed environment or reward call instead.
+        models: reward models (``rewards: [{model: ...}]``), run in this process on
+            ``prompt_ids + completion_ids``; a non-finite score makes the sample unscorable.
+        fail_fast: raise at the first failed environment, reward call or reward model score.
         runner_kwargs: passed to :func:`plainrl.rewards.score` (``timeout_s``, ``workers``).
     Raises:
         EnvError: ``fail_fast`` and an episode's environment failed (checked first).
-        RewardError: ``fail_fast`` and a reward call failed.
+        RewardError: ``fail_fast`` and a reward call or a reward model score failed.
     """
-    env_errors = [SampleError(e.sample_id, "environment", e.row["env_error"])
-                  for e in episodes if e.row.get("env_error") is not None]
-    if fail_fast and env_errors:
-        raise EnvError(str(env_errors[0]))
+    errors = [SampleError(e.sample_id, "environment", e.row["env_error"])
+              for e in episodes if e.row.get("env_error") is not None]
+    if fail_fast and errors:
+        raise EnvError(str(errors[0]))
     ok = [e for e in episodes if e.row.get("env_error") is None]
     scored = score(fns, [e.completion_text for e in ok], [e.row for e in ok], [e.sample_id for e in ok],
                    fail_fast=fail_fast, **runner_kwargs)
+    parts, weights = dict(scored.parts), {f.name: f.weight for f in fns}
+    for m in models:
+        parts[m.name] = m.score([e.prompt_ids for e in ok], [e.completion_ids for e in ok])
+        weights[m.name] = m.weight
+        for e, v in zip(ok, parts[m.name]):
+            if v is None:
+                err = SampleError(e.sample_id, f"reward model {m.name!r}", "the score is not finite")
+                if fail_fast:
+                    raise RewardError(str(err))
+                errors.append(err)
     where = {id(e): i for i, e in enumerate(ok)}
-    pick = lambda vals: [vals[where[id(e)]] if id(e) in where else None for e in episodes]  # noqa: E731
-    out = RewardOutput(total=pick(scored.total), parts={k: pick(v) for k, v in scored.parts.items()},
-                       errors=scored.errors + env_errors)
+    full = {name: [vals[where[id(e)]] if id(e) in where else None for e in episodes] for name, vals in parts.items()}
+    total = [t if id(e) in where else None for t, e in zip(weighted_total(full, weights, len(episodes)), episodes)]
+    out = RewardOutput(total=total, parts=full, errors=scored.errors + errors)
     for i, e in enumerate(episodes):
         e.reward = out.total[i]
-        e.reward_parts = {name: vals[i] for name, vals in out.parts.items()}
+        e.reward_parts = {name: vals[i] for name, vals in full.items()}
     return out
 
 

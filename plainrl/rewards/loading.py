@@ -235,34 +235,39 @@ def build_reward_fns(specs: list[RewardSpec]) -> list[RewardFn]:
             ``kwargs`` attributes).
 
     Returns:
-        One :class:`RewardFn` per spec, in order. ``name`` defaults to the function's
+        One :class:`RewardFn` per function spec, in order (specs with ``model`` are
+        reward models, loaded by :class:`plainrl.rewards.model.RewardModel`; only
+        their names are checked here). ``name`` defaults to the function's
         ``__name__`` (the class name for callable objects).
 
     Raises:
         RewardLoadError: any problem above; messages start with ``rewards[i]``.
     """
     out: list[RewardFn] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, str] = {}  # name -> where it was first given
     for i, spec in enumerate(specs):
-        where = f"rewards[{i}] (fn={spec.fn!r})"
-        try:
-            fn = load_reward_fn(spec.fn)
-        except RewardLoadError as e:
-            raise RewardLoadError(f"rewards[{i}]: {e}") from e.__cause__
         weight = float(spec.weight)
+        fn = None
+        if getattr(spec, "fn", None) is None:  # a reward model: loaded with the models (plainrl.rewards.model)
+            where, name = f"rewards[{i}] (model={spec.model!r})", spec.name or "reward_model"
+        else:
+            where = f"rewards[{i}] (fn={spec.fn!r})"
+            try:
+                fn = load_reward_fn(spec.fn)
+            except RewardLoadError as e:
+                raise RewardLoadError(f"rewards[{i}]: {e}") from e.__cause__
+            _check_signature(fn, dict(spec.kwargs or {}), where)
+            name = spec.name or getattr(fn, "__name__", None) or type(fn).__name__
         if not math.isfinite(weight):
             raise RewardLoadError(f"{where}: weight={spec.weight!r} must be a finite number")
-        kwargs = dict(spec.kwargs or {})
-        _check_signature(fn, kwargs, where)
-        name = spec.name or getattr(fn, "__name__", None) or type(fn).__name__
         if name in seen:
-            j = seen[name]
             raise RewardLoadError(
-                f"reward name {name!r} is used twice: rewards[{j}] (fn={specs[j].fn!r}) and {where}; "
-                f"give one of them a distinct 'name:'"
+                f"reward name {name!r} is used twice: {seen[name]} and {where}; "
+                "give one of them a distinct 'name:'"
             )
-        seen[name] = i
-        out.append(RewardFn(name=name, fn=fn, weight=weight, kwargs=kwargs))
+        seen[name] = where
+        if fn is not None:
+            out.append(RewardFn(name=name, fn=fn, weight=weight, kwargs=dict(spec.kwargs or {})))
     return out
 
 

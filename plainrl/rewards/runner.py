@@ -23,7 +23,7 @@ from plainrl.rewards.loading import RewardFn
 from plainrl.types import RewardOutput, SampleError
 from plainrl.workers import Worker, WorkerDied, describe_exception
 
-__all__ = ["RewardError", "reward_metrics", "score"]
+__all__ = ["RewardError", "reward_metrics", "score", "weighted_total"]
 
 
 class RewardError(RuntimeError):
@@ -142,19 +142,32 @@ def score(
     else:
         _score_in_workers(fns, completions, rows, timeout_s, workers, record)
 
+    return RewardOutput(total=weighted_total(parts, {rf.name: rf.weight for rf in fns}, n), parts=parts,
+                        errors=errors)
+
+
+def weighted_total(parts: Mapping[str, list[float | None]], weights: Mapping[str, float],
+                   n: int) -> list[float | None]:
+    """``total[i] = sum(weight * parts[name][i])``; None when a part with non-zero weight is
+    None (weight 0 parts are logged, never used).
+
+    Args:
+        parts: {name: [N] values or None}.
+        weights: {name: weight}, the same names.
+        n: N (the totals of no parts are N zeros).
+    """
     total: list[float | None] = []
     for i in range(n):
         acc: float | None = 0.0
-        for rf in fns:
-            part = parts[rf.name][i]
-            if rf.weight == 0:
+        for name, w in weights.items():
+            if w == 0:
                 continue
-            if part is None:
+            if parts[name][i] is None:
                 acc = None
                 break
-            acc += rf.weight * part
+            acc += w * parts[name][i]
         total.append(acc)
-    return RewardOutput(total=total, parts=parts, errors=errors)
+    return total
 
 
 # ----------------------------------------------------------------------------- workers
