@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--rm-steps", type=int, default=150)
     ap.add_argument("--rl-steps", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--threads", default="null", help="torch threads (default: torch's own choice)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
