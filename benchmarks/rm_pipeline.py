@@ -74,7 +74,7 @@ def main() -> None:
         f"rewards=[{{model: '{rm_run / 'final'}', name: rm}}, {{fn: plainrl.rewards.builtins:correctness, weight: 0}}]"]))
     rows = _rows(rl_run)
     steps = [r for r in rows if "reward/rm/mean" in r]
-    evals = [r for r in rows if "eval/accuracy" in r]
+    evals = [r for r in rows if "eval/pass@1" in r]
 
     def first_last(key: str) -> str:
         vals = [r[key] for r in steps]
@@ -84,7 +84,7 @@ def main() -> None:
           f"{rm_eval[-1]['eval/accuracy']:.3f} ({args.rm_steps} steps)")
     print(f"RL, mean of the first 5 -> last 5 of {len(steps)} steps: reward model {first_last('reward/rm/mean')}, "
           f"correctness (weight 0) {first_last('reward/correctness/mean')}")
-    print(f"held-out pass@1: {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}")
+    print(f"held-out pass@1: {evals[0]['eval/pass@1']:.3f} -> {evals[-1]['eval/pass@1']:.3f}")
     print(f"median s/step: RL {statistics.median(r['time/step'] for r in steps):.2f}")
 
 

@@ -166,7 +166,7 @@ def model_counts(model) -> dict[str, int]:
 def learner_work(episodes, mbs, share_prompts: bool) -> tuple[int, float]:
     """(tokens the learner runs, sum of squared attention lengths): with
     ``train.share_prompts`` a micro-batch whose rows share prompts runs each distinct
-    prompt once (as plainrl.learner._shared_prompt_hidden does), so its tokens and its
+    prompt once (as plainrl.learner.shared_prompt_hidden does), so its tokens and its
     prompt self-attention count once."""
     tokens, attn_sq = 0, 0.0
     for mb in mbs:

@@ -261,7 +261,7 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one forward/backward
-    # RL: samples of one prompt in a micro-batch run the prompt once (plainrl.learner._shared_prompt_hidden)
+    # RL: samples of one prompt in a micro-batch run the prompt once (plainrl.learner.shared_prompt_hidden)
     share_prompts: bool = True
     batch_size: int = Field(8, gt=0)  # sft/dpo/rm: rows (pairs) per optimiser step; RL uses the rollout's
     max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row

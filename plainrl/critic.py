@@ -17,14 +17,20 @@ import torch
 from plainrl.algorithms import value_loss
 from plainrl.config import Config
 from plainrl.learner import (
-    MasterAdamW, completion_tensor, make_micro_batches, mini_batch_indices, to_completion_frame,
+    MasterAdamW, completion_tensor, make_micro_batches, mini_batch_indices, shared_prompt_hidden, to_completion_frame,
 )
 from plainrl.models import trainable_parameters, unwrap
 from plainrl.types import Episode
 
 
-def _hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return unwrap(model).get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+def _hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+    base = unwrap(model)
+    if prompt_lens is not None:
+        hidden = shared_prompt_hidden(base, input_ids, attention_mask, prompt_lens)
+        if hidden is not None:
+            return hidden
+    return base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
 def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -45,7 +51,8 @@ def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 
 
 def sequence_scores(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: torch.Tensor
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: torch.Tensor,
+    prompt_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A reward model's score of each sequence, read at the position ``last``.
 
@@ -54,10 +61,12 @@ def sequence_scores(
         attention_mask: [B, T] 1 on real tokens.
         last: [B] the position whose hidden state is scored (plainrl's reward models
             use the last token of the response: the EOS that closes the final assistant turn).
+        prompt_lens: [B] prompt tokens per row; rows with the same prompt then run it
+            once (:func:`plainrl.learner.shared_prompt_hidden`).
     Returns:
         [B] float32 scores (differentiable when grad is enabled).
     """
-    hidden = _hidden(model, input_ids, attention_mask)  # [B, T, H]
+    hidden = _hidden(model, input_ids, attention_mask, prompt_lens)  # [B, T, H]
     picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last.to(hidden.device)]  # [B, H]
     return unwrap(model).score(picked.float()).squeeze(-1)
 

@@ -33,7 +33,7 @@ def _target_logps(
     return (logps, entropy_from_logits(logits)) if with_entropy else logps
 
 
-def _shared_prompt_hidden(
+def shared_prompt_hidden(
     base: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor
 ) -> torch.Tensor | None:
     """The decoder's last hidden states [B, T, H] with each distinct prompt run once.
@@ -121,7 +121,7 @@ def sequence_logps(
             (the completion tokens: prompts are most of a sequence and need no logits).
         with_entropy: also return the entropy of pi_T (:func:`entropy_from_logits`).
         prompt_lens: optional [B] prompt lengths; rows with identical prompts then run
-            their prompt once (:func:`_shared_prompt_hidden`).
+            their prompt once (:func:`shared_prompt_hidden`).
     Returns:
         [B, T-1] float32 logprobs of ``input_ids[:, 1:]`` (0 where ``positions`` is False);
         with ``with_entropy``, ``(logps, entropy)``, both [B, T-1].
@@ -129,7 +129,7 @@ def sequence_logps(
     base = unwrap(model)
     hidden = None
     if prompt_lens is not None:
-        hidden = _shared_prompt_hidden(base, input_ids, attention_mask, prompt_lens)
+        hidden = shared_prompt_hidden(base, input_ids, attention_mask, prompt_lens)
     if hidden is None:
         hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
     b, t = input_ids.shape

@@ -221,7 +221,7 @@ def _grouped_episodes():
 def test_shared_prompt_forward_equals_the_plain_forward(tiny_model_dir):
     """Running each distinct prompt once (keys/values repeated to its samples) gives the same
     logprobs and the same LoRA gradients as one full forward per row."""
-    from plainrl.learner import _shared_prompt_hidden
+    from plainrl.learner import shared_prompt_hidden
     from plainrl.models import apply_lora, unwrap
 
     torch.manual_seed(0)
@@ -248,7 +248,7 @@ def test_shared_prompt_forward_equals_the_plain_forward(tiny_model_dir):
         torch.testing.assert_close(g_shared[name], g_plain[name], atol=1e-5, rtol=1e-4)
     # nothing shared: the plain forward runs
     lone = make_micro_batches(_episodes(3), torch.zeros(3), pad_id=0, token_budget=10_000)[0]
-    assert _shared_prompt_hidden(unwrap(m), lone.input_ids, lone.attention_mask, lone.prompt_lens) is None
+    assert shared_prompt_hidden(unwrap(m), lone.input_ids, lone.attention_mask, lone.prompt_lens) is None
 
 
 def test_learner_update_is_the_same_with_shared_prompts(tiny_model_dir):

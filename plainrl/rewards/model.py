@@ -138,7 +138,10 @@ class RewardModel:
                 ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
                 attn[r, : len(seqs[i])] = 1
             last = attn.sum(dim=1) - 1  # [B] right-padded: the last real token
-            scores = sequence_scores(self.model, ids.to(device), attn.to(device), last.to(device))
+            # a group's samples share their prompt: it runs once
+            prompt_lens = torch.tensor([len(prompt_ids[i]) for i in group])
+            scores = sequence_scores(self.model, ids.to(device), attn.to(device), last.to(device),
+                                     prompt_lens=prompt_lens.to(device))
             for i, v in zip(group, scores.tolist()):
                 out[i] = v if math.isfinite(v) else None
         return out
