@@ -20,7 +20,7 @@ from plainrl.learner import (
     MasterAdamW, completion_tensor, make_micro_batches, mini_batch_indices, shared_prompt_hidden, to_completion_frame,
 )
 from plainrl.models import trainable_parameters, unwrap
-from plainrl.types import Episode
+from plainrl.types import Episode, MicroBatch
 
 
 def _hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -33,7 +33,8 @@ def _hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     return base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
-def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
     """V(s_t) for every target position of a value model (``per_token=True``).
 
     The state before token t+1 is the prefix through token t, so the value at
@@ -43,10 +44,12 @@ def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     Args:
         input_ids: [B, T] token ids (right-padded).
         attention_mask: [B, T] 1 on real tokens.
+        prompt_lens: [B] prompt tokens per row; rows with the same prompt then run it
+            once (:func:`plainrl.learner.shared_prompt_hidden`).
     Returns:
         [B, T-1] float32 values (differentiable when grad is enabled).
     """
-    hidden = _hidden(model, input_ids, attention_mask)[:, :-1]  # [B, T-1, H]
+    hidden = _hidden(model, input_ids, attention_mask, prompt_lens)[:, :-1]  # [B, T-1, H]
     return unwrap(model).score(hidden.float()).squeeze(-1)
 
 
@@ -102,10 +105,14 @@ class Critic:
             [N, L] float32 in the completion frame (:func:`plainrl.learner.completion_tensor`).
         """
         out = torch.zeros(len(episodes), max((len(e.completion_ids) for e in episodes), default=0))
-        dev = self.device
         for mb in self._batches(episodes):
-            to_completion_frame(token_values(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev)), mb, out)
+            to_completion_frame(self._values(mb), mb, out)
         return out
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        dev = self.device
+        lens = mb.prompt_lens.to(dev) if self.cfg.train.share_prompts and mb.prompt_lens is not None else None
+        return token_values(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), lens)  # [B, T-1]
 
     def update(self, episodes: list[Episode], returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """Fit the values to the lambda-returns (GAE's ``A + V``, before whitening) with the
@@ -131,7 +138,7 @@ class Critic:
             num_tokens = int(sum(m.sum().item() for m in masks))
             loss_sum = clip_sum = 0.0
             for mb, mask in zip(mbs, masks):
-                v = token_values(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev))  # [B, T-1]
+                v = self._values(mb)  # [B, T-1]
                 loss, stats = value_loss(v, mb.old_values.to(dev), mb.returns.to(dev), mask.to(dev),
                                          clip=a.value_clip, agg="token-mean", num_tokens=num_tokens)
                 loss.backward()

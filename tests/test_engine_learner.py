@@ -266,3 +266,38 @@ def test_learner_update_is_the_same_with_shared_prompts(tiny_model_dir):
         learner.update(eps, adv)  # kl_coef > 0: the reference logprobs take the shared path too
         grads.append(torch.cat([p.grad.flatten() for p in learner.master]))
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_critic_values_and_update_are_the_same_with_shared_prompts(tiny_model_dir, monkeypatch):
+    """PPO's critic runs each distinct prompt once too: same values, same value-loss gradients."""
+    import plainrl.critic
+    from plainrl.critic import Critic
+    from plainrl.models import load_value_model
+
+    shared_calls = []
+    real = plainrl.critic.shared_prompt_hidden
+    monkeypatch.setattr(plainrl.critic, "shared_prompt_hidden",
+                        lambda *a: shared_calls.append(1) or real(*a))
+
+    eps = _grouped_episodes()
+    for e in eps:
+        e.reward = 1.0
+    returns = torch.randn(7, 5, generator=torch.Generator().manual_seed(2))
+    out = []
+    for share in ("true", "false"):
+        cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                                 "algorithm.name=ppo", f"train.share_prompts={share}", "train.max_grad_norm=null",
+                                 f"model.name={tiny_model_dir}", "model.dtype=float32"])
+        torch.manual_seed(0)  # the same new value head in both
+        critic = Critic(load_value_model(cfg.model, torch.device("cpu"), per_token=True), cfg, pad_id=0)
+        critic.optimizer.step = lambda: None  # keep the gradient for inspection
+        critic.optimizer.zero_grad = lambda set_to_none=True: None
+        values = critic.values(eps)
+        critic.update(eps, returns, values)
+        out.append((values, torch.cat([p.grad.flatten() for p in critic.opt.master])))
+        assert (len(shared_calls) > 0) == (share == "true")  # values and the update's forwards took the shared path
+        shared_calls.clear()
+    (v_shared, g_shared), (v_plain, g_plain) = out
+    assert v_plain.abs().sum() > 0 and g_plain.abs().sum() > 0
+    torch.testing.assert_close(v_shared, v_plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_shared, g_plain, atol=1e-5, rtol=1e-4)
