@@ -30,7 +30,7 @@ def _cmd_eval(args) -> int:
 
     from plainrl.engines.hf import HFEngine
     from plainrl.evaluate import evaluate
-    from plainrl.loop import prepare, seed_everything
+    from plainrl.loop import multi_turn_eval, prepare, seed_everything
     from plainrl.models import load_policy, resolve_device
 
     target = Path(args.target)
@@ -62,12 +62,15 @@ def _cmd_eval(args) -> int:
         model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
     engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
                       decoder=cfg.rollout.decoder)
-    result = evaluate(
-        engine, rows, prep.tokenizer,
-        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
-        k=cfg.eval.k, temperature=cfg.eval.temperature,
-        generator=torch.Generator(device=device).manual_seed(cfg.seed),
-    )
+    try:
+        result = evaluate(
+            engine, rows, prep.tokenizer,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
+            k=cfg.eval.k, temperature=cfg.eval.temperature,
+            generator=torch.Generator(device=device).manual_seed(cfg.seed), multi_turn=multi_turn_eval(cfg, prep),
+        )
+    finally:
+        prep.close()
     print(json.dumps({"model": str(final or cfg.model.name), **result}, indent=2))
     return 0
 

@@ -1,9 +1,12 @@
 """Held-out evaluation: greedy pass@1 and, when ``eval.k > 1``, mean@k of sampled
-completions, graded by the built-in final-answer check (math-verify)."""
+completions, graded by the built-in final-answer check (math-verify); multi-turn runs
+are evaluated in their environment."""
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -13,14 +16,37 @@ from plainrl.rewards import correctness
 from plainrl.types import SamplingParams
 
 
-def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tokenizer, n: int, generator) -> list[float]:
+def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tokenizer, n: int, generator,
+              multi_turn: MultiTurnEval | None) -> tuple[list[float], dict[str, float]]:
     flat = [r for r in rows for _ in range(n)]
-    gens = engine.generate([r.prompt_ids for r in flat], params, generator=generator)
+    if multi_turn is None:
+        gens = engine.generate([r.prompt_ids for r in flat], params, generator=generator)
+        texts, extra = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens], {}
+    else:
+        from plainrl.envs import env_metrics, multi_turn_rollout
+
+        m = multi_turn
+        episodes = multi_turn_rollout(engine, flat, m.env_factory, params, tokenizer, group_size=1, step=-1,
+                                      max_turns=m.max_turns, max_total_tokens=m.max_total_tokens, generator=generator,
+                                      system_prompt=m.system_prompt, prompt_template=m.prompt_template)
+        texts, extra = [e.completion_text for e in episodes], env_metrics(episodes)
     scores = []
-    for r, g in zip(flat, gens):
-        s = correctness(tokenizer.decode(g.token_ids, skip_special_tokens=True), **r.row)
+    for r, text in zip(flat, texts):
+        s = correctness(text, **r.row)
         scores.append(0.0 if s is None else float(s))
-    return scores
+    return scores, extra
+
+
+@dataclass(frozen=True)
+class MultiTurnEval:
+    """Evaluate with the run's environment (``rollout.env``): the arguments of
+    :func:`plainrl.envs.multi_turn_rollout` that the config sets."""
+
+    env_factory: Callable[[], Any]
+    max_turns: int | None
+    max_total_tokens: int
+    system_prompt: str | None = None
+    prompt_template: str = "{prompt}"
 
 
 def evaluate(
@@ -33,18 +59,29 @@ def evaluate(
     k: int = 1,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    multi_turn: MultiTurnEval | None = None,
 ) -> dict[str, float]:
     """Accuracy on ``rows`` (each needs an ``answer`` column).
 
+    Args:
+        max_new_tokens: tokens per completion (per turn with ``multi_turn``).
+        multi_turn: run each prompt as a multi-turn episode in the training
+            environment (a tool-using policy is graded with its tools), graded on
+            the whole completion text, tool output included.
     Returns:
         ``{"eval/pass@1": greedy accuracy, "eval/mean@k": mean accuracy of k samples
-        per prompt at ``temperature`` (only when k > 1), "eval/n": number of prompts}``.
+        per prompt at ``temperature`` (only when k > 1), "eval/n": number of prompts}``;
+        with ``multi_turn``, also the greedy episodes' environment metrics as
+        ``eval/env/...`` (e.g. ``eval/env/tool_calls`` per episode).
     """
     if not rows:
         return {}
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop)
-    out = {"eval/pass@1": statistics.fmean(_accuracy(engine, rows, greedy, tokenizer, 1, generator)), "eval/n": len(rows)}
+    scores, extra = _accuracy(engine, rows, greedy, tokenizer, 1, generator, multi_turn)
+    out = {"eval/pass@1": statistics.fmean(scores), "eval/n": len(rows),
+           **{f"eval/{k_}": v for k_, v in extra.items()}}
     if k > 1:
         sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
-        out[f"eval/mean@{k}"] = statistics.fmean(_accuracy(engine, rows, sampled, tokenizer, k, generator))
+        out[f"eval/mean@{k}"] = statistics.fmean(_accuracy(engine, rows, sampled, tokenizer, k, generator,
+                                                            multi_turn)[0])
     return out

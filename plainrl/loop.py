@@ -23,7 +23,7 @@ from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.engines.hf import HFEngine
 from plainrl.envs import EnvWorkers, env_metrics
 from plainrl.estimators import Advantages, compute_advantages, reward_kl
-from plainrl.evaluate import evaluate
+from plainrl.evaluate import MultiTurnEval, evaluate
 from plainrl.learner import Learner, UpdateStats
 from plainrl.metrics import MetricsLogger
 from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, save_policy
@@ -65,6 +65,14 @@ def prepare(cfg: Config) -> Prepared:
             raise ConfigError(f"critic.model={cfg.critic.model!r} has another tokenizer than model.name="
                               f"{cfg.model.name!r}; use a critic of the same model family (or leave critic.model unset)")
     return Prepared(tokenizer, data, reward_fns, make_env_factory(cfg.rollout))
+
+
+def multi_turn_eval(cfg: Config, prep: Prepared) -> MultiTurnEval | None:
+    """How held-out prompts are run when the training rollouts are multi-turn (``rollout.env``)."""
+    if prep.env_factory is None:
+        return None
+    return MultiTurnEval(prep.env_factory, cfg.rollout.max_turns, cfg.rollout.completion_budget,
+                         cfg.data.system_prompt, cfg.data.prompt_template)
 
 
 def seed_everything(seed: int) -> None:
@@ -173,6 +181,7 @@ class Run:
             self.engine, self.prep.data.eval, self.prep.tokenizer,
             max_new_tokens=c.eval.max_new_tokens or c.rollout.max_new_tokens, stop=tuple(c.rollout.stop),
             k=c.eval.k, temperature=c.eval.temperature, generator=self.generator,
+            multi_turn=multi_turn_eval(c, self.prep),
         )
 
     def save(self, step: int) -> Path:

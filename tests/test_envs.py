@@ -511,3 +511,34 @@ def test_multi_turn_rollout_hf_engine_calculator(tokenizer, tiny_model_dir):
             if m:
                 assert abs(lp[j].item() - e.logprobs[j]) < 1e-4, j
         assert max(abs(x) for x in e.logprobs) > 0.05  # the bias leaves real probabilities to compare
+
+
+def test_evaluation_of_a_tool_using_policy_runs_its_environment(tokenizer):
+    """Held-out eval of a multi-turn run goes through the environment: the calculator's
+    answer is inserted before the model's final answer is graded."""
+    from plainrl.evaluate import MultiTurnEval, evaluate
+
+    p = make_prompt(tokenizer, "What is 2 + 2?", 0, answer="4")
+
+    class CalcUser:
+        def generate(self, prompts, params, *, generator=None):
+            assert params.temperature == 0.0  # greedy pass@1
+            out = []
+            for ctx in prompts:
+                if len(ctx) == len(p.prompt_ids):  # first turn: call the calculator
+                    t, reason = ids(tokenizer, "<<2+2="), "stop"
+                else:  # after "4>>" was inserted: answer with what the tool said
+                    said = tokenizer.decode(ctx[len(p.prompt_ids):])
+                    t = ids(tokenizer, " Answer: 4" if said.endswith("4>>") else " Answer: 5") + [tokenizer.eos_token_id]
+                    reason = "eos"
+                out.append(Generation(token_ids=t, logprobs=[0.0] * len(t), finish_reason=reason))
+            return out
+
+        def load_weights(self, model):
+            pass
+
+    single = evaluate(CalcUser(), [p], tokenizer, max_new_tokens=16)
+    assert single["eval/pass@1"] == 0.0 and "eval/env/turns" not in single  # "<<2+2=" is no answer
+    multi = evaluate(CalcUser(), [p], tokenizer, max_new_tokens=16,
+                     multi_turn=MultiTurnEval(CalculatorEnv, max_turns=4, max_total_tokens=64))
+    assert multi["eval/pass@1"] == 1.0 and multi["eval/env/tool_calls"] == 1.0 and multi["eval/n"] == 1

@@ -41,6 +41,10 @@ def test_every_example_runs_tiny(example, tiny_model_dir, tmp_path):
         assert isinstance(r["loss"], float) and r["loss"] == r["loss"]  # finite, not NaN
         for spec in load_config(example).rewards:
             assert f"reward/{spec.fn.split(':')[1]}/mean" in r
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    if load_config(example).rollout.env is not None:  # a tool-using policy is evaluated with its tools
+        assert all("eval/env/turns" in r for r in evals)
     assert (run / "config.yaml").is_file() and (run / "final").is_dir()
     assert (run / "rollouts.jsonl").read_text().strip()
     assert list((run / "tb").iterdir())
