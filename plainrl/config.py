@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -82,6 +82,9 @@ class DataConfig(_Section):
     shuffle: bool = True
 
 
+BUILTIN_ENVS = ("calculator", "python")  # rollout.env names built into plainrl.rollout.make_env_factory
+
+
 class RolloutConfig(_Section):
     """Sampling settings for the rollout engine."""
 
@@ -113,6 +116,14 @@ class RolloutConfig(_Section):
     reward_timeout_s: float | None = Field(60.0, gt=0)
     fail_fast: bool = False  # an unscorable sample stops the run instead of being counted
 
+
+    @field_validator("env")
+    @classmethod
+    def _env_reference(cls, v: str | None) -> str | None:
+        if v is not None and v not in BUILTIN_ENVS and ":" not in v:
+            raise ValueError(f"rollout.env={v!r}: use a built-in ({', '.join(BUILTIN_ENVS)}) "
+                             "or a factory 'module:fn' / 'path/to/file.py:fn'")
+        return v
 
     @property
     def completion_budget(self) -> int:

@@ -35,7 +35,8 @@ def make_env_factory(cfg: RolloutConfig):
     every call time-limited; call its ``close()`` when done); no worker starts here.
 
     Raises:
-        ValueError: an unknown name or a reference that cannot be loaded (before any model loads).
+        RewardLoadError: a ``module:fn`` reference that cannot be loaded (before any model
+            loads; the config already refused names that are neither built-in nor references).
     """
     if cfg.env is None:
         return None
@@ -44,14 +45,10 @@ def make_env_factory(cfg: RolloutConfig):
     builtins = {"calculator": CalculatorEnv, "python": lambda: PythonToolEnv(timeout_s=cfg.tool_timeout_s)}
     if cfg.env in builtins:
         factory = builtins[cfg.env]
-    elif ":" not in cfg.env:
-        raise ValueError(
-            f"rollout.env={cfg.env!r}: use a built-in ({', '.join(builtins)}) or a factory 'module:fn' / 'file.py:fn'"
-        )
     else:
         from plainrl.rewards.loading import load_reward_fn
 
-        factory = load_reward_fn(cfg.env)
+        factory = load_reward_fn(cfg.env, what="rollout.env")
     return factory if cfg.env_timeout_s is None else EnvWorkers(factory, timeout_s=cfg.env_timeout_s)
 
 

@@ -214,3 +214,14 @@ def test_failing_environments_in_a_real_training_step(tiny_model_dir, tmp_path, 
 def test_fail_fast_stops_at_a_failing_environment(tiny_model_dir, tmp_path):
     with pytest.raises(EnvError, match="environment on sample 's0-.*tool backend down"):
         loop.train(_train_cfg(tiny_model_dir, tmp_path / "run", "raises", "rollout.fail_fast=true"))
+
+
+def test_bad_env_references_are_config_errors_before_any_model_loads(tiny_model_dir, tmp_path):
+    from plainrl.config import ConfigError
+    from plainrl.rewards import RewardLoadError
+
+    with pytest.raises(ConfigError, match="rollout.env='nope': use a built-in"):
+        load_config(REPO / "examples" / "arithmetic_grpo.yaml", ["rollout.env=nope"])
+    with pytest.raises(RewardLoadError, match=r"rollout.env 'nope.py:f': file .* not found"):
+        loop.prepare(load_config(REPO / "examples" / "arithmetic_grpo.yaml",
+                                 tiny_overrides(tiny_model_dir, tmp_path / "run") + ["rollout.env=nope.py:f"]))

@@ -82,7 +82,7 @@ def _keyword_params(fn: Callable[..., Any]) -> frozenset[str] | None:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_reward_fn(ref: str) -> Callable[..., Any]:
+def load_reward_fn(ref: str, *, what: str = "reward") -> Callable[..., Any]:
     """Import the callable named by ``ref``.
 
     Args:
@@ -92,6 +92,8 @@ def load_reward_fn(ref: str) -> Callable[..., Any]:
             called ``rewards.py`` do not collide, and loading the same file twice
             reuses one module), and its directory is appended to ``sys.path`` so it
             can import sibling helper modules.
+        what: what the reference is for, named in error messages (``"reward"``,
+            ``"rollout.env"``).
 
     Returns:
         The callable (not yet checked for its signature; see :func:`build_reward_fns`).
@@ -106,25 +108,26 @@ def load_reward_fn(ref: str) -> Callable[..., Any]:
         if isinstance(ref, str) and ref.strip() in _BUILTIN_NAMES:
             hint = f" For the built-in, write 'plainrl.rewards:{ref.strip()}'."
         raise RewardLoadError(
-            f"reward reference {ref!r} has no ':'; write 'package.module:function' or "
+            f"{what} reference {ref!r} has no ':'; write 'package.module:function' or "
             f"'path/to/file.py:function'.{hint}"
         )
     target, _, attr_path = ref.strip().rpartition(":")
     if not target or not attr_path:
         raise RewardLoadError(
-            f"reward reference {ref!r} is missing the {'module/file' if not target else 'function'} "
+            f"{what} reference {ref!r} is missing the {'module/file' if not target else 'function'} "
             "part; write 'package.module:function' or 'path/to/file.py:function'"
         )
+    label = f"{what} {ref!r}"
     if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _import_file(target, ref)
+        module = _import_file(target, label)
         shown = str(module.__file__)
     else:
-        module = _import_module(target, ref)
+        module = _import_module(target, label)
         shown = module.__name__
-    return _resolve_attr(module, shown, attr_path, ref)
+    return _resolve_attr(module, shown, attr_path, label)
 
 
-def _import_module(name: str, ref: str) -> ModuleType:
+def _import_module(name: str, label: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
@@ -136,30 +139,30 @@ def _import_module(name: str, ref: str) -> ModuleType:
                 # console scripts do not put the current directory on sys.path
                 hint = f" A file {as_file} exists: reference it as '{name.replace('.', '/')}.py:...'."
             raise RewardLoadError(
-                f"reward {ref!r}: module {name!r} not found (no module named {missing!r}). "
+                f"{label}: module {name!r} not found (no module named {missing!r}). "
                 f"Check the spelling, install the package, or put it on PYTHONPATH; for a "
                 f"file, use 'path/to/file.py:function'.{hint}"
             ) from e
         raise RewardLoadError(
-            f"reward {ref!r}: importing module {name!r} failed because it imports {missing!r}, "
+            f"{label}: importing module {name!r} failed because it imports {missing!r}, "
             "which is not installed; install it"
         ) from e
     except Exception as e:
         raise RewardLoadError(
-            f"reward {ref!r}: importing module {name!r} raised {type(e).__name__}: {e}"
+            f"{label}: importing module {name!r} raised {type(e).__name__}: {e}"
         ) from e
 
 
-def _import_file(target: str, ref: str) -> ModuleType:
+def _import_file(target: str, label: str) -> ModuleType:
     given = Path(target).expanduser()
     path = (given if given.is_absolute() else Path.cwd() / given).resolve()
     if not path.is_file():
         where = "" if given.is_absolute() else f" (resolved against the current directory {Path.cwd()})"
         raise RewardLoadError(
-            f"reward {ref!r}: file {str(path)!r} not found{where}; check the path, or give an absolute one"
+            f"{label}: file {str(path)!r} not found{where}; check the path, or give an absolute one"
         )
     if path.suffix != ".py":
-        raise RewardLoadError(f"reward {ref!r}: {str(path)!r} is not a .py file")
+        raise RewardLoadError(f"{label}: {str(path)!r} is not a .py file")
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     stem = "".join(c if c.isalnum() else "_" for c in path.stem)
     mod_name = f"plainrl_user_reward_{stem}_{digest}"  # no dot: pickle must find it in sys.modules
@@ -167,7 +170,7 @@ def _import_file(target: str, ref: str) -> ModuleType:
         return sys.modules[mod_name]
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
-        raise RewardLoadError(f"reward {ref!r}: cannot import {str(path)!r} as a Python module")
+        raise RewardLoadError(f"{label}: cannot import {str(path)!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))
@@ -180,12 +183,12 @@ def _import_file(target: str, ref: str) -> ModuleType:
         if not isinstance(e, Exception):
             raise
         raise RewardLoadError(
-            f"reward {ref!r}: importing {str(path)!r} raised {type(e).__name__}: {e}"
+            f"{label}: importing {str(path)!r} raised {type(e).__name__}: {e}"
         ) from e
     return module
 
 
-def _resolve_attr(module: ModuleType, shown: str, attr_path: str, ref: str) -> Callable[..., Any]:
+def _resolve_attr(module: ModuleType, shown: str, attr_path: str, label: str) -> Callable[..., Any]:
     obj: Any = module
     for i, part in enumerate(attr_path.split(".")):
         if not hasattr(obj, part):
@@ -195,17 +198,17 @@ def _resolve_attr(module: ModuleType, shown: str, attr_path: str, ref: str) -> C
                 did_you_mean = f" Did you mean {close[0]!r}?" if close else ""
                 listing = ", ".join(available) if available else "(none)"
                 raise RewardLoadError(
-                    f"reward {ref!r}: {shown!r} has no attribute {part!r}.{did_you_mean} "
+                    f"{label}: {shown!r} has no attribute {part!r}.{did_you_mean} "
                     f"Callables defined there: {listing}"
                 )
             raise RewardLoadError(
-                f"reward {ref!r}: {'.'.join(attr_path.split('.')[:i])!r} has no attribute {part!r}"
+                f"{label}: {'.'.join(attr_path.split('.')[:i])!r} has no attribute {part!r}"
             )
         obj = getattr(obj, part)
     if not callable(obj):
         raise RewardLoadError(
-            f"reward {ref!r}: {attr_path!r} is a {type(obj).__name__}, not a function; "
-            "point the reference at a callable fn(completion, **columns) -> float | None"
+            f"{label}: {attr_path!r} is a {type(obj).__name__}, not a function; "
+            "point the reference at a callable"
         )
     return obj
 
