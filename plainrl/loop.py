@@ -309,7 +309,8 @@ def collect(run: Run, params, step: int) -> tuple[list[Episode], RewardOutput, d
         generating += time.perf_counter() - t
         return episodes
 
-    runner = dict(timeout_s=cfg.rollout.reward_timeout_s, fail_fast=cfg.rollout.fail_fast, models=run.reward_models)
+    runner = dict(timeout_s=cfg.rollout.reward_timeout_s, workers=cfg.rollout.reward_workers,
+                  fail_fast=cfg.rollout.fail_fast, models=run.reward_models)
     if cfg.algorithm.dynamic_sampling:
         episodes, rewards_out, metrics = dynamic_sampling(
             draw, prep.reward_fns, group_size=cfg.rollout.group_size, num_groups=cfg.rollout.prompts_per_step,

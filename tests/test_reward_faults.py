@@ -20,7 +20,7 @@ def _cfg(tiny_model_dir, run_dir, bad, *extra):
 
 
 @pytest.mark.parametrize("bad, extra", [("raises", []), ("raises", ["rollout.reward_timeout_s=null"]),
-                                        ("nan", []), ("hangs", ["rollout.reward_timeout_s=1"])])
+                                        ("nan", []), ("hangs", ["rollout.reward_timeout_s=1", "rollout.reward_workers=2"])])
 def test_unscorable_samples_are_counted_and_the_run_continues(tiny_model_dir, tmp_path, bad, extra):
     run = loop.train(_cfg(tiny_model_dir, tmp_path / "run", bad, *extra))
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
