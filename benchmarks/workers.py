@@ -2,15 +2,16 @@
 ``rollout.reward_timeout_s``): forking workers, an environment step's round trip, and
 scoring one step's completions.
 
-    python benchmarks/workers.py [--episodes 32] [--steps 2000] [--model smollm2-135m-instruct]
+    python benchmarks/workers.py [--episodes 32] [--steps 2000] [--ballast-gb 3]
 
-Prints the fork cost per environment worker before and after the policy is loaded
-(the trainer forks its environment workers before; a replacement after a kill forks
-from the loaded trainer), the mean time of one calculator ``step`` in process and
+Prints the fork cost per worker before and after the policy is loaded (the trainer
+forks its workers before), the mean time of one calculator ``step`` in process and
 through a worker, and the time to score ``--episodes`` completions with the
-``correctness`` reward in process and in a worker (forked per call, as the trainer
-does, with the model loaded); ends with ``worker_step_overhead_us=X`` and
-``reward_worker_overhead_ms=Y``.
+``correctness`` reward: in process, in a worker kept between calls (what the trainer
+does), and in a worker forked for the call. The last is measured with the model
+loaded plus ``--ballast-gb`` of touched memory, standing in for a trainer's optimiser
+state and caches (a fork copies the page tables of all of it). Ends with
+``worker_step_overhead_us=X`` and ``reward_pool_overhead_ms=Y``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import time
 from plainrl.config import ModelConfig
 from plainrl.envs import CalculatorEnv, EnvState, EnvWorkers
 from plainrl.models import load_policy, resolve_device
-from plainrl.rewards import RewardFn, score
+import torch
+
+from plainrl.rewards import RewardFn, RewardWorkers, score
 from plainrl.rewards.builtins import correctness
 
 
@@ -43,15 +46,17 @@ def step_us(env, steps: int) -> float:
     return statistics.fmean(times) * 1e6
 
 
-def score_ms(n: int, timeout_s: float | None, repeats: int = 5) -> float:
-    fns = [RewardFn("correctness", correctness)]
+FNS = [RewardFn("correctness", correctness)]
+
+
+def score_ms(n: int, timeout_s: float | None, pool: RewardWorkers | None = None, repeats: int = 5) -> float:
     completions = [f"48 / 2 = 24, and 24 + {i} = {24 + i}. The answer is {24 + i}." for i in range(n)]
     rows = [{"answer": str(24 + i if i % 2 else i)} for i in range(n)]
     ids = [f"s0-{i}" for i in range(n)]
-    score(fns, completions, rows, ids, timeout_s=timeout_s)  # warm: math-verify's first parse is slow
+    score(FNS, completions, rows, ids, timeout_s=timeout_s, pool=pool)  # warm: math-verify's first parse is slow
     t = time.perf_counter()
     for _ in range(repeats):
-        score(fns, completions, rows, ids, timeout_s=timeout_s)
+        score(FNS, completions, rows, ids, timeout_s=timeout_s, pool=pool)
     return (time.perf_counter() - t) / repeats * 1e3
 
 
@@ -60,10 +65,12 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--ballast-gb", type=float, default=3.0)
     args = ap.parse_args()
 
-    with EnvWorkers(CalculatorEnv, timeout_s=30) as workers:
+    with EnvWorkers(CalculatorEnv, timeout_s=30) as workers, RewardWorkers(FNS) as reward_pool:
         small = fork_ms(workers, args.episodes)
+        reward_pool.prestart()
         local = step_us(CalculatorEnv(), args.steps)
         remote_env = workers()
         remote_env.reset({"prompt": "p"})
@@ -72,14 +79,19 @@ def main() -> None:
         model = load_policy(ModelConfig(name=args.model, dtype="bfloat16"), resolve_device("cpu"))
         params = sum(p.numel() for p in model.parameters())
         loaded = fork_ms(workers, 8)
-        reward_local, reward_worker = score_ms(args.episodes, None), score_ms(args.episodes, 60.0)
+        ballast = torch.ones(int(args.ballast_gb * 2**28))  # float32: 4 bytes each, every page touched
+        reward_local = score_ms(args.episodes, None)
+        reward_pool_ms = score_ms(args.episodes, 60.0, reward_pool)
+        reward_fork_ms = score_ms(args.episodes, 60.0)
+        del ballast
     print(f"fork per worker, before the model loads: {small:.1f} ms ({args.episodes} workers)")
     print(f"fork per worker, with {params / 1e6:.0f}M parameters loaded: {loaded:.1f} ms (8 workers)")
     print(f"calculator step in process: {local:.1f} us; through a worker: {remote:.1f} us ({args.steps} steps)")
     print(f"scoring {args.episodes} completions with correctness: {reward_local:.1f} ms in process, "
-          f"{reward_worker:.1f} ms in a worker")
+          f"{reward_pool_ms:.1f} ms in a kept worker, {reward_fork_ms:.1f} ms in a worker forked for the call "
+          f"(model + {args.ballast_gb:g} GB loaded)")
     print(f"worker_step_overhead_us={remote - local:.1f}")
-    print(f"reward_worker_overhead_ms={reward_worker - reward_local:.1f}")
+    print(f"reward_pool_overhead_ms={reward_pool_ms - reward_local:.1f}")
 
 
 if __name__ == "__main__":

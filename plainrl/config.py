@@ -114,7 +114,7 @@ class RolloutConfig(_Section):
     # per reward call: reward functions run in worker processes and a call past this
     # many seconds is killed, making the sample unscorable (null: in process, no limit)
     reward_timeout_s: float | None = Field(60.0, gt=0)
-    reward_workers: int = Field(1, gt=0)  # worker processes scoring in parallel (with reward_timeout_s)
+    reward_workers: int = Field(1, gt=0)  # reward worker processes (kept for the run) scoring in parallel
     fail_fast: bool = False  # an unscorable sample stops the run instead of being counted
 
 

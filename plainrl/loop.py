@@ -27,7 +27,7 @@ from plainrl.evaluate import MultiTurnEval, evaluate
 from plainrl.learner import Learner, UpdateStats
 from plainrl.metrics import MetricsLogger
 from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, save_policy
-from plainrl.rewards import RewardFn, build_reward_fns, reward_metrics
+from plainrl.rewards import RewardFn, RewardWorkers, build_reward_fns, reward_metrics
 from plainrl.rewards.model import RewardModel
 from plainrl.rollout import (
     dynamic_sampling, make_env_factory, rollout, sampling_params, score_episodes, shape_overlong,
@@ -43,9 +43,20 @@ class Prepared:
     data: PromptData
     reward_fns: list[RewardFn]
     env_factory: object | None  # () -> Environment, for multi-turn rollouts
+    reward_workers: RewardWorkers | None = None  # rollout.reward_timeout_s: reward calls in worker processes
+
+    def prestart(self, episodes: int) -> None:
+        """Fork the reward and environment workers now, while this process is small: a
+        fork after the model loads copies the page tables of gigabytes (0.1-0.5 s each)."""
+        if self.reward_workers is not None:
+            self.reward_workers.prestart()
+        if isinstance(self.env_factory, EnvWorkers):
+            self.env_factory.prestart(episodes)
 
     def close(self) -> None:
-        """Stop the environment workers, if any (``rollout.env_timeout_s``)."""
+        """Stop the reward and environment workers, if any."""
+        if self.reward_workers is not None:
+            self.reward_workers.close()
         if isinstance(self.env_factory, EnvWorkers):
             self.env_factory.close()
 
@@ -64,7 +75,10 @@ def prepare(cfg: Config) -> Prepared:
         if load_tokenizer(cfg.critic.model, cfg.model.cache_dir).get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"critic.model={cfg.critic.model!r} has another tokenizer than model.name="
                               f"{cfg.model.name!r}; use a critic of the same model family (or leave critic.model unset)")
-    return Prepared(tokenizer, data, reward_fns, make_env_factory(cfg.rollout))
+    workers = None
+    if cfg.rollout.reward_timeout_s is not None and reward_fns:
+        workers = RewardWorkers(reward_fns, cfg.rollout.reward_workers)  # forked later, by Prepared.prestart
+    return Prepared(tokenizer, data, reward_fns, make_env_factory(cfg.rollout), workers)
 
 
 def multi_turn_eval(cfg: Config, prep: Prepared) -> MultiTurnEval | None:
@@ -255,9 +269,7 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         logger.print(f"data: {prep.data.dropped.summary()}")
     for note in prep.data.notes:
         logger.print(f"data: {note}")
-    if isinstance(prep.env_factory, EnvWorkers):
-        # forked while this process is small: a fork after the model loads copies more page tables
-        prep.env_factory.prestart(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+    prep.prestart(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
     model = load_policy(cfg.model, device)
     engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
                       decoder=cfg.rollout.decoder)
@@ -309,8 +321,8 @@ def collect(run: Run, params, step: int) -> tuple[list[Episode], RewardOutput, d
         generating += time.perf_counter() - t
         return episodes
 
-    runner = dict(timeout_s=cfg.rollout.reward_timeout_s, workers=cfg.rollout.reward_workers,
-                  fail_fast=cfg.rollout.fail_fast, models=run.reward_models)
+    runner = dict(timeout_s=cfg.rollout.reward_timeout_s, pool=prep.reward_workers, fail_fast=cfg.rollout.fail_fast,
+                  models=run.reward_models)
     if cfg.algorithm.dynamic_sampling:
         episodes, rewards_out, metrics = dynamic_sampling(
             draw, prep.reward_fns, group_size=cfg.rollout.group_size, num_groups=cfg.rollout.prompts_per_step,

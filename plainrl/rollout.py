@@ -113,7 +113,7 @@ def score_episodes(episodes: list[Episode], fns: list[RewardFn], *, models: Sequ
         models: reward models (``rewards: [{model: ...}]``), run in this process on
             ``prompt_ids + completion_ids``; a non-finite score makes the sample unscorable.
         fail_fast: raise at the first failed environment, reward call or reward model score.
-        runner_kwargs: passed to :func:`plainrl.rewards.score` (``timeout_s``, ``workers``).
+        runner_kwargs: passed to :func:`plainrl.rewards.score` (``timeout_s``, ``workers``, ``pool``).
     Raises:
         EnvError: ``fail_fast`` and an episode's environment failed (checked first).
         RewardError: ``fail_fast`` and a reward call or a reward model score failed.

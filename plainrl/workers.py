@@ -11,6 +11,7 @@ small class.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import signal
@@ -22,11 +23,21 @@ from typing import Any, Callable
 
 __all__ = ["Worker", "WorkerDied", "WorkerTimeout", "describe_exception"]
 
-# Parent ends of the pipes of the workers alive in this process: a new worker closes
-# its copies of them (fork copied them), so that each worker sees EOF when its own
-# parent end closes.
-_LIVE: set[Connection] = set()
+# The workers alive in this process, by the parent end of their pipe: a new worker
+# closes its copies of those ends (fork copied them), so that each worker sees EOF when
+# its own parent end closes; and at exit any still alive are killed (multiprocessing
+# would otherwise wait for them for ever).
+_LIVE: dict[Connection, Worker] = {}
 _LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _kill_live_workers() -> None:
+    # registered after multiprocessing's own exit handler, so it runs before it
+    with _LIVE_LOCK:
+        live = list(_LIVE.values())
+    for w in live:
+        w.kill()
 
 
 class WorkerTimeout(TimeoutError):
@@ -111,7 +122,7 @@ class Worker:
         self.conn, child = ctx.Pipe()
         with _LIVE_LOCK:
             parent_ends = list(_LIVE)
-            _LIVE.add(self.conn)
+            _LIVE[self.conn] = self
         self.proc = ctx.Process(target=_worker_main, args=(child, parent_ends, os.getpid(), handler),
                                 name=name, daemon=False)
         self.proc.start()
@@ -191,5 +202,5 @@ class Worker:
 
     def _close(self) -> None:
         with _LIVE_LOCK:
-            _LIVE.discard(self.conn)
+            _LIVE.pop(self.conn, None)
         self.conn.close()

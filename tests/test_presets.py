@@ -363,3 +363,4 @@ def test_lora_critic_shares_the_policys_frozen_base_and_generation_leaves_it_int
                  cfg=run.cfg, step=1, generator=run.generator)  # decodes with LoRA merged into the shared weights
     assert torch.equal(run.critic.values(eps), before)
     run.logger.close()
+    run.prep.close()

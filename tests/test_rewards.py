@@ -15,6 +15,7 @@ from plainrl.rewards import (
     RewardError,
     RewardFn,
     RewardLoadError,
+    RewardWorkers,
     build_reward_fns,
     correctness,
     extract_final_answer,
@@ -356,6 +357,26 @@ def test_score_worker_path_errors_and_builtins():
         score([RewardFn("hang", _hang_on_b)], ["b"], [{}], ["s0"], timeout_s=0.5, fail_fast=True)
 
 
+def test_reward_workers_are_kept_across_calls_and_replaced_after_a_kill():
+    import psutil
+
+    fns = [RewardFn("len", _hang_on_b)]
+    with RewardWorkers(fns, size=2) as pool:
+        pool.prestart()
+        pids = {p.pid for p in psutil.Process().children()}
+        for _ in range(3):
+            assert score(fns, ["a", "cc", "ddd"], [{}] * 3, ["s0", "s1", "s2"], timeout_s=5.0, pool=pool).total == [
+                1.0, 2.0, 3.0]
+        assert pool.started == 2 and {p.pid for p in psutil.Process().children()} == pids  # the same processes
+        out = score(fns, ["b", "a"], [{}] * 2, ["s0", "s1"], timeout_s=0.5, pool=pool)
+        assert out.parts["len"] == [None, 1.0] and pool.started == 2  # killed, not yet replaced
+        assert score(fns, ["a", "cc"], [{}] * 2, ["s0", "s1"], timeout_s=5.0, pool=pool).total == [1.0, 2.0]
+        assert pool.started == 3  # the killed one was replaced when needed
+        with pytest.raises(ValueError, match="another list of reward functions"):
+            score(list(fns), ["a"], [{}], ["s0"], timeout_s=5.0, pool=pool)
+    assert not [p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_score_worker_crash_is_recorded():
     def crash(completion, **kwargs):
         os._exit(3)
@@ -387,3 +408,20 @@ def test_tool_success_needs_a_clean_tool_call():
     assert tool_success("x", env_info={"tool_calls": 1, "tool_timeouts": 1}) == 0.0
     assert tool_success("x", env_info={"turns": 1}) == 0.0  # no call
     assert tool_success("x") == 0.0  # no environment
+
+
+def test_a_process_that_never_closes_its_workers_still_exits():
+    """Workers left alive at exit are killed, not waited for (multiprocessing would wait for ever)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    code = ("from plainrl.rewards import RewardFn, RewardWorkers; import os\n"
+            "pool = RewardWorkers([RewardFn('n', len)], size=2); pool.prestart()\n"
+            "print(' '.join(str(w.proc.pid) for w in pool._idle), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2 and not [p for p in pids if psutil.pid_exists(p)
+                                   and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

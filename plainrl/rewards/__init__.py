@@ -15,10 +15,11 @@ from plainrl.rewards.builtins import (
     tool_success,
 )
 from plainrl.rewards.loading import RewardFn, RewardLoadError, build_reward_fns, load_reward_fn
-from plainrl.rewards.runner import RewardError, reward_metrics, score
+from plainrl.rewards.runner import RewardError, RewardWorkers, reward_metrics, score
 
 __all__ = [
     "RewardError",
+    "RewardWorkers",
     "RewardFn",
     "RewardLoadError",
     "build_reward_fns",

@@ -2,6 +2,8 @@
 
     out = score(fns, completions, rows, sample_ids)                 # in-process (default)
     out = score(fns, completions, rows, sample_ids, timeout_s=10)   # worker processes
+    with RewardWorkers(fns) as pool:                                 # workers kept across calls
+        out = score(fns, completions, rows, sample_ids, timeout_s=10, pool=pool)
 
 Each call is ``fn(completion, **columns)`` where columns are the dataset row plus the
 spec's ``kwargs`` (kwargs win on a name clash; a row column called ``completion`` is
@@ -23,7 +25,7 @@ from plainrl.rewards.loading import RewardFn
 from plainrl.types import RewardOutput, SampleError
 from plainrl.workers import Worker, WorkerDied, describe_exception
 
-__all__ = ["RewardError", "reward_metrics", "score", "weighted_total"]
+__all__ = ["RewardError", "RewardWorkers", "reward_metrics", "score", "weighted_total"]
 
 
 class RewardError(RuntimeError):
@@ -77,6 +79,7 @@ def score(
     timeout_s: float | None = None,
     fail_fast: bool = False,
     workers: int = 1,
+    pool: RewardWorkers | None = None,
 ) -> RewardOutput:
     """Call every reward function on every completion and combine the results.
 
@@ -96,18 +99,21 @@ def score(
             (with its process group) is killed and replaced. Uses the ``fork`` start
             method (Linux/macOS): functions are inherited, not pickled, but rows and
             return values cross a pipe and must pickle. Reward functions must not
-            touch CUDA in workers. Workers live for this call only (and, on Linux,
-            are killed if this process dies).
+            touch CUDA in workers. The workers are ``pool``'s, or else forked for this
+            call only; on Linux they are killed if this process dies.
         fail_fast: raise :class:`RewardError` at the first failure instead of recording
             it (None returned by intent is not a failure).
-        workers: worker processes used when ``timeout_s`` is set.
+        workers: worker processes used when ``timeout_s`` is set and no ``pool`` is given.
+        pool: a :class:`RewardWorkers` built for this same ``fns`` list, whose workers
+            are reused across calls (what the trainer does).
 
     Returns:
         ``RewardOutput``: ``total[i] = sum(weight * part)``, or None when a part with
         non-zero weight is None; ``parts[name]`` the raw values; ``errors``.
 
     Raises:
-        ValueError: lengths differ, duplicate names, or ``timeout_s``/``workers`` not positive.
+        ValueError: lengths differ, duplicate names, ``timeout_s``/``workers`` not positive,
+            or ``pool`` was built for other functions.
         RewardError: with ``fail_fast=True``, on the first failing call.
     """
     n = len(completions)
@@ -119,6 +125,8 @@ def score(
         raise ValueError(f"score: timeout_s={timeout_s!r} must be > 0 (or None for no limit)")
     if workers < 1:
         raise ValueError(f"score: workers={workers!r} must be >= 1")
+    if pool is not None and pool.fns is not fns:
+        raise ValueError("score: the pool's workers were forked with another list of reward functions")
     names = [rf.name for rf in fns]
     if len(set(names)) != len(names):
         raise ValueError(f"score: reward names must be unique, got {names}")
@@ -139,8 +147,11 @@ def score(
         for k, rf in enumerate(fns):
             for i in range(n):
                 record(k, i, _call(rf, completions[i], rows[i]))
+    elif pool is not None:
+        _score_in_workers(pool, completions, rows, timeout_s, record)
     else:
-        _score_in_workers(fns, completions, rows, timeout_s, workers, record)
+        with RewardWorkers(fns, workers) as own:
+            _score_in_workers(own, completions, rows, timeout_s, record)
 
     return RewardOutput(total=weighted_total(parts, {rf.name: rf.weight for rf in fns}, n), parts=parts,
                         errors=errors)
@@ -173,37 +184,92 @@ def weighted_total(parts: Mapping[str, list[float | None]], weights: Mapping[str
 # ----------------------------------------------------------------------------- workers
 
 
+class RewardWorkers:
+    """Worker processes that call reward functions, kept between :func:`score` calls.
+
+    Forking a worker from a trainer that holds a model costs 0.1 to 0.5 s (page
+    tables of several GB), so the trainer forks these once, before the model loads
+    (:meth:`prestart`), and reuses them every step; a worker killed after a timeout
+    is replaced by a new fork. Each worker inherits ``fns`` through ``fork`` and
+    calls them by index, so the pool serves exactly this list.
+
+    Args:
+        fns: the reward functions (the list later given to :func:`score`).
+        size: worker processes scoring at once.
+    Raises:
+        ValueError: ``size`` < 1.
+    """
+
+    def __init__(self, fns: list[RewardFn], size: int = 1) -> None:
+        if size < 1:
+            raise ValueError(f"RewardWorkers: size={size!r} must be >= 1")
+        self.fns, self.size = fns, size
+        self._idle: list[Worker] = []
+        self.started = 0  # worker processes forked so far
+
+    def _handle(self, task: tuple[int, str, dict[str, Any]]) -> _Result:
+        k, completion, row = task
+        value, problem, is_error, _ = _call(self.fns[k], completion, row)
+        return value, problem, is_error, None  # the exception object may not pickle
+
+    def prestart(self) -> None:
+        """Fork workers until ``size`` are idle."""
+        while len(self._idle) < self.size:
+            self._idle.append(self._fork())
+
+    def _fork(self) -> Worker:
+        self.started += 1
+        return Worker(self._handle, name="plainrl-reward")
+
+    def take(self) -> Worker:
+        """An idle worker (a new fork when none is alive)."""
+        while self._idle:
+            w = self._idle.pop()
+            if w.alive:
+                return w
+        return self._fork()
+
+    def give_back(self, w: Worker) -> None:
+        self._idle.append(w)
+
+    def close(self) -> None:
+        """Stop the idle workers."""
+        idle, self._idle = self._idle, []
+        for w in idle:
+            w.stop()
+
+    def __enter__(self) -> RewardWorkers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def _score_in_workers(
-    fns: list[RewardFn],
+    pool: RewardWorkers,
     completions: list[str],
     rows: list[dict[str, Any]],
     timeout_s: float,
-    n_workers: int,
     record: Any,
 ) -> None:
-    def handler(task: tuple[int, str, dict[str, Any]]) -> _Result:
-        k, completion, row = task
-        value, problem, is_error, _ = _call(fns[k], completion, row)
-        return value, problem, is_error, None  # the exception object may not pickle
-
-    pending = deque((k, i) for k in range(len(fns)) for i in range(len(completions)))
-    pool: list[Worker] = []
+    pending = deque((k, i) for k in range(len(pool.fns)) for i in range(len(completions)))
+    mine: list[Worker] = []  # taken from the pool for this call
     tasks: dict[Worker, tuple[int, int, float]] = {}  # busy worker -> (function, sample, deadline)
     try:
         while pending or tasks:
-            # hand out work (starting workers lazily, up to n_workers)
+            # hand out work (taking workers as needed, up to the pool's size)
             while pending:
-                idle = next((w for w in pool if w not in tasks), None)
+                idle = next((w for w in mine if w not in tasks), None)
                 if idle is None:
-                    if len(pool) >= n_workers:
+                    if len(mine) >= pool.size:
                         break
-                    idle = Worker(handler, name="plainrl-reward")
-                    pool.append(idle)
+                    idle = pool.take()
+                    mine.append(idle)
                 k, i = pending.popleft()
                 try:
                     idle.send((k, completions[i], rows[i]))
                 except WorkerDied as e:
-                    pool.remove(idle)
+                    mine.remove(idle)
                     record(k, i, (None, str(e), True, None))
                     continue
                 except Exception as e:
@@ -222,21 +288,21 @@ def _score_in_workers(
                     try:
                         status, value = w.recv()
                     except WorkerDied as e:
-                        pool.remove(w)
+                        mine.remove(w)
                         record(k, i, (None, str(e), True, None))
                         continue
                     record(k, i, value if status == "ok" else (None, value, True, None))
                 elif now >= deadline:
                     del tasks[w]
                     w.kill()
-                    pool.remove(w)
+                    mine.remove(w)
                     record(k, i, (None, f"timed out after {timeout_s:g}s", True, None))
     finally:
-        for w in pool:
-            if w in tasks:
+        for w in mine:
+            if w in tasks:  # interrupted mid-call (fail_fast, Ctrl-C): its state is unknown
                 w.kill()
             else:
-                w.stop()
+                pool.give_back(w)
 
 
 # ----------------------------------------------------------------------------- metrics
