@@ -25,10 +25,12 @@ def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tok
     else:
         from plainrl.envs import env_metrics, multi_turn_rollout
 
-        m = multi_turn
-        episodes = multi_turn_rollout(engine, flat, m.env_factory, params, tokenizer, group_size=1, step=-1,
-                                      max_turns=m.max_turns, max_total_tokens=m.max_total_tokens, generator=generator,
-                                      system_prompt=m.system_prompt, prompt_template=m.prompt_template)
+        m, episodes = multi_turn, []
+        for start in range(0, len(flat), m.episodes_at_once):
+            episodes += multi_turn_rollout(
+                engine, flat[start : start + m.episodes_at_once], m.env_factory, params, tokenizer, group_size=1,
+                step=-1, max_turns=m.max_turns, max_total_tokens=m.max_total_tokens, generator=generator,
+                system_prompt=m.system_prompt, prompt_template=m.prompt_template)
         texts, extra = [e.completion_text for e in episodes], env_metrics(episodes)
     scores = []
     for r, text in zip(flat, texts):
@@ -40,13 +42,16 @@ def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tok
 @dataclass(frozen=True)
 class MultiTurnEval:
     """Evaluate with the run's environment (``rollout.env``): the arguments of
-    :func:`plainrl.envs.multi_turn_rollout` that the config sets."""
+    :func:`plainrl.envs.multi_turn_rollout` that the config sets, and how many
+    episodes run together (a training step's count: the environment workers the
+    trainer forked serve the eval too, instead of one more fork per prompt)."""
 
     env_factory: Callable[[], Any]
     max_turns: int | None
     max_total_tokens: int
     system_prompt: str | None = None
     prompt_template: str = "{prompt}"
+    episodes_at_once: int = 32
 
 
 def evaluate(

@@ -86,7 +86,8 @@ def multi_turn_eval(cfg: Config, prep: Prepared) -> MultiTurnEval | None:
     if prep.env_factory is None:
         return None
     return MultiTurnEval(prep.env_factory, cfg.rollout.max_turns, cfg.rollout.completion_budget,
-                         cfg.data.system_prompt, cfg.data.prompt_template)
+                         cfg.data.system_prompt, cfg.data.prompt_template,
+                         episodes_at_once=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
 
 
 def seed_everything(seed: int) -> None:

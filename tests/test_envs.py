@@ -521,8 +521,11 @@ def test_evaluation_of_a_tool_using_policy_runs_its_environment(tokenizer):
     p = make_prompt(tokenizer, "What is 2 + 2?", 0, answer="4")
 
     class CalcUser:
+        batches: list[int] = []
+
         def generate(self, prompts, params, *, generator=None):
             assert params.temperature == 0.0  # greedy pass@1
+            self.batches.append(len(prompts))
             out = []
             for ctx in prompts:
                 if len(ctx) == len(p.prompt_ids):  # first turn: call the calculator
@@ -539,6 +542,9 @@ def test_evaluation_of_a_tool_using_policy_runs_its_environment(tokenizer):
 
     single = evaluate(CalcUser(), [p], tokenizer, max_new_tokens=16)
     assert single["eval/pass@1"] == 0.0 and "eval/env/turns" not in single  # "<<2+2=" is no answer
-    multi = evaluate(CalcUser(), [p], tokenizer, max_new_tokens=16,
-                     multi_turn=MultiTurnEval(CalculatorEnv, max_turns=4, max_total_tokens=64))
-    assert multi["eval/pass@1"] == 1.0 and multi["eval/env/tool_calls"] == 1.0 and multi["eval/n"] == 1
+    made, user = [], CalcUser()
+    factory = lambda: made.append(1) or CalculatorEnv()  # noqa: E731
+    multi = evaluate(user, [p] * 5, tokenizer, max_new_tokens=16,
+                     multi_turn=MultiTurnEval(factory, max_turns=4, max_total_tokens=64, episodes_at_once=2))
+    assert multi["eval/pass@1"] == 1.0 and multi["eval/env/tool_calls"] == 1.0 and multi["eval/n"] == 5
+    assert len(made) == 5 and max(user.batches) == 2  # every prompt ran, 2 episodes at a time
