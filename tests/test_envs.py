@@ -521,7 +521,8 @@ def test_evaluation_of_a_tool_using_policy_runs_its_environment(tokenizer):
     p = make_prompt(tokenizer, "What is 2 + 2?", 0, answer="4")
 
     class CalcUser:
-        batches: list[int] = []
+        def __init__(self):
+            self.batches: list[int] = []
 
         def generate(self, prompts, params, *, generator=None):
             assert params.temperature == 0.0  # greedy pass@1
