@@ -225,3 +225,19 @@ def test_bad_env_references_are_config_errors_before_any_model_loads(tiny_model_
     with pytest.raises(RewardLoadError, match=r"rollout.env 'nope.py:f': file .* not found"):
         loop.prepare(load_config(REPO / "examples" / "arithmetic_grpo.yaml",
                                  tiny_overrides(tiny_model_dir, tmp_path / "run") + ["rollout.env=nope.py:f"]))
+
+
+class NanRewardEnv(RowEnv):
+    def step(self, turn_text, state):
+        return StepResult(done=True, reward=float("nan") if state.row.get("how") == "nan" else 1.0)
+
+
+def test_a_nan_environment_reward_makes_the_sample_unscorable(tokenizer):
+    from plainrl.envs import env_reward
+
+    with EnvWorkers(NanRewardEnv, timeout_s=10) as workers:
+        eps = _rollout(tokenizer, workers, ["nan", "ok"])
+    out = score_episodes(eps, [RewardFn("env_reward", env_reward)], timeout_s=10)
+    assert [e.reward for e in eps] == [None, 1.0]
+    (err,) = out.errors
+    assert err.sample_id == eps[0].sample_id and "returned nan, expected a finite float" in err.message
