@@ -25,12 +25,11 @@ def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tok
     else:
         from plainrl.envs import env_metrics, multi_turn_rollout
 
-        m, episodes = multi_turn, []
-        for start in range(0, len(flat), m.episodes_at_once):
-            episodes += multi_turn_rollout(
-                engine, flat[start : start + m.episodes_at_once], m.env_factory, params, tokenizer, group_size=1,
-                step=-1, max_turns=m.max_turns, max_total_tokens=m.max_total_tokens, generator=generator,
-                system_prompt=m.system_prompt, prompt_template=m.prompt_template)
+        m = multi_turn
+        episodes = multi_turn_rollout(engine, flat, m.env_factory, params, tokenizer, group_size=1, step=-1,
+                                      max_turns=m.max_turns, max_total_tokens=m.max_total_tokens, generator=generator,
+                                      system_prompt=m.system_prompt, prompt_template=m.prompt_template,
+                                      max_live=m.max_live)
         texts, extra = [e.completion_text for e in episodes], env_metrics(episodes)
     scores = []
     for r, text in zip(flat, texts):
@@ -42,16 +41,16 @@ def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tok
 @dataclass(frozen=True)
 class MultiTurnEval:
     """Evaluate with the run's environment (``rollout.env``): the arguments of
-    :func:`plainrl.envs.multi_turn_rollout` that the config sets, and how many
-    episodes run together (a training step's count: the environment workers the
-    trainer forked serve the eval too, instead of one more fork per prompt)."""
+    :func:`plainrl.envs.multi_turn_rollout` that the config sets. ``max_live``
+    bounds the episodes in flight (the trainer's pre-forked environment workers
+    then serve the eval too, instead of one more fork per prompt)."""
 
     env_factory: Callable[[], Any]
     max_turns: int | None
     max_total_tokens: int
     system_prompt: str | None = None
     prompt_template: str = "{prompt}"
-    episodes_at_once: int = 32
+    max_live: int | None = None
 
 
 def evaluate(

@@ -30,7 +30,7 @@ from plainrl.models import load_policy, load_tokenizer, load_value_model, resolv
 from plainrl.rewards import RewardFn, RewardWorkers, build_reward_fns, reward_metrics
 from plainrl.rewards.model import RewardModel
 from plainrl.rollout import (
-    dynamic_sampling, make_env_factory, rollout, sampling_params, score_episodes, shape_overlong,
+    dynamic_sampling, make_env_factory, max_live_episodes, rollout, sampling_params, score_episodes, shape_overlong,
 )
 from plainrl.types import Episode, RewardOutput
 
@@ -86,8 +86,7 @@ def multi_turn_eval(cfg: Config, prep: Prepared) -> MultiTurnEval | None:
     if prep.env_factory is None:
         return None
     return MultiTurnEval(prep.env_factory, cfg.rollout.max_turns, cfg.rollout.completion_budget,
-                         cfg.data.system_prompt, cfg.data.prompt_template,
-                         episodes_at_once=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+                         cfg.data.system_prompt, cfg.data.prompt_template, max_live=max_live_episodes(cfg))
 
 
 def seed_everything(seed: int) -> None:
@@ -270,7 +269,7 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         logger.print(f"data: {prep.data.dropped.summary()}")
     for note in prep.data.notes:
         logger.print(f"data: {note}")
-    prep.prestart(cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+    prep.prestart(max_live_episodes(cfg) or 0)
     model = load_policy(cfg.model, device)
     engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
                       decoder=cfg.rollout.decoder)

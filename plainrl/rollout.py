@@ -52,6 +52,14 @@ def make_env_factory(cfg: RolloutConfig):
     return factory if cfg.env_timeout_s is None else EnvWorkers(factory, timeout_s=cfg.env_timeout_s)
 
 
+def max_live_episodes(cfg: Config) -> int | None:
+    """Multi-turn episodes in flight at once: a step's worth, at most ``rollout.env_workers``
+    when environments run in worker processes (one each); None (all) otherwise."""
+    if cfg.rollout.env_timeout_s is None:
+        return None
+    return min(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.env_workers)
+
+
 def rollout(
     engine: Engine,
     prompts: list[PromptRow],
@@ -80,6 +88,7 @@ def rollout(
             engine, prompts, env_factory, params, tokenizer, group_size=group_size, step=step,
             max_turns=cfg.rollout.max_turns, max_total_tokens=cfg.rollout.completion_budget, generator=generator,
             system_prompt=cfg.data.system_prompt, prompt_template=cfg.data.prompt_template,
+            max_live=max_live_episodes(cfg),
         )
     flat = [p for p in prompts for _ in range(group_size)]
     gens = engine.generate([p.prompt_ids for p in flat], params, generator=generator)

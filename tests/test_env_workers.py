@@ -241,3 +241,33 @@ def test_a_nan_environment_reward_makes_the_sample_unscorable(tokenizer):
     assert [e.reward for e in eps] == [None, 1.0]
     (err,) = out.errors
     assert err.sample_id == eps[0].sample_id and "returned nan, expected a finite float" in err.message
+
+
+def test_max_live_runs_episodes_in_waves_with_a_bounded_number_of_workers(tokenizer):
+    prompts = [make_prompt(tokenizer, f"Task {i}", i) for i in range(3)]
+
+    class Counting(EosEngine):
+        def __init__(self, eos):
+            super().__init__(eos)
+            self.batches = []
+
+        def generate(self, prompts, params, *, generator=None):
+            self.batches.append(len(prompts))
+            return super().generate(prompts, params, generator=generator)
+
+    def run(factory, max_live):
+        engine = Counting(tokenizer.eos_token_id)
+        eps = multi_turn_rollout(engine, prompts, factory, SamplingParams(max_new_tokens=8), tokenizer, group_size=2,
+                                 step=0, max_turns=None, max_total_tokens=64, max_live=max_live)
+        return eps, engine.batches
+
+    whole, batches = run(CountingEnv, None)
+    assert max(batches) == 6
+    with EnvWorkers(CountingEnv, timeout_s=30) as workers:
+        waves, batches = run(workers, 4)
+        assert workers.started == 4 and max(batches) == 4  # 4 episodes, then the other 2 on the same workers
+    key = lambda e: (e.sample_id, e.group, e.completion_ids, e.loss_mask, e.row["env_info"])  # noqa: E731
+    assert [key(e) for e in waves] == [key(e) for e in whole]
+    assert [e.group for e in whole] == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="max_live"):
+        run(CountingEnv, 0)

@@ -546,6 +546,6 @@ def test_evaluation_of_a_tool_using_policy_runs_its_environment(tokenizer):
     made, user = [], CalcUser()
     factory = lambda: made.append(1) or CalculatorEnv()  # noqa: E731
     multi = evaluate(user, [p] * 5, tokenizer, max_new_tokens=16,
-                     multi_turn=MultiTurnEval(factory, max_turns=4, max_total_tokens=64, episodes_at_once=2))
+                     multi_turn=MultiTurnEval(factory, max_turns=4, max_total_tokens=64, max_live=2))
     assert multi["eval/pass@1"] == 1.0 and multi["eval/env/tool_calls"] == 1.0 and multi["eval/n"] == 5
     assert len(made) == 5 and max(user.batches) == 2  # every prompt ran, 2 episodes at a time

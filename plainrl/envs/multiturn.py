@@ -269,6 +269,7 @@ def multi_turn_rollout(
     system_prompt: str | None = None,
     prompt_template: str = "{prompt}",
     max_workers: int = 8,
+    max_live: int | None = None,
 ) -> list[Episode]:
     """Sample ``group_size`` multi-turn episodes per prompt, all episodes batched per turn.
 
@@ -325,6 +326,9 @@ def multi_turn_rollout(
         system_prompt, prompt_template: the data config's, used only when the env
             re-renders the prompt (see :func:`build_env_prompt`) and for ``state.messages``.
         max_workers: threads running ``env.step`` concurrently.
+        max_live: the most episodes in flight at once (None: all); more run in
+            waves of this many, in order. With :class:`~plainrl.envs.isolated.EnvWorkers`
+            it bounds the worker processes (one per live episode).
     Returns:
         ``len(prompts) * group_size`` :class:`Episode`\\ s. ``completion_ids`` [L]
         are all tokens after the prompt, ``loss_mask`` [L] is 1 exactly on model
@@ -338,7 +342,7 @@ def multi_turn_rollout(
         ``generate_calls``, ``model_tokens``, ``observation_tokens`` and
         ``end_reason``).
     Raises:
-        ValueError: bad ``group_size``, ``max_turns`` or ``max_total_tokens``.
+        ValueError: bad ``group_size``, ``max_turns``, ``max_total_tokens`` or ``max_live``.
         RuntimeError: the engine returned the wrong number of generations, or
             ids and logprobs of different lengths.
     """
@@ -349,16 +353,24 @@ def multi_turn_rollout(
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
 
-    runs: list[_Run] = []
-    try:
-        for i, p in enumerate(q for q in prompts for _ in range(group_size)):
-            runs.append(_start(p, f"s{step}-r{p.source_index}-{i % group_size}", i // group_size, env_factory,
-                               tokenizer, max_turns, system_prompt, prompt_template))
-        _run_turns(runs, engine, params, tokenizer, max_total_tokens, generator, max_workers)
-    finally:
-        for r in runs:
-            _close(r)
-    return [_episode(r, tokenizer) for r in runs]
+    if max_live is not None and max_live < 1:
+        raise ValueError(f"max_live must be >= 1 or None, got {max_live}")
+    flat = [q for q in prompts for _ in range(group_size)]
+    wave = max_live or max(1, len(flat))
+    episodes: list[Episode] = []
+    for first in range(0, len(flat), wave):
+        runs: list[_Run] = []
+        try:
+            for i in range(first, min(first + wave, len(flat))):
+                p = flat[i]
+                runs.append(_start(p, f"s{step}-r{p.source_index}-{i % group_size}", i // group_size, env_factory,
+                                   tokenizer, max_turns, system_prompt, prompt_template))
+            _run_turns(runs, engine, params, tokenizer, max_total_tokens, generator, max_workers)
+        finally:
+            for r in runs:
+                _close(r)
+        episodes += [_episode(r, tokenizer) for r in runs]
+    return episodes
 
 
 def _start(p: PromptRow, sample_id: str, group: int, env_factory: Callable[[], Environment], tokenizer,
