@@ -21,7 +21,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-__all__ = ["Worker", "WorkerDied", "WorkerTimeout", "describe_exception"]
+__all__ = ["Worker", "WorkerDied", "WorkerPool", "WorkerTimeout", "describe_exception"]
 
 # The workers alive in this process, by the parent end of their pipe: a new worker
 # closes its copies of those ends (fork copied them), so that each worker sees EOF when
@@ -204,3 +204,71 @@ class Worker:
         with _LIVE_LOCK:
             _LIVE.pop(self.conn, None)
         self.conn.close()
+
+
+class WorkerPool:
+    """Idle :class:`Worker` processes kept for reuse, all running one ``handler``.
+
+    Forking a worker from a process that holds a model costs 0.1-0.5 s (the page
+    tables of gigabytes), so pools fork early (:meth:`prestart`) and reuse workers;
+    a worker that was killed is not given back, and :meth:`take` forks a new one.
+    Thread-safe.
+
+    Args:
+        handler: task -> answer, run in each worker (see :class:`Worker`).
+        name: the workers' process name.
+    """
+
+    def __init__(self, handler: Callable[[Any], Any], *, name: str) -> None:
+        self._handler, self._name = handler, name
+        self._idle: list[Worker] = []
+        self._all: list[Worker] = []
+        self._lock = threading.Lock()
+        self.started = 0  # worker processes forked so far
+
+    def _fork(self) -> Worker:
+        self.started += 1
+        w = Worker(self._handler, name=self._name)
+        self._all = [x for x in self._all if x.alive] + [w]
+        return w
+
+    @property
+    def idle(self) -> int:
+        """Workers waiting for a task."""
+        return len(self._idle)
+
+    def prestart(self, n: int) -> None:
+        """Fork workers until ``n`` are idle."""
+        with self._lock:
+            while len(self._idle) < n:
+                self._idle.append(self._fork())
+
+    def take(self) -> Worker:
+        """An idle worker, or a new fork when none is alive."""
+        with self._lock:
+            while self._idle:
+                w = self._idle.pop()
+                if w.alive:
+                    return w
+            return self._fork()
+
+    def give_back(self, w: Worker) -> None:
+        """Return a worker that is alive and between tasks."""
+        with self._lock:
+            self._idle.append(w)
+
+    def close(self) -> None:
+        """Stop the idle workers and kill the ones still taken."""
+        with self._lock:
+            idle, every, self._idle, self._all = self._idle, self._all, [], []
+        for w in every:
+            if w in idle:
+                w.stop()
+            elif w.alive:
+                w.kill()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -18,12 +18,11 @@ episodes once the rollout closes the environment.
 from __future__ import annotations
 
 import multiprocessing as mp
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from plainrl.envs.base import EnvState, EnvTimeoutError, Environment, StepResult
-from plainrl.workers import Worker, WorkerDied, WorkerTimeout
+from plainrl.workers import Worker, WorkerDied, WorkerPool, WorkerTimeout
 
 __all__ = ["EnvWorkerError", "EnvWorkerTimeout", "EnvWorkers", "RemoteEnv"]
 
@@ -120,7 +119,7 @@ class RemoteEnv:
             _call(worker, ("close",), self._pool.timeout_s)
         except EnvWorkerError:
             return  # killed or dead: not given back
-        self._pool._release(worker)
+        self._pool.give_back(worker)
 
     def _call(self, op: str, *args: Any) -> Any:
         if self._worker is None:
@@ -146,7 +145,7 @@ def _call(worker: Worker, task: tuple, timeout_s: float) -> Any:
     return value
 
 
-class EnvWorkers:
+class EnvWorkers(WorkerPool):
     """A factory of :class:`RemoteEnv`: each episode's environment in a worker process.
 
     Args:
@@ -158,10 +157,10 @@ class EnvWorkers:
     Raises:
         ValueError: ``timeout_s`` is not positive, or this OS cannot ``fork`` (Windows).
 
-    Workers are kept between episodes (one episode per worker at a time) and
-    replaced when one is killed; :meth:`prestart` forks them early, before the
-    trainer's memory grows (a fork later still works; it only costs more).
-    :meth:`close` stops them all. Environments must not use CUDA.
+    A :class:`~plainrl.workers.WorkerPool`: workers are kept between episodes (one
+    episode per worker at a time) and replaced when one is killed; :meth:`prestart`
+    forks them early, before the trainer's memory grows. :meth:`close` stops them
+    all. Environments must not use CUDA.
     """
 
     def __init__(self, factory: Callable[[], Environment], *, timeout_s: float) -> None:
@@ -170,28 +169,8 @@ class EnvWorkers:
         if "fork" not in mp.get_all_start_methods():
             raise ValueError("environment workers need the 'fork' start method (Linux, macOS); "
                              "set rollout.env_timeout_s: null to run environments in this process")
+        super().__init__(_host(factory), name="plainrl-env")
         self.factory, self.timeout_s = factory, timeout_s
-        self._idle: list[Worker] = []
-        self._all: list[Worker] = []
-        self._lock = threading.Lock()
-        self.started = 0  # worker processes forked so far
-
-    def _fork(self) -> Worker:
-        self.started += 1
-        w = Worker(_host(self.factory), name="plainrl-env")
-        self._all = [x for x in self._all if x.alive] + [w]
-        return w
-
-    @property
-    def idle(self) -> int:
-        """Workers waiting for an episode."""
-        return len(self._idle)
-
-    def prestart(self, n: int) -> None:
-        """Fork workers until ``n`` are idle."""
-        with self._lock:
-            while len(self._idle) < n:
-                self._idle.append(self._fork())
 
     def __call__(self) -> RemoteEnv:
         """A new environment, built in an idle (or newly forked) worker.
@@ -199,30 +178,5 @@ class EnvWorkers:
         Raises:
             EnvWorkerError: building it raised, hung or killed the worker.
         """
-        with self._lock:
-            worker = None
-            while self._idle and worker is None:
-                w = self._idle.pop()
-                worker = w if w.alive else None
-            worker = worker or self._fork()
+        worker = self.take()
         return RemoteEnv(self, worker, _call(worker, ("new",), self.timeout_s))
-
-    def _release(self, worker: Worker) -> None:
-        with self._lock:
-            self._idle.append(worker)
-
-    def close(self) -> None:
-        """Stop the idle workers and kill those still serving an episode."""
-        with self._lock:
-            idle, every, self._idle, self._all = self._idle, self._all, [], []
-        for w in every:
-            if w in idle:
-                w.stop()
-            elif w.alive:
-                w.kill()
-
-    def __enter__(self) -> EnvWorkers:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

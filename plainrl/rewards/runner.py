@@ -23,7 +23,7 @@ from typing import Any
 
 from plainrl.rewards.loading import RewardFn
 from plainrl.types import RewardOutput, SampleError
-from plainrl.workers import Worker, WorkerDied, describe_exception
+from plainrl.workers import Worker, WorkerDied, WorkerPool, describe_exception
 
 __all__ = ["RewardError", "RewardWorkers", "reward_metrics", "score", "weighted_total"]
 
@@ -184,14 +184,13 @@ def weighted_total(parts: Mapping[str, list[float | None]], weights: Mapping[str
 # ----------------------------------------------------------------------------- workers
 
 
-class RewardWorkers:
+class RewardWorkers(WorkerPool):
     """Worker processes that call reward functions, kept between :func:`score` calls.
 
-    Forking a worker from a trainer that holds a model costs 0.1 to 0.5 s (page
-    tables of several GB), so the trainer forks these once, before the model loads
-    (:meth:`prestart`), and reuses them every step; a worker killed after a timeout
-    is replaced by a new fork. Each worker inherits ``fns`` through ``fork`` and
-    calls them by index, so the pool serves exactly this list.
+    A :class:`~plainrl.workers.WorkerPool`: the trainer forks these once, before the
+    model loads (:meth:`prestart`), and reuses them every step; a worker killed after
+    a timeout is replaced by a new fork. Each worker inherits ``fns`` through
+    ``fork`` and calls them by index, so the pool serves exactly this list.
 
     Args:
         fns: the reward functions (the list later given to :func:`score`).
@@ -203,46 +202,17 @@ class RewardWorkers:
     def __init__(self, fns: list[RewardFn], size: int = 1) -> None:
         if size < 1:
             raise ValueError(f"RewardWorkers: size={size!r} must be >= 1")
+        super().__init__(self._handle, name="plainrl-reward")
         self.fns, self.size = fns, size
-        self._idle: list[Worker] = []
-        self.started = 0  # worker processes forked so far
 
     def _handle(self, task: tuple[int, str, dict[str, Any]]) -> _Result:
         k, completion, row = task
         value, problem, is_error, _ = _call(self.fns[k], completion, row)
         return value, problem, is_error, None  # the exception object may not pickle
 
-    def prestart(self) -> None:
-        """Fork workers until ``size`` are idle."""
-        while len(self._idle) < self.size:
-            self._idle.append(self._fork())
-
-    def _fork(self) -> Worker:
-        self.started += 1
-        return Worker(self._handle, name="plainrl-reward")
-
-    def take(self) -> Worker:
-        """An idle worker (a new fork when none is alive)."""
-        while self._idle:
-            w = self._idle.pop()
-            if w.alive:
-                return w
-        return self._fork()
-
-    def give_back(self, w: Worker) -> None:
-        self._idle.append(w)
-
-    def close(self) -> None:
-        """Stop the idle workers."""
-        idle, self._idle = self._idle, []
-        for w in idle:
-            w.stop()
-
-    def __enter__(self) -> RewardWorkers:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def prestart(self, n: int | None = None) -> None:
+        """Fork workers until ``n`` (default ``size``) are idle."""
+        super().prestart(self.size if n is None else n)
 
 
 def _score_in_workers(
