@@ -136,7 +136,7 @@ def score_episodes(episodes: list[Episode], fns: list[RewardFn], *, models: Sequ
                    fail_fast=fail_fast, **runner_kwargs)
     parts, weights = dict(scored.parts), {f.name: f.weight for f in fns}
     for m in models:
-        parts[m.name] = m.score([e.prompt_ids for e in ok], [e.completion_ids for e in ok])
+        parts[m.name] = m.score(ok)
         weights[m.name] = m.weight
         for e, v in zip(ok, parts[m.name]):
             if v is None:

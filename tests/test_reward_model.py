@@ -17,8 +17,14 @@ from plainrl.critic import sequence_scores
 from plainrl.models import ModelLoadError, load_policy
 from plainrl.offline import collate, load_offline_data
 from plainrl.rewards.model import RewardModel
+from plainrl.types import Episode
 
 DATA = REPO / "tests" / "data"
+
+
+def _episodes(prompts, completions):
+    return [Episode(sample_id=str(i), group=i, row={}, prompt_ids=p, completion_ids=c, logprobs=[0.0] * len(c),
+                    loss_mask=[1] * len(c), finish_reason="eos") for i, (p, c) in enumerate(zip(prompts, completions))]
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +56,9 @@ def test_rl_time_scores_equal_rm_training_scores(rm_run, tiny_model_dir, tokeniz
         prompts.append(ids[:start])
         completions.append(ids[start:end])
     assert all(c[-1] == tokenizer.eos_token_id for c in completions)
-    torch.testing.assert_close(torch.tensor(rm.score(prompts, completions)), trained, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(rm.score(_episodes(prompts, completions))), trained, rtol=1e-4, atol=1e-4)
     # a completion cut before its EOS is scored as if it had ended there
-    cut = rm.score(prompts[:1], [completions[0][:-1]])
+    cut = rm.score(_episodes(prompts[:1], [completions[0][:-1]]))
     assert cut[0] == pytest.approx(float(trained[0]), abs=1e-4)
     assert trained[: len(trained) // 2].gt(trained[len(trained) // 2:]).all()  # chosen > rejected: it learned
 

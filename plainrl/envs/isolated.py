@@ -170,7 +170,7 @@ class EnvWorkers(WorkerPool):
             raise ValueError("environment workers need the 'fork' start method (Linux, macOS); "
                              "set rollout.env_timeout_s: null to run environments in this process")
         super().__init__(_host(factory), name="plainrl-env")
-        self.factory, self.timeout_s = factory, timeout_s
+        self.timeout_s = timeout_s
 
     def __call__(self) -> RemoteEnv:
         """A new environment, built in an idle (or newly forked) worker.

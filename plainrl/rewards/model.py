@@ -13,6 +13,7 @@ on the policy's device, in the trainer's process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -21,8 +22,9 @@ import torch
 
 from plainrl.config import ModelConfig, RewardSpec
 from plainrl.critic import sequence_scores
-from plainrl.learner import pack_by_length
+from plainrl.learner import make_micro_batches
 from plainrl.models import ModelLoadError, load_tokenizer, load_value_model, resolve_model_path
+from plainrl.types import Episode
 
 __all__ = ["RewardModel"]
 
@@ -116,33 +118,27 @@ class RewardModel:
                    eos_id=tokenizer.eos_token_id, token_budget=token_budget)
 
     @torch.no_grad()
-    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[float | None]:
-        """The model's score of each prompt + completion.
+    def score(self, episodes: list[Episode]) -> list[float | None]:
+        """The model's score of each episode's ``prompt_ids + completion_ids``.
 
-        Args:
-            prompt_ids: [N] token ids of each prompt (ending with the assistant header).
-            completion_ids: [N] token ids of each completion, as sampled.
         Returns:
             [N] floats (the head's output, in the model's units: a Bradley-Terry RM's
             score differences are log-odds of preference); None where it is not finite.
         """
         eos = self.eos_id
-        seqs = [list(p) + list(c) + ([] if c and c[-1] == eos else [eos]) for p, c in zip(prompt_ids, completion_ids)]
-        out: list[float | None] = [None] * len(seqs)
-        device = next(self.model.parameters()).device
-        for group in pack_by_length([len(s) for s in seqs], self.token_budget):
-            width = max(len(seqs[i]) for i in group)
-            ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
-            attn = torch.zeros((len(group), width), dtype=torch.long)
-            for r, i in enumerate(group):
-                ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
-                attn[r, : len(seqs[i])] = 1
-            last = attn.sum(dim=1) - 1  # [B] right-padded: the last real token
+        closed = []
+        for e in episodes:
+            ids = list(e.completion_ids) + ([] if e.completion_ids and e.completion_ids[-1] == eos else [eos])
+            closed.append(dataclasses.replace(e, completion_ids=ids, logprobs=[0.0] * len(ids), loss_mask=[1] * len(ids)))
+        out: list[float | None] = [None] * len(closed)
+        dev = next(self.model.parameters()).device
+        for mb in make_micro_batches(closed, torch.zeros(len(closed)), pad_id=self.pad_id,
+                                     token_budget=self.token_budget):
+            last = mb.attention_mask.sum(dim=1) - 1  # [B] right-padded: the last real token
             # a group's samples share their prompt: it runs once
-            prompt_lens = torch.tensor([len(prompt_ids[i]) for i in group])
-            scores = sequence_scores(self.model, ids.to(device), attn.to(device), last.to(device),
-                                     prompt_lens=prompt_lens.to(device))
-            for i, v in zip(group, scores.tolist()):
+            scores = sequence_scores(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), last.to(dev),
+                                     prompt_lens=mb.prompt_lens.to(dev))
+            for i, v in zip(mb.index.tolist(), scores.tolist()):
                 out[i] = v if math.isfinite(v) else None
         return out
 
