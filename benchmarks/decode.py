@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     import tempfile
 
     from plainrl.config import LoraConfig, ModelConfig
-    from plainrl.engines.hf import HFEngine
+    from plainrl.rollout.engines.hf import HFEngine
     from plainrl.models import load_policy, load_tokenizer
     from plainrl.types import SamplingParams
     from vs_trl import make_tiny_model  # benchmarks/ is on sys.path when run as a script

@@ -62,7 +62,7 @@ def main() -> None:
     pairs = out / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(p) + "\n" for p in make_pairs(args.pairs, seed=12345)))
 
-    from plainrl import loop, offline
+    from plainrl.run import loop, offline
 
     rm_run = offline.train_offline(load_config(REPO / "examples" / "rm_ultrafeedback.yaml", [
         f"run_dir={out / 'rm'}", f"data.path={pairs}", "data.max_rows=null", f"train.steps={args.rm_steps}",

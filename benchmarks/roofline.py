@@ -202,7 +202,7 @@ def time_decode(run, prompt_ids: list[int], batch: int, steps: int) -> dict[str,
     fp32 logits and logprobs of the last position, EOS ignored so the batch stays full."""
     import contextlib
 
-    from plainrl.engines.hf import merged_lora
+    from plainrl.rollout.engines.hf import merged_lora
 
     model, dev, engine = run.model, run.learner.device, run.engine
     was_training = model.training
@@ -261,7 +261,7 @@ class LargestTensor:
 
 
 def plainrl_part(args, cfg) -> dict:
-    from plainrl.learner import make_micro_batches
+    from plainrl.frames import make_micro_batches
     from plainrl.loop import compute_advantages, setup
     from plainrl.rollout import rollout, sampling_params, score_episodes
 
@@ -327,7 +327,7 @@ def plainrl_part(args, cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    from plainrl.learner import LOGIT_BLOCK_ELEMENTS
+    from plainrl.models import LOGIT_BLOCK_ELEMENTS
 
     args = parse_args(argv)
     if args.threads:

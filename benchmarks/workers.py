@@ -21,7 +21,7 @@ import statistics
 import time
 
 from plainrl.config import ModelConfig
-from plainrl.envs import CalculatorEnv, EnvState, EnvWorkers
+from plainrl.rollout.envs import CalculatorEnv, EnvState, EnvWorkers
 from plainrl.models import load_policy, resolve_device
 import torch
 

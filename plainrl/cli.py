@@ -12,8 +12,9 @@ from plainrl.config import ConfigError, load_config
 
 
 def _cmd_train(args) -> int:
-    from plainrl.loop import Preempted, train
-    from plainrl.offline import train_offline
+    from plainrl.run.lifecycle import Preempted
+    from plainrl.run.loop import train
+    from plainrl.run.offline import train_offline
 
     cfg = load_config(args.config, args.overrides)
     try:
@@ -28,9 +29,10 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
     import torch
 
-    from plainrl.engines.hf import HFEngine
-    from plainrl.evaluate import evaluate
-    from plainrl.loop import multi_turn_eval, prepare, seed_everything
+    from plainrl.rollout.engines.hf import HFEngine
+    from plainrl.run.evaluate import evaluate
+    from plainrl.run.lifecycle import seed_everything
+    from plainrl.run.setup import prepare
     from plainrl.models import load_policy, resolve_device
 
     target = Path(args.target)
@@ -67,7 +69,7 @@ def _cmd_eval(args) -> int:
             engine, rows, prep.tokenizer,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
             k=cfg.eval.k, temperature=cfg.eval.temperature,
-            generator=torch.Generator(device=device).manual_seed(cfg.seed), multi_turn=multi_turn_eval(cfg, prep),
+            generator=torch.Generator(device=device).manual_seed(cfg.seed), multi_turn=prep.multi_turn,
         )
     finally:
         prep.close()
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from plainrl.checkpoint import CheckpointError
     from plainrl.data import DataError
-    from plainrl.envs import EnvError
+    from plainrl.rollout.envs import EnvError
     from plainrl.models import ModelLoadError
     from plainrl.rewards import RewardError, RewardLoadError
 

@@ -98,7 +98,7 @@ class RolloutConfig(_Section):
     stop: list[str] = Field(default_factory=list)
     batch_size: int = Field(64, gt=0)  # sequences decoded together
     merge_lora: bool = True  # decode with LoRA folded into the weights (faster; one weight copy)
-    # static: fused, prepacked Llama-family decode on a preallocated KV cache (plainrl.engines.static_decoder);
+    # static: fused, prepacked Llama-family decode on a preallocated KV cache (plainrl.rollout.engines.static_decoder);
     # transformers: the model's own forward (any causal LM); auto: static where the model is supported
     decoder: Literal["auto", "static", "transformers"] = "auto"
     # Multi-turn: a built-in environment ("calculator", "python") or a factory
@@ -161,7 +161,7 @@ AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
 KLPlacement = Literal["loss", "reward"]
 
-# Trained on rows from data.path by plainrl.offline, not by the RL loop.
+# Trained on rows from data.path by plainrl.run.offline, not by the RL loop.
 OFFLINE_ALGORITHMS = ("sft", "dpo", "rm")
 
 # algorithm.name -> defaults of the other algorithm.* knobs. A preset only fills in
@@ -276,7 +276,7 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one forward/backward
-    # RL: samples of one prompt in a micro-batch run the prompt once (plainrl.learner.shared_prompt_hidden)
+    # RL: samples of one prompt in a micro-batch run the prompt once (plainrl.models.shared_prompt_hidden)
     share_prompts: bool = True
     batch_size: int = Field(8, gt=0)  # sft/dpo/rm: rows (pairs) per optimiser step; RL uses the rollout's
     max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rich.console import Console
 
@@ -20,6 +22,32 @@ _PROGRESS = (
     ("reward/mean", "reward", ".3f"), ("kl", "kl", ".4f"), ("response_length/mean", "len", ".1f"),
     ("accuracy", "acc", ".3f"), ("loss", "loss", "+.4f"), ("time/step", "step", ".1f"),
 )
+
+
+class StepTimer:
+    """Wall-clock seconds of one step's phases, as ``time/<phase>`` metrics; ``time/step``
+    runs from construction. A phase entered several times adds up.
+
+        timer = StepTimer()
+        with timer("generate"):
+            ...
+        timer.metrics()  # {"time/generate": 2.5, "time/step": 2.6}
+    """
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t
+
+    def metrics(self) -> dict[str, float]:
+        return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": time.perf_counter() - self._start}
 
 
 def _clean(v: Any) -> Any:

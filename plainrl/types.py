@@ -47,6 +47,22 @@ class Generation:
 
 
 @dataclass
+class EnvOutcome:
+    """What an episode's environment reported (multi-turn rollouts only).
+
+    reward: the sum of the steps' rewards; None when no step gave one.
+    error:  ``"Type: message (at file:line)"`` when the environment failed (the episode is
+            then unscorable), else None.
+    info:   the steps' info merged (numbers summed), plus ``turns``, ``generate_calls``,
+            ``model_tokens``, ``observation_tokens`` and ``end_reason``.
+    """
+
+    reward: float | None = None
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Episode:
     """One rollout: a prompt, the completion sampled for it, and its scores.
 
@@ -59,6 +75,7 @@ class Episode:
                     group are contiguous).
     reward:         weighted total, or None when any weighted reward function
                     could not score it (unscorable: excluded from group stats).
+    env:            the environment's outcome (multi-turn), None for single-turn episodes.
     """
 
     sample_id: str
@@ -73,6 +90,14 @@ class Episode:
     reward: float | None = None
     reward_parts: dict[str, float | None] = field(default_factory=dict)
     advantage: float = 0.0
+    env: EnvOutcome | None = None
+
+    def columns(self) -> dict[str, Any]:
+        """The columns reward functions receive as keyword arguments: the data row, plus
+        ``env_reward``, ``env_error`` and ``env_info`` when an environment ran."""
+        if self.env is None:
+            return self.row
+        return {**self.row, "env_reward": self.env.reward, "env_error": self.env.error, "env_info": self.env.info}
 
 
 @dataclass(frozen=True)
@@ -121,14 +146,13 @@ class MicroBatch:
                     or the learner's own recomputed ones before several passes).
     advantages:     [B] one advantage per sequence (broadcast over its tokens), or
                     [B, T-1] per token (REINFORCE++, GAE).
-    ref_logps:      [B, T-1] reference-policy logprobs, when computed beforehand.
     index:          [B] each row's position in the step's episode list.
     completion_pos: [B, T-1] the completion position k of each target, -1 elsewhere
                     (maps results back to the [N, L] completion frame).
     old_values:     [B, T-1] critic values at rollout time (GAE).
     returns:        [B, T-1] the critic's targets (GAE's lambda-returns).
     prompt_lens:    [B] prompt tokens of each row (rows with equal prompts share their
-                    computation in :func:`plainrl.learner.sequence_logps`).
+                    computation in :func:`plainrl.models.sequence_logps`).
     """
 
     input_ids: torch.Tensor
@@ -136,7 +160,6 @@ class MicroBatch:
     loss_mask: torch.Tensor
     old_logps: torch.Tensor
     advantages: torch.Tensor
-    ref_logps: torch.Tensor | None = None
     index: torch.Tensor | None = None
     completion_pos: torch.Tensor | None = None
     old_values: torch.Tensor | None = None

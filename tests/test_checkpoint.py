@@ -29,7 +29,7 @@ from plainrl.checkpoint import (
     step_dir_name,
     verify,
 )
-from plainrl.learner import lr_lambda
+from plainrl.train import lr_lambda
 
 VOCAB = 96
 SAMPLER = {"epoch": 1, "position": 3, "num_rows": 10, "seed": 0, "shuffle": True}
@@ -168,7 +168,7 @@ def _learner(lora: bool, seed: int):
     """The production path: a bf16 model (LoRA via apply_lora) and Learner, whose AdamW
     updates fp32 master copies of the bf16 parameters."""
     from plainrl.config import Config
-    from plainrl.learner import Learner
+    from plainrl.train import Learner
     from plainrl.models import apply_lora
 
     cfg = Config.model_validate({

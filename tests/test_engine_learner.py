@@ -6,8 +6,10 @@ from transformers import AutoModelForCausalLM
 
 from plainrl.algorithms import policy_loss
 from plainrl.config import load_config
-from plainrl.engines.hf import HFEngine, filter_logits
-from plainrl.learner import Learner, make_micro_batches, sequence_logps
+from plainrl.rollout.engines.hf import HFEngine, filter_logits
+from plainrl.frames import make_micro_batches
+from plainrl.models import sequence_logps
+from plainrl.train import Learner
 from plainrl.types import Episode, SamplingParams
 
 
@@ -73,7 +75,7 @@ def test_filter_logits_top_k_top_p():
 
 
 def test_chunked_logps_equal_plain_log_softmax(model, monkeypatch):
-    import plainrl.learner as L
+    import plainrl.models.forward as L
 
     ids = torch.randint(0, 1000, (3, 9))
     attn = torch.ones_like(ids)
@@ -166,7 +168,7 @@ def test_bf16_params_update_through_fp32_master(tiny_model_dir):
 
 
 def test_merged_lora_decoding_equals_adapter_path(tiny_model_dir, tokenizer):
-    from plainrl.engines.hf import merged_lora
+    from plainrl.rollout.engines.hf import merged_lora
     from plainrl.models import load_policy
 
     cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
@@ -221,7 +223,7 @@ def _grouped_episodes():
 def test_shared_prompt_forward_equals_the_plain_forward(tiny_model_dir):
     """Running each distinct prompt once (keys/values repeated to its samples) gives the same
     logprobs and the same LoRA gradients as one full forward per row."""
-    from plainrl.learner import shared_prompt_hidden
+    from plainrl.models import shared_prompt_hidden
     from plainrl.models import apply_lora, unwrap
 
     torch.manual_seed(0)
@@ -270,13 +272,13 @@ def test_learner_update_is_the_same_with_shared_prompts(tiny_model_dir):
 
 def test_critic_values_and_update_are_the_same_with_shared_prompts(tiny_model_dir, monkeypatch):
     """PPO's critic runs each distinct prompt once too: same values, same value-loss gradients."""
-    import plainrl.critic
-    from plainrl.critic import Critic
+    import plainrl.models.forward
+    from plainrl.train import Critic
     from plainrl.models import load_value_model
 
     shared_calls = []
-    real = plainrl.critic.shared_prompt_hidden
-    monkeypatch.setattr(plainrl.critic, "shared_prompt_hidden",
+    real = plainrl.models.forward.shared_prompt_hidden
+    monkeypatch.setattr(plainrl.models.forward, "shared_prompt_hidden",
                         lambda *a: shared_calls.append(1) or real(*a))
 
     eps = _grouped_episodes()

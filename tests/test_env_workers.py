@@ -9,13 +9,15 @@ import time
 import psutil
 import pytest
 
-import plainrl.loop as loop
+import plainrl.run.loop as loop
+import plainrl.run.setup as run_setup
 from conftest import REPO, tiny_overrides
 from plainrl.config import load_config
-from plainrl.envs import EnvError, EnvWorkers, StepResult, multi_turn_rollout
+from plainrl.rollout import multi_turn_rollout
+from plainrl.rollout.envs import EnvError, EnvWorkers, StepResult
 from plainrl.rewards import RewardFn
 from plainrl.rewards.loading import load_reward_fn
-from plainrl.rollout import score_episodes
+from plainrl.rewards import score_episodes
 from plainrl.types import Generation, SamplingParams
 from test_envs import ScriptedEnv, make_prompt, three_turn_setup
 
@@ -189,7 +191,7 @@ def test_env_errors_are_recorded_when_scoring_and_fail_fast_stops(tokenizer):
 
 def _train_cfg(tiny_model_dir, run_dir, env, *extra):
     return load_config(REPO / "examples" / "arithmetic_grpo.yaml", tiny_overrides(tiny_model_dir, run_dir) + [
-        f"rollout.env={BAD_ENVS}:{env}", "rewards=[{fn: 'plainrl.envs:env_reward'}]",
+        f"rollout.env={BAD_ENVS}:{env}", "rewards=[{fn: 'plainrl.rollout.envs:env_reward'}]",
         "eval.before=false", "eval.after=false", *extra])
 
 
@@ -223,7 +225,7 @@ def test_bad_env_references_are_config_errors_before_any_model_loads(tiny_model_
     with pytest.raises(ConfigError, match="rollout.env='nope': use a built-in"):
         load_config(REPO / "examples" / "arithmetic_grpo.yaml", ["rollout.env=nope"])
     with pytest.raises(RewardLoadError, match=r"rollout.env 'nope.py:f': file .* not found"):
-        loop.prepare(load_config(REPO / "examples" / "arithmetic_grpo.yaml",
+        run_setup.prepare(load_config(REPO / "examples" / "arithmetic_grpo.yaml",
                                  tiny_overrides(tiny_model_dir, tmp_path / "run") + ["rollout.env=nope.py:f"]))
 
 
@@ -233,7 +235,7 @@ class NanRewardEnv(RowEnv):
 
 
 def test_a_nan_environment_reward_makes_the_sample_unscorable(tokenizer):
-    from plainrl.envs import env_reward
+    from plainrl.rollout.envs import env_reward
 
     with EnvWorkers(NanRewardEnv, timeout_s=10) as workers:
         eps = _rollout(tokenizer, workers, ["nan", "ok"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plainrl.data import PromptRow, build_prompt_ids
-from plainrl.envs import (
+from plainrl.rollout.envs import (
     CalculatorEnv,
     CalculatorError,
     EnvState,
@@ -20,16 +20,13 @@ from plainrl.envs import (
     ToolCallError,
     ToolEnv,
     TriggerEnv,
-    build_env_prompt,
-    env_metrics,
     env_reward,
     find_closed_code_block,
     function_schema,
-    multi_turn_rollout,
     parse_tool_calls,
-    render_chat_continuation,
     safe_eval,
 )
+from plainrl.rollout import build_env_prompt, env_metrics, multi_turn_rollout, render_chat_continuation
 from plainrl.types import Generation, SamplingParams
 
 IM_END_OBS = "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"  # after a turn that ended on EOS
@@ -457,7 +454,7 @@ def test_python_tool_timeout():
 def test_multi_turn_rollout_hf_engine_calculator(tokenizer, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from plainrl.engines.hf import HFEngine
+    from plainrl.rollout.engines.hf import HFEngine
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tid = tokenizer.convert_tokens_to_ids
@@ -516,7 +513,8 @@ def test_multi_turn_rollout_hf_engine_calculator(tokenizer, tiny_model_dir):
 def test_evaluation_of_a_tool_using_policy_runs_its_environment(tokenizer):
     """Held-out eval of a multi-turn run goes through the environment: the calculator's
     answer is inserted before the model's final answer is graded."""
-    from plainrl.evaluate import MultiTurnEval, evaluate
+    from plainrl.rollout import MultiTurn
+    from plainrl.run.evaluate import evaluate
 
     p = make_prompt(tokenizer, "What is 2 + 2?", 0, answer="4")
 
@@ -546,6 +544,6 @@ def test_evaluation_of_a_tool_using_policy_runs_its_environment(tokenizer):
     made, user = [], CalcUser()
     factory = lambda: made.append(1) or CalculatorEnv()  # noqa: E731
     multi = evaluate(user, [p] * 5, tokenizer, max_new_tokens=16,
-                     multi_turn=MultiTurnEval(factory, max_turns=4, max_total_tokens=64, max_live=2))
+                     multi_turn=MultiTurn(factory, max_turns=4, max_total_tokens=64, max_live=2))
     assert multi["eval/pass@1"] == 1.0 and multi["eval/env/tool_calls"] == 1.0 and multi["eval/n"] == 5
     assert len(made) == 5 and max(user.batches) == 2  # every prompt ran, 2 episodes at a time

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-import plainrl.learner as learner_mod
-import plainrl.loop as loop
+import plainrl.train.learner as learner_mod
+import plainrl.run.loop as loop
 from conftest import REPO, tiny_overrides
 from plainrl.config import load_config
 

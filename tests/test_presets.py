@@ -8,17 +8,18 @@ from typing import get_args
 import pytest
 import torch
 
-import plainrl.learner as learner_mod
-import plainrl.loop as loop
+import plainrl.train.learner as learner_mod
+import plainrl.run.loop as loop
+import plainrl.run.setup as run_setup
 from conftest import REPO, tiny_overrides
 from plainrl.config import (
     OFFLINE_ALGORITHMS, PRESETS, AdvantageEstimator, AlgorithmConfig, AlgorithmName, ConfigError, dump_config,
     load_config,
 )
-from plainrl.estimators import ADVANTAGE_ESTIMATORS, compute_advantages
-from plainrl.learner import Learner
+from plainrl.algorithms.estimators import ADVANTAGE_ESTIMATORS, compute_advantages
+from plainrl.train import Learner
 from plainrl.rewards import build_reward_fns
-from plainrl.rollout import dynamic_sampling, shape_overlong
+from plainrl.run.collect import dynamic_sampling, shape_overlong
 from plainrl.types import Episode
 from test_engine_learner import _episodes
 
@@ -37,7 +38,7 @@ def _cfg(name: str, *extra: str):
 def test_dispatch_tables_match_literals():
     assert set(PRESETS) == set(get_args(AlgorithmName))
     assert set(ADVANTAGE_ESTIMATORS) == set(get_args(AdvantageEstimator))
-    from plainrl.offline import OBJECTIVES
+    from plainrl.run.offline import OBJECTIVES
 
     assert set(OBJECTIVES) == set(OFFLINE_ALGORITHMS)
 
@@ -307,7 +308,7 @@ def test_ppo_critic_warmup_trains_only_the_critic_first(tiny_model_dir, tmp_path
 def test_ppo_resume_restores_the_critic_exactly(tiny_model_dir, tmp_path, monkeypatch):
     full = loop.train(_ppo(tiny_model_dir, tmp_path / "full", "checkpoint.every=1"))
     cut = tmp_path / "cut"
-    real = loop.save_checkpoint
+    real = run_setup.save_checkpoint
 
     class Killed(Exception):
         pass
@@ -318,10 +319,10 @@ def test_ppo_resume_restores_the_critic_exactly(tiny_model_dir, tmp_path, monkey
             raise Killed()
         return path
 
-    monkeypatch.setattr(loop, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(run_setup, "save_checkpoint", save_then_die)
     with pytest.raises(Killed):
         loop.train(_ppo(tiny_model_dir, cut, "checkpoint.every=1"))
-    monkeypatch.setattr(loop, "save_checkpoint", real)
+    monkeypatch.setattr(run_setup, "save_checkpoint", real)
     loop.train(_ppo(tiny_model_dir, cut, "checkpoint.every=1"))
     assert _rows(cut) == _rows(full)
     assert (cut / "critic" / "checkpoints" / "step-000002").is_dir()
@@ -335,15 +336,13 @@ def test_a_critic_with_another_tokenizer_is_refused_before_loading(tiny_model_di
     other.save_pretrained(tmp_path / "other")
     base = tiny_overrides(tiny_model_dir, tmp_path / "run") + ["algorithm.name=ppo"]
     cfg = load_config(REPO / "examples" / "arithmetic_ppo.yaml", base + [f"critic.model={tiny_model_dir}"])
-    loop.prepare(cfg)  # the same tokenizer: fine
+    run_setup.prepare(cfg)  # the same tokenizer: fine
     cfg = load_config(REPO / "examples" / "arithmetic_ppo.yaml", base + [f"critic.model={tmp_path / 'other'}"])
     with pytest.raises(ConfigError, match="critic.model=.*another tokenizer"):
-        loop.prepare(cfg)
+        run_setup.prepare(cfg)
 
 
 def test_lora_critic_shares_the_policys_frozen_base_and_generation_leaves_it_intact(tiny_model_dir, tmp_path):
-    from plainrl.rollout import sampling_params
-
     run = loop.setup(_ppo(tiny_model_dir, tmp_path / "run"))
     policy = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p
               for n, p in run.model.named_parameters() if not p.requires_grad}
@@ -356,11 +355,11 @@ def test_lora_critic_shares_the_policys_frozen_base_and_generation_leaves_it_int
     for n, p in run.model.named_parameters():  # non-zero policy adapters, so merging changes weights
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.5)
-    eps = loop.rollout(run.engine, run.sampler.next_batch(), sampling_params(run.cfg.rollout), run.prep.tokenizer,
-                       cfg=run.cfg, step=0, generator=run.generator)
+    eps = loop.rollout(run.engine, run.sampler.next_batch(), run.params, run.prep.tokenizer,
+                       group_size=run.cfg.rollout.group_size, step=0, generator=run.generator)
     before = run.critic.values(eps)
-    loop.rollout(run.engine, run.sampler.next_batch(), sampling_params(run.cfg.rollout), run.prep.tokenizer,
-                 cfg=run.cfg, step=1, generator=run.generator)  # decodes with LoRA merged into the shared weights
+    loop.rollout(run.engine, run.sampler.next_batch(), run.params, run.prep.tokenizer,
+                 group_size=run.cfg.rollout.group_size, step=1, generator=run.generator)  # decodes with LoRA merged into the shared weights
     assert torch.equal(run.critic.values(eps), before)
     run.logger.close()
     run.prep.close()

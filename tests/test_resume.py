@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import plainrl.loop as loop
+import plainrl.run.loop as loop
+import plainrl.run.setup as run_setup
 from conftest import REPO, tiny_overrides
 from plainrl.checkpoint import CheckpointError
 from plainrl.config import load_config
@@ -37,7 +38,7 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, monkeypatch, lora):
     extra = [] if lora else ["model.lora.enabled=false"]
     full = loop.train(_cfg(tiny_model_dir, tmp_path / "full", *extra))
 
-    real_save = loop.save_checkpoint
+    real_save = run_setup.save_checkpoint
 
     def save_then_die(run_dir, step, **kw):
         path = real_save(run_dir, step, **kw)
@@ -45,11 +46,11 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, monkeypatch, lora):
             raise Preempted()
         return path
 
-    monkeypatch.setattr(loop, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(run_setup, "save_checkpoint", save_then_die)
     cut = tmp_path / "cut"
     with pytest.raises(Preempted):
         loop.train(_cfg(tiny_model_dir, cut, *extra))
-    monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    monkeypatch.setattr(run_setup, "save_checkpoint", real_save)
     loop.train(_cfg(tiny_model_dir, cut, *extra))  # the same command again resumes
 
     assert _metrics(cut) == _metrics(full)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import plainrl.loop as loop
+import plainrl.run.loop as loop
 from conftest import REPO, tiny_overrides
 from plainrl.config import load_config
 from plainrl.rewards import RewardError

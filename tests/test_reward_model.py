@@ -9,13 +9,14 @@ import math
 import pytest
 import torch
 
-import plainrl.loop as loop
-import plainrl.offline as offline
+import plainrl.run.loop as loop
+import plainrl.run.setup as run_setup
+import plainrl.run.offline as offline
 from conftest import REPO, tiny_overrides
 from plainrl.config import ConfigError, load_config
-from plainrl.critic import sequence_scores
+from plainrl.models import sequence_scores
 from plainrl.models import ModelLoadError, load_policy
-from plainrl.offline import collate, load_offline_data
+from plainrl.run.offline import collate, load_offline_data
 from plainrl.rewards.model import RewardModel
 from plainrl.types import Episode
 
@@ -89,10 +90,10 @@ def test_reward_model_errors(rm_run, tiny_model_dir, tmp_path, tokenizer):
         RewardModel.load(lm.rewards[0], lm.model, tokenizer, cpu)
     missing = _rl_cfg(tiny_model_dir, tmp_path / "run", f"[{{model: '{tmp_path / 'nope' / 'final'}'}}]")
     with pytest.raises(ModelLoadError, match="no such directory"):
-        loop.prepare(missing)  # before any model loads
+        run_setup.prepare(missing)  # before any model loads
     empty = _rl_cfg(tiny_model_dir, tmp_path / "run", f"[{{model: '{tmp_path}'}}]")
     with pytest.raises(ModelLoadError, match="no adapter_config.json or config.json"):
-        loop.prepare(empty)
+        run_setup.prepare(empty)
     dup = f"[{{model: '{rm_run / 'final'}'}}, {{fn: plainrl.rewards:correctness, name: reward_model}}]"
     with pytest.raises(Exception, match="'reward_model' is used twice"):
-        loop.prepare(_rl_cfg(tiny_model_dir, tmp_path / "run", dup))
+        run_setup.prepare(_rl_cfg(tiny_model_dir, tmp_path / "run", dup))

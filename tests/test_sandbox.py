@@ -1,4 +1,4 @@
-"""Tests for plainrl.sandbox: limits, kill-everything on timeout, isolation, no leaks."""
+"""Tests for plainrl.rollout.sandbox: limits, kill-everything on timeout, isolation, no leaks."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import uuid
 import pytest
 
 if not sys.platform.startswith("linux"):
-    pytest.skip("plainrl.sandbox only supports Linux", allow_module_level=True)
+    pytest.skip("plainrl.rollout.sandbox only supports Linux", allow_module_level=True)
 
 psutil = pytest.importorskip("psutil")
 
-from plainrl import sandbox  # noqa: E402
-from plainrl.sandbox import ExecResult, SandboxUnavailableError, run_python  # noqa: E402
+from plainrl.rollout import sandbox  # noqa: E402
+from plainrl.rollout.sandbox import ExecResult, SandboxUnavailableError, run_python  # noqa: E402
 
 SLACK_S = 2.0
 

@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from plainrl.config import LoraConfig
-from plainrl.engines.hf import HFEngine, sample_categorical
-from plainrl.engines.static_decoder import StaticDecoder, unsupported_reason
+from plainrl.rollout.engines.hf import HFEngine, sample_categorical
+from plainrl.rollout.engines.static_decoder import StaticDecoder, unsupported_reason
 from plainrl.models import apply_lora
 from plainrl.types import SamplingParams
 

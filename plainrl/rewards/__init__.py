@@ -16,6 +16,7 @@ from plainrl.rewards.builtins import (
 )
 from plainrl.rewards.loading import RewardFn, RewardLoadError, build_reward_fns, load_reward_fn
 from plainrl.rewards.runner import RewardError, RewardWorkers, reward_metrics, score
+from plainrl.rewards.episodes import score_episodes
 
 __all__ = [
     "RewardError",
@@ -31,5 +32,6 @@ __all__ = [
     "numeric_closeness",
     "reward_metrics",
     "score",
+    "score_episodes",
     "tool_success",
 ]

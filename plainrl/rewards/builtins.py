@@ -345,7 +345,7 @@ def tool_success(completion: str, env_info: Mapping[str, Any] | None = None, **_
     shaping reward that makes tool use itself worth learning before it pays off in
     correct answers.
 
-    Reads the ``env_info`` column that :func:`plainrl.envs.multi_turn_rollout` adds:
+    Reads the ``env_info`` column that :func:`plainrl.rollout.envs.multi_turn_rollout` adds:
     ``tool_calls`` > 0, and ``malformed_calls``, ``tool_errors`` and ``tool_timeouts``
     (as the built-in environments count them) all 0. Without an environment there
     is no ``env_info`` and the reward is 0.0.

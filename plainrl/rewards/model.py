@@ -5,7 +5,7 @@ The model is an ``algorithm.name=rm`` run's ``final/`` (a LoRA adapter with its
 checkpoint with one label and the policy's tokenizer. It scores the exact token ids
 of each episode, ``prompt_ids + completion_ids``, read at the last token; a
 completion that does not end with EOS (cut by the token budget) gets one appended.
-That is the position plainrl's RM training reads (:func:`plainrl.critic.sequence_scores`
+That is the position plainrl's RM training reads (:func:`plainrl.models.sequence_scores`
 at the EOS closing the final assistant turn), so an RL-time score of a response
 equals its score in RM training (tested). Scoring runs batched, without gradients,
 on the policy's device, in the trainer's process.
@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 from plainrl.config import ModelConfig, RewardSpec
-from plainrl.critic import sequence_scores
-from plainrl.learner import make_micro_batches
-from plainrl.models import ModelLoadError, load_tokenizer, load_value_model, resolve_model_path
+from plainrl.frames import make_micro_batches
+from plainrl.models import ModelLoadError, load_tokenizer, load_value_model, resolve_model_path, sequence_scores
 from plainrl.types import Episode
 
 __all__ = ["RewardModel"]

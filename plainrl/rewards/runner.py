@@ -23,7 +23,7 @@ from typing import Any
 
 from plainrl.rewards.loading import RewardFn
 from plainrl.types import RewardOutput, SampleError
-from plainrl.workers import Worker, WorkerDied, WorkerPool, describe_exception
+from plainrl.rollout.workers import Worker, WorkerDied, WorkerPool, describe_exception
 
 __all__ = ["RewardError", "RewardWorkers", "reward_metrics", "score", "weighted_total"]
 
@@ -187,7 +187,7 @@ def weighted_total(parts: Mapping[str, list[float | None]], weights: Mapping[str
 class RewardWorkers(WorkerPool):
     """Worker processes that call reward functions, kept between :func:`score` calls.
 
-    A :class:`~plainrl.workers.WorkerPool`: the trainer forks these once, before the
+    A :class:`~plainrl.rollout.workers.WorkerPool`: the trainer forks these once, before the
     model loads (:meth:`prestart`), and reuses them every step; a worker killed after
     a timeout is replaced by a new fork. Each worker inherits ``fns`` through
     ``fork`` and calls them by index, so the pool serves exactly this list.

@@ -4,7 +4,7 @@ import os
 import subprocess
 import time
 
-from plainrl.envs import StepResult
+from plainrl.rollout.envs import StepResult
 
 
 class _Env:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from plainrl.envs.base import EnvState, StepResult
-from plainrl.sandbox import ExecResult, run_python
+from plainrl.rollout.envs.base import EnvState, StepResult
+from plainrl.rollout.sandbox import ExecResult, run_python
 
 __all__ = ["PythonToolEnv", "find_closed_code_block"]
 
@@ -41,7 +41,7 @@ def find_closed_code_block(text: str, *, tail: int = 8) -> tuple[str, str] | Non
 
 
 class PythonToolEnv:
-    """Runs the model's ```python blocks in :func:`plainrl.sandbox.run_python`.
+    """Runs the model's ```python blocks in :func:`plainrl.rollout.sandbox.run_python`.
 
     Generation pauses at every ```; at an opening fence the observation is empty
     (generation continues inside the block); when a ``python``/``py`` block
@@ -78,7 +78,7 @@ class PythonToolEnv:
         """Run the python block the turn just closed; empty observation otherwise.
 
         Raises:
-            plainrl.sandbox.SandboxError: the sandbox could not be set up (the
+            plainrl.rollout.sandbox.SandboxError: the sandbox could not be set up (the
                 rollout ends the episode and records the error).
         """
         if state.finish_reason != "stop":

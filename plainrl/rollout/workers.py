@@ -1,8 +1,8 @@
 """Forked worker processes that user code (reward functions, environments) runs in,
 so that a call which hangs, crashes or leaks can be timed out and killed.
 
-Both :func:`plainrl.rewards.score` (with ``rollout.reward_timeout_s``) and the
-environment workers of :mod:`plainrl.envs.isolated` (``rollout.env_timeout_s``)
+Both :func:`plainrl.rewards.episodes` (with ``rollout.reward_timeout_s``) and the
+environment workers of :mod:`plainrl.rollout.envs.isolated` (``rollout.env_timeout_s``)
 use :class:`Worker`. The standard library's ``multiprocessing.Pool`` and
 ``concurrent.futures.ProcessPoolExecutor`` cannot kill one stuck task (and what
 it started) without losing the pool, and they pickle the callable; hence this

@@ -12,7 +12,7 @@ import math
 import operator
 from typing import Any
 
-from plainrl.envs.base import EnvState, StepResult
+from plainrl.rollout.envs.base import EnvState, StepResult
 
 __all__ = ["CalculatorEnv", "CalculatorError", "format_number", "safe_eval"]
 

@@ -1,4 +1,4 @@
-"""Three simple ways to write an environment, each mapping onto :class:`~plainrl.envs.base.Environment`.
+"""Three simple ways to write an environment, each mapping onto :class:`~plainrl.rollout.envs.base.Environment`.
 
 1. :class:`TriggerEnv` -- pause at stop strings and insert what a handler returns.
 2. :class:`InteractEnv` -- an ``interact(messages) -> messages`` function answering
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from plainrl.envs.base import EnvState, EnvTimeoutError, StepResult, call_with_timeout
+from plainrl.rollout.envs.base import EnvState, EnvTimeoutError, StepResult, call_with_timeout
 
 __all__ = [
     "InteractEnv",

@@ -275,8 +275,8 @@ def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool,
     ``per_token=True`` loads ``AutoModelForTokenClassification`` (a critic: one value per
     position), ``False`` ``AutoModelForSequenceClassification`` (a reward model: one score
     per sequence). Both are standard transformers classes, so a saved value model loads
-    without plainrl; read values with :func:`plainrl.critic.token_values` /
-    :func:`plainrl.critic.sequence_scores`.
+    without plainrl; read values with :func:`plainrl.models.token_values` /
+    :func:`plainrl.models.sequence_scores`.
 
     ``share_with``: a model on the same base whose frozen weights this one reuses
     (:func:`share_frozen_weights`); pass it only when both train adapters, not full weights.

@@ -19,12 +19,12 @@ from typing import Any, Callable
 import torch
 
 from plainrl.data import PromptRow, render_prompt
-from plainrl.engines.base import Engine
-from plainrl.envs.base import EnvState, Environment, StepResult
-from plainrl.envs.isolated import EnvWorkerError
-from plainrl.envs.tools import hermes_tools_prompt
-from plainrl.types import Episode, FinishReason, Generation, SamplingParams
-from plainrl.workers import describe_exception
+from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.envs.base import EnvState, Environment, StepResult
+from plainrl.rollout.envs.isolated import EnvWorkerError
+from plainrl.rollout.envs.tools import hermes_tools_prompt
+from plainrl.types import EnvOutcome, Episode, FinishReason, Generation, SamplingParams
+from plainrl.rollout.workers import describe_exception
 
 __all__ = [
     "build_env_prompt",
@@ -291,8 +291,8 @@ def multi_turn_rollout(
     - the completion reached ``max_total_tokens`` (an observation that does not
       fit is cut to fit; ``finish_reason`` is ``"length"``);
     - the env raised (building it, ``reset`` or ``step``; with
-      :class:`~plainrl.envs.isolated.EnvWorkers`, also a call over its time
-      limit): ``"Type: message (at file:line)"`` goes to ``row["env_error"]``
+      :class:`~plainrl.rollout.envs.isolated.EnvWorkers`, also a call over its time
+      limit): ``"Type: message (at file:line)"`` goes to ``Episode.env.error``
       and the episode is unscorable (an env that failed to start has an empty
       completion).
 
@@ -306,12 +306,12 @@ def multi_turn_rollout(
     a prefix of a sample is a sample with a smaller limit).
 
     Args:
-        engine: any :class:`~plainrl.engines.base.Engine`.
+        engine: any :class:`~plainrl.rollout.engines.base.Engine`.
         prompts: the step's prompts.
         env_factory: called once per episode for a fresh environment
             (``lambda: CalculatorEnv()``); the built-in envs are stateless, so
             ``lambda: env`` sharing one instance works too. An
-            :class:`~plainrl.envs.isolated.EnvWorkers` runs each episode's env
+            :class:`~plainrl.rollout.envs.isolated.EnvWorkers` runs each episode's env
             in a worker process, every call under a time limit.
         params: sampling settings; ``max_new_tokens`` is the per-turn limit.
         tokenizer: the policy's tokenizer (decoding turns for the env, tokenising
@@ -327,7 +327,7 @@ def multi_turn_rollout(
             re-renders the prompt (see :func:`build_env_prompt`) and for ``state.messages``.
         max_workers: threads running ``env.step`` concurrently.
         max_live: the most episodes in flight at once (None: all); more run in
-            waves of this many, in order. With :class:`~plainrl.envs.isolated.EnvWorkers`
+            waves of this many, in order. With :class:`~plainrl.rollout.envs.isolated.EnvWorkers`
             it bounds the worker processes (one per live episode).
     Returns:
         ``len(prompts) * group_size`` :class:`Episode`\\ s. ``completion_ids`` [L]
@@ -335,12 +335,10 @@ def multi_turn_rollout(
         tokens, ``logprobs`` [L] hold the engine's logprobs there and 0.0 on
         observation tokens; ``completion_text`` decodes all of them (special
         tokens skipped). ``prompt_ids`` may differ from the PromptRow's when the
-        env re-rendered the prompt. ``row`` is a copy of the prompt row plus
-        ``env_reward`` (sum of the step rewards, None if none was given),
-        ``env_error`` (``"Type: message (at file:line)"`` if the env raised, else None) and
-        ``env_info`` (the steps' info merged: numbers summed; plus ``turns``,
-        ``generate_calls``, ``model_tokens``, ``observation_tokens`` and
-        ``end_reason``).
+        env re-rendered the prompt. ``row`` is the prompt row; ``env`` is the
+        :class:`~plainrl.types.EnvOutcome` (the summed step rewards, the error if the
+        env raised, and the merged step info with ``turns``, ``generate_calls``,
+        ``model_tokens``, ``observation_tokens`` and ``end_reason``).
     Raises:
         ValueError: bad ``group_size``, ``max_turns``, ``max_total_tokens`` or ``max_live``.
         RuntimeError: the engine returned the wrong number of generations, or
@@ -515,24 +513,24 @@ def _episode(r: _Run, tokenizer) -> Episode:
     info = dict(r.info)
     info.update(turns=r.state.turn + 1, generate_calls=r.calls, model_tokens=sum(r.mask),
                 observation_tokens=r.obs_tokens, end_reason=r.end)
-    row = {**r.prompt.row, "env_reward": sum(r.rewards) if r.rewards else None, "env_error": r.error,
-           "env_info": info}
     return Episode(
-        sample_id=r.sample_id, group=r.group, row=row, prompt_ids=r.prompt_ids, completion_ids=r.ids,
+        sample_id=r.sample_id, group=r.group, row=r.prompt.row, prompt_ids=r.prompt_ids, completion_ids=r.ids,
         logprobs=r.logprobs, loss_mask=r.mask, finish_reason=r.finish,
         completion_text=tokenizer.decode(r.ids, skip_special_tokens=True),
+        env=EnvOutcome(reward=sum(r.rewards) if r.rewards else None, error=r.error, info=info),
     )
 
 
 def env_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Step metrics from the episodes' ``row["env_info"]``: ``env/<key>`` = mean of each
+    """Step metrics from the episodes' :class:`~plainrl.types.EnvOutcome`: ``env/<key>`` = mean of each
     numeric info value over the episodes (0 where an episode lacks it),
     ``env/end/<reason>`` = fraction of episodes that ended that way,
     ``env/error_rate`` and ``env/reward_mean`` (over episodes with a reward)."""
     if not episodes:
         return {}
     n = len(episodes)
-    infos = [e.row.get("env_info", {}) for e in episodes]
+    outcomes = [e.env or EnvOutcome() for e in episodes]
+    infos = [o.info for o in outcomes]
     sums: Counter[str] = Counter()
     for info in infos:
         for k, v in info.items():
@@ -541,8 +539,8 @@ def env_metrics(episodes: list[Episode]) -> dict[str, float]:
     out = {f"env/{k}": v / n for k, v in sorted(sums.items())}
     for reason, c in Counter(info.get("end_reason") for info in infos).items():
         out[f"env/end/{reason}"] = c / n
-    out["env/error_rate"] = sum(e.row.get("env_error") is not None for e in episodes) / n
-    rewards = [e.row["env_reward"] for e in episodes if e.row.get("env_reward") is not None]
+    out["env/error_rate"] = sum(o.error is not None for o in outcomes) / n
+    rewards = [o.reward for o in outcomes if o.reward is not None]
     if rewards:
         out["env/reward_mean"] = sum(rewards) / len(rewards)
     return out

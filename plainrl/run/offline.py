@@ -33,14 +33,16 @@ import torch
 from plainrl.algorithms import aggregate_loss, bradley_terry_loss, dpo_loss
 from plainrl.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from plainrl.config import Config, DataConfig, dump_config
-from plainrl.critic import sequence_scores
 from plainrl.data import DataError, DropReport, PromptSampler, load_rows, render_prompt
 from plainrl.data.loading import _as_id_list, _check_messages, _gsm8k_row, _handle_invalid, _Invalid
-from plainrl.learner import MasterAdamW, pack_by_length, sequence_logps
+from plainrl.frames import pack_by_length
 from plainrl.metrics import MetricsLogger
 from plainrl.models import (
-    load_policy, load_tokenizer, load_value_model, resolve_device, save_policy, trainable_parameters,
+    load_policy, load_tokenizer, load_value_model, resolve_device, save_policy, sequence_logps, sequence_scores,
+    trainable_parameters,
 )
+from plainrl.run.lifecycle import Diverged, GracefulStop, Preempted, open_run
+from plainrl.train.optim import MasterAdamW
 
 # ----------------------------------------------------------------------------- tokenising
 
@@ -447,8 +449,6 @@ def train_offline(cfg: Config) -> Path:
         Preempted: SIGTERM/SIGINT (a checkpoint was written).
         Diverged: ``train.max_bad_steps`` non-finite steps in a row.
     """
-    from plainrl.loop import Diverged, GracefulStop, Preempted, open_run
-
     run_dir, resume_from, resume_warnings = open_run(cfg)
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.cache_dir)
     data = load_offline_data(cfg, tokenizer)

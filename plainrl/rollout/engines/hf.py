@@ -12,7 +12,7 @@ from typing import Literal, Protocol, get_args
 
 import torch
 
-from plainrl.engines.static_decoder import StaticDecoder, unsupported_reason
+from plainrl.rollout.engines.static_decoder import StaticDecoder, unsupported_reason
 from plainrl.models import lora_delta, unwrap
 from plainrl.types import Generation, SamplingParams
 
@@ -105,7 +105,7 @@ DECODERS: tuple[str, ...] = get_args(DecoderChoice)
 
 class Decoder(Protocol):
     """The forward passes the sampling loop needs, over one batch's KV cache
-    (:class:`~plainrl.engines.static_decoder.StaticDecoder` or :class:`_TransformersDecoder`)."""
+    (:class:`~plainrl.rollout.engines.static_decoder.StaticDecoder` or :class:`_TransformersDecoder`)."""
 
     def start(self, input_ids: torch.Tensor, valid: torch.Tensor, capacity: int) -> torch.Tensor:
         """Prefill left-padded prompts [b, s] (``valid`` False on padding); [b, V] float32 logits."""
@@ -164,7 +164,7 @@ class HFEngine:
         batch_size: sequences decoded together.
         merge_lora: decode with LoRA folded into the weights (see :func:`merged_lora`;
             the static decoder always folds them into its own fused copies).
-        decoder: ``static`` (:class:`~plainrl.engines.static_decoder.StaticDecoder`,
+        decoder: ``static`` (:class:`~plainrl.rollout.engines.static_decoder.StaticDecoder`,
             Llama-family models), ``transformers`` (the model's own forward with a
             ``DynamicCache``, any causal LM) or ``auto`` (static where supported).
 

@@ -663,7 +663,7 @@ def run_python(
             in this process, or the bootstrap failed before the code started).
     """
     if not sys.platform.startswith("linux"):
-        raise SandboxUnavailableError("plainrl.sandbox only supports Linux")
+        raise SandboxUnavailableError("plainrl.rollout.sandbox only supports Linux")
     _validate(timeout_s, memory_mb, max_output_bytes, max_file_mb, max_processes)
     if not sys.executable:
         raise SandboxError("sys.executable is unknown: cannot start a sandboxed interpreter")
@@ -677,7 +677,7 @@ def run_python(
         # Some systems let unprivileged users create a user namespace but then refuse
         # what it is for (e.g. AppArmor's restrict_unprivileged_userns): fall back for good.
         _userns_allowed = False
-        warnings.warn(f"plainrl.sandbox: user namespaces unusable ({e}); running without them",
+        warnings.warn(f"plainrl.rollout.sandbox: user namespaces unusable ({e}); running without them",
                       RuntimeWarning, stacklevel=2)
         return _run_once(*args)
 

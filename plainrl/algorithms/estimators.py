@@ -1,9 +1,9 @@
 """From scored episodes to advantages, per ``algorithm.advantage``: the glue between
-the config and the pure functions of :mod:`plainrl.algorithms`.
+one step's tensors and the pure functions of :mod:`plainrl.algorithms`.
 
 Sequence-level estimators (grpo, rloo) give one advantage per episode, [N];
 token-level ones (reinforce_pp, gae) one per completion token, [N, L] in the
-completion frame of :func:`plainrl.learner.completion_tensor`. The learner takes both.
+completion frame of :mod:`plainrl.frames`. The learner takes both.
 """
 
 from __future__ import annotations
@@ -13,18 +13,38 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from plainrl.algorithms import (
+from plainrl.algorithms.advantages import (
     gae,
     grpo_advantages,
-    kl_estimate,
     reinforce_pp_advantages,
     rloo_advantages,
     token_rewards,
     whiten_advantages,
 )
-from plainrl.config import AlgorithmConfig, Config
-from plainrl.learner import completion_tensor
+from plainrl.algorithms.kl import KLEstimator, kl_estimate
+from plainrl.frames import CompletionFrame
 from plainrl.types import Episode
+
+
+@dataclass(frozen=True)
+class AdvantageParams:
+    """The scalars the estimators read (from ``algorithm`` and ``rollout``, at setup).
+
+    estimator:  ``algorithm.advantage`` (a key of :data:`ADVANTAGE_ESTIMATORS`).
+    group_size: samples per prompt (``rollout.group_size``; grpo, rloo).
+    norm_std:   divide GRPO's group-centred rewards by the group std (``Config.norm_std``).
+    gamma, lam: discount and GAE lambda (reinforce_pp, gae).
+    kl_coef:    ``algorithm.kl_coef``, the weight of the KL when it goes into the reward.
+    whiten:     ``algorithm.whiten_advantages`` (batch whitening, PPO).
+    """
+
+    estimator: str
+    group_size: int
+    norm_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_coef: float = 0.0
+    whiten: bool = False
 
 
 @dataclass
@@ -46,42 +66,39 @@ class EstimatorInputs:
     values: torch.Tensor | None = None
 
 
-def _sequence_rewards(x: EstimatorInputs, a: AlgorithmConfig) -> torch.Tensor:
+def _sequence_rewards(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
     # a sequence-level estimator takes the KL in the reward as its sum over the sequence
     if x.kl is None:
         return x.rewards
-    return x.rewards - a.kl_coef * (x.kl * x.mask).sum(dim=1)
+    return x.rewards - p.kl_coef * (x.kl * x.mask).sum(dim=1)
 
 
-def _token_rewards(x: EstimatorInputs, a: AlgorithmConfig) -> torch.Tensor:
-    return token_rewards(x.rewards, x.mask, kl=x.kl, kl_coef=a.kl_coef, valid=x.valid)
+def _token_rewards(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
+    return token_rewards(x.rewards, x.mask, kl=x.kl, kl_coef=p.kl_coef, valid=x.valid)
 
 
-def _grpo(x: EstimatorInputs, cfg: Config) -> torch.Tensor:
-    a = cfg.algorithm
-    return grpo_advantages(_sequence_rewards(x, a), cfg.rollout.group_size, norm_std=a.norm_std, valid=x.valid)
+def _grpo(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
+    return grpo_advantages(_sequence_rewards(x, p), p.group_size, norm_std=p.norm_std, valid=x.valid)
 
 
-def _rloo(x: EstimatorInputs, cfg: Config) -> torch.Tensor:
-    return rloo_advantages(_sequence_rewards(x, cfg.algorithm), cfg.rollout.group_size, valid=x.valid)
+def _rloo(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
+    return rloo_advantages(_sequence_rewards(x, p), p.group_size, valid=x.valid)
 
 
-def _reinforce_pp(x: EstimatorInputs, cfg: Config) -> torch.Tensor:
-    a = cfg.algorithm
+def _reinforce_pp(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
     # unscorable rows leave the batch statistics (and get advantage 0)
-    return reinforce_pp_advantages(_token_rewards(x, a), x.mask * x.valid[:, None], gamma=a.gamma)
+    return reinforce_pp_advantages(_token_rewards(x, p), x.mask * x.valid[:, None], gamma=p.gamma)
 
 
-def _gae(x: EstimatorInputs, cfg: Config) -> torch.Tensor:
-    a = cfg.algorithm
+def _gae(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
     if x.values is None:
         raise ValueError("algorithm.advantage=gae needs critic values")
-    advantages, _returns = gae(_token_rewards(x, a), x.values, x.mask * x.valid[:, None], gamma=a.gamma, lam=a.lam)
+    advantages, _returns = gae(_token_rewards(x, p), x.values, x.mask * x.valid[:, None], gamma=p.gamma, lam=p.lam)
     return advantages
 
 
 # algorithm.advantage -> estimator; the keys are exactly config.AdvantageEstimator
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[EstimatorInputs, Config], torch.Tensor]] = {
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[EstimatorInputs, AdvantageParams], torch.Tensor]] = {
     "grpo": _grpo,
     "rloo": _rloo,
     "reinforce_pp": _reinforce_pp,
@@ -89,19 +106,18 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[EstimatorInputs, Config], torch.Tensor
 }
 
 
-def reward_kl(episodes: list[Episode], ref_logps: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Per-token KL of the rollout policy (the engine's logprobs) to the reference,
-    with ``algorithm.kl_estimator``.
+def reward_kl(frame: CompletionFrame, ref_logps: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token KL of the rollout policy (the engine's logprobs) to the reference.
 
     Args:
+        frame: the step's loss mask and engine logprobs, [N, L] each.
         ref_logps: [N, L] reference logprobs of the loss tokens (completion frame).
+        estimator: ``algorithm.kl_estimator`` (k1, k2, k3; :func:`plainrl.algorithms.kl_estimate`).
     Returns:
         [N, L] float32, 0 off the loss mask.
     """
-    mask = completion_tensor(episodes) > 0
-    old = completion_tensor(episodes, [e.logprobs for e in episodes])
-    kl = kl_estimate(old, ref_logps, cfg.algorithm.kl_estimator)
-    return torch.where(mask, kl, torch.zeros_like(kl))
+    kl = kl_estimate(frame.logprobs, ref_logps, estimator)
+    return torch.where(frame.mask > 0, kl, torch.zeros_like(kl))
 
 
 class Advantages(NamedTuple):
@@ -119,17 +135,20 @@ class Advantages(NamedTuple):
 
 def compute_advantages(
     episodes: list[Episode],
-    cfg: Config,
+    mask: torch.Tensor,
+    params: AdvantageParams,
     *,
     kl: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
 ) -> Advantages:
-    """Advantages by ``algorithm.advantage`` (:data:`ADVANTAGE_ESTIMATORS`); unscorable
+    """Advantages by ``params.estimator`` (:data:`ADVANTAGE_ESTIMATORS`); unscorable
     episodes (reward None) get exactly 0. Sets each ``Episode.advantage`` (for logs:
     the mean over its loss tokens for token-level estimators).
 
     Args:
         episodes: N scored episodes, each prompt's group contiguous.
+        mask: [N, L] their loss masks (:class:`plainrl.frames.CompletionFrame`).
+        params: the estimator and its scalars.
         kl: [N, L] :func:`reward_kl`, when the KL goes into the reward.
         values: [N, L] critic values, for gae.
     Returns:
@@ -139,12 +158,12 @@ def compute_advantages(
     """
     valid = torch.tensor([e.reward is not None for e in episodes])
     rewards = torch.tensor([e.reward if e.reward is not None else float("nan") for e in episodes])
-    x = EstimatorInputs(rewards, valid, completion_tensor(episodes), kl, values)
-    adv = ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage](x, cfg)
+    x = EstimatorInputs(rewards, valid, mask, kl, values)
+    adv = ADVANTAGE_ESTIMATORS[params.estimator](x, params)
     returns = None
     if values is not None and adv.dim() == 2:
         returns = torch.where(x.mask.bool(), adv + values, torch.zeros_like(adv))
-    if cfg.algorithm.whiten_advantages:
+    if params.whiten:
         # unscorable rows stay out of the statistics and at exactly 0
         m = x.mask * valid[:, None] if adv.dim() == 2 else valid
         adv = whiten_advantages(adv, m)

@@ -1,24 +1,18 @@
 """Environments for multi-turn rollouts (tools, calculators, interaction), token-exact.
 
-    from plainrl.envs import CalculatorEnv, multi_turn_rollout
+    from plainrl.rollout import multi_turn_rollout
+    from plainrl.rollout.envs import CalculatorEnv
     episodes = multi_turn_rollout(engine, batch, lambda: CalculatorEnv(), params, tokenizer,
                                   group_size=8, step=step, max_turns=8, max_total_tokens=512)
 
 See docs/environments.md for the protocol, the simple forms and the bookkeeping contract.
 """
 
-from plainrl.envs.base import EnvError, EnvState, EnvTimeoutError, Environment, StepResult, call_with_timeout, env_reward
-from plainrl.envs.calculator import CalculatorEnv, CalculatorError, format_number, safe_eval
-from plainrl.envs.isolated import EnvWorkerError, EnvWorkers, EnvWorkerTimeout, RemoteEnv
-from plainrl.envs.multiturn import (
-    build_env_prompt,
-    env_metrics,
-    multi_turn_rollout,
-    prompt_messages,
-    render_chat_continuation,
-)
-from plainrl.envs.python_tool import PythonToolEnv, find_closed_code_block
-from plainrl.envs.tools import (
+from plainrl.rollout.envs.base import EnvError, EnvState, EnvTimeoutError, Environment, StepResult, call_with_timeout, env_reward
+from plainrl.rollout.envs.calculator import CalculatorEnv, CalculatorError, format_number, safe_eval
+from plainrl.rollout.envs.isolated import EnvWorkerError, EnvWorkers, EnvWorkerTimeout, RemoteEnv
+from plainrl.rollout.envs.python_tool import PythonToolEnv, find_closed_code_block
+from plainrl.rollout.envs.tools import (
     InteractEnv,
     ToolCall,
     ToolCallError,
@@ -47,17 +41,12 @@ __all__ = [
     "ToolCallError",
     "ToolEnv",
     "TriggerEnv",
-    "build_env_prompt",
     "call_with_timeout",
-    "env_metrics",
     "env_reward",
     "find_closed_code_block",
     "format_number",
     "function_schema",
     "hermes_tools_prompt",
-    "multi_turn_rollout",
     "parse_tool_calls",
-    "prompt_messages",
-    "render_chat_continuation",
     "safe_eval",
 ]

@@ -5,52 +5,30 @@ are evaluated in their environment."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
 from plainrl.data import PromptRow
-from plainrl.engines.base import Engine
 from plainrl.rewards import correctness
+from plainrl.rollout import Engine, MultiTurn, env_metrics, rollout
 from plainrl.types import SamplingParams
 
 
 def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tokenizer, n: int, generator,
-              multi_turn: MultiTurnEval | None) -> tuple[list[float], dict[str, float]]:
+              multi_turn: MultiTurn | None) -> tuple[list[float], dict[str, float]]:
     flat = [r for r in rows for _ in range(n)]
     if multi_turn is None:
         gens = engine.generate([r.prompt_ids for r in flat], params, generator=generator)
         texts, extra = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens], {}
     else:
-        from plainrl.envs import env_metrics, multi_turn_rollout
-
-        m = multi_turn
-        episodes = multi_turn_rollout(engine, flat, m.env_factory, params, tokenizer, group_size=1, step=-1,
-                                      max_turns=m.max_turns, max_total_tokens=m.max_total_tokens, generator=generator,
-                                      system_prompt=m.system_prompt, prompt_template=m.prompt_template,
-                                      max_live=m.max_live)
+        episodes = rollout(engine, flat, params, tokenizer, group_size=1, step=-1, multi_turn=multi_turn,
+                           generator=generator)
         texts, extra = [e.completion_text for e in episodes], env_metrics(episodes)
     scores = []
     for r, text in zip(flat, texts):
         s = correctness(text, **r.row)
         scores.append(0.0 if s is None else float(s))
     return scores, extra
-
-
-@dataclass(frozen=True)
-class MultiTurnEval:
-    """Evaluate with the run's environment (``rollout.env``): the arguments of
-    :func:`plainrl.envs.multi_turn_rollout` that the config sets. ``max_live``
-    bounds the episodes in flight (the trainer's pre-forked environment workers
-    then serve the eval too, instead of one more fork per prompt)."""
-
-    env_factory: Callable[[], Any]
-    max_turns: int | None
-    max_total_tokens: int
-    system_prompt: str | None = None
-    prompt_template: str = "{prompt}"
-    max_live: int | None = None
 
 
 def evaluate(
@@ -63,7 +41,7 @@ def evaluate(
     k: int = 1,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
-    multi_turn: MultiTurnEval | None = None,
+    multi_turn: MultiTurn | None = None,
 ) -> dict[str, float]:
     """Accuracy on ``rows`` (each needs an ``answer`` column).
 

@@ -3,7 +3,7 @@
 An environment sees the text of each model turn and answers with an
 observation (text inserted verbatim, or chat messages rendered with the chat
 template), whether the episode is over, an optional reward and counters. It
-never sees or produces token ids: :func:`plainrl.envs.multi_turn_rollout` owns
+never sees or produces token ids: :func:`plainrl.rollout.envs.multi_turn_rollout` owns
 the token bookkeeping (see docs/environments.md).
 """
 
@@ -88,7 +88,7 @@ class EnvState:
 
 @runtime_checkable
 class Environment(Protocol):
-    """What :func:`plainrl.envs.multi_turn_rollout` needs from an environment.
+    """What :func:`plainrl.rollout.envs.multi_turn_rollout` needs from an environment.
 
     Attributes:
         stop: strings at which generation pauses so that ``step`` can answer
@@ -143,7 +143,7 @@ def call_with_timeout(fn: Callable[..., T], *args: Any, timeout_s: float | None,
     The call runs in a daemon thread so that a hanging user callback cannot stall
     the rollout. Python cannot kill a thread: a callback that never returns keeps
     its thread (and whatever it holds) until the process exits. Code that may
-    not terminate should run in :func:`plainrl.sandbox.run_python` instead.
+    not terminate should run in :func:`plainrl.rollout.sandbox.run_python` instead.
 
     Args:
         fn: the callable.
@@ -177,8 +177,8 @@ def call_with_timeout(fn: Callable[..., T], *args: Any, timeout_s: float | None,
 def env_reward(completion: str, env_reward: float | None = None, env_error: str | None = None) -> float | None:
     """Reward function that returns the environment's summed reward for the episode.
 
-    Use it as the reward spec ``plainrl.envs:env_reward``; it reads the columns
-    :func:`plainrl.envs.multi_turn_rollout` adds to each episode's row.
+    Use it as the reward spec ``plainrl.rollout.envs:env_reward``; it reads the columns
+    :func:`plainrl.rollout.envs.multi_turn_rollout` adds to each episode's row.
 
     Returns:
         ``row["env_reward"]``; None (unscorable) when the environment raised or

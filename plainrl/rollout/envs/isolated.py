@@ -6,7 +6,7 @@
 
 :class:`EnvWorkers` is an environment factory: each call gives a :class:`RemoteEnv`,
 a stand-in whose real environment is built by the factory inside a worker process
-(:class:`plainrl.workers.Worker`) and lives there for the whole episode, so it
+(:class:`plainrl.rollout.workers.Worker`) and lives there for the whole episode, so it
 keeps its state across turns. ``reset``, ``tools_schema`` and ``step`` are
 forwarded to it, each limited to ``timeout_s`` seconds. A call that runs over gets
 its worker's whole process group killed; the call raises :class:`EnvWorkerError`,
@@ -21,8 +21,8 @@ import multiprocessing as mp
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from plainrl.envs.base import EnvState, EnvTimeoutError, Environment, StepResult
-from plainrl.workers import Worker, WorkerDied, WorkerPool, WorkerTimeout
+from plainrl.rollout.envs.base import EnvState, EnvTimeoutError, Environment, StepResult
+from plainrl.rollout.workers import Worker, WorkerDied, WorkerPool, WorkerTimeout
 
 __all__ = ["EnvWorkerError", "EnvWorkerTimeout", "EnvWorkers", "RemoteEnv"]
 
@@ -81,7 +81,7 @@ def _host(factory: Callable[[], Environment]) -> Callable[[tuple], Any]:
 
 
 class RemoteEnv:
-    """An :class:`~plainrl.envs.base.Environment` whose real object lives in a worker process.
+    """An :class:`~plainrl.rollout.envs.base.Environment` whose real object lives in a worker process.
 
     Built by :class:`EnvWorkers`; ``stop`` and ``max_turns`` are the real
     environment's. Every method call is sent to the worker and waits at most the
@@ -157,7 +157,7 @@ class EnvWorkers(WorkerPool):
     Raises:
         ValueError: ``timeout_s`` is not positive, or this OS cannot ``fork`` (Windows).
 
-    A :class:`~plainrl.workers.WorkerPool`: workers are kept between episodes (one
+    A :class:`~plainrl.rollout.workers.WorkerPool`: workers are kept between episodes (one
     episode per worker at a time) and replaced when one is killed; :meth:`prestart`
     forks them early, before the trainer's memory grows. :meth:`close` stops them
     all. Environments must not use CUDA.

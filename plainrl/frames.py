@@ -1,0 +1,137 @@
+"""How episodes become tensors: the *completion frame* ([N, L], position k = completion
+token k of episode n) and padded micro-batches by token budget ([B, T], target t
+predicts token t+1). Every stage that turns episodes into tensors goes through here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plainrl.types import Episode, MicroBatch
+
+
+@dataclass(frozen=True)
+class CompletionFrame:
+    """One step's per-token episode lists as tensors, built once (:func:`completion_frame`).
+
+    mask:     [N, L] float32 loss mask (0 past each completion).
+    logprobs: [N, L] float32 engine logprobs of the sampled tokens (0 past each completion).
+    """
+
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def completion_frame(episodes: list[Episode]) -> CompletionFrame:
+    """The loss masks and engine logprobs of N episodes in the completion frame. Build it
+    after anything that edits loss masks (DAPO's overlong filter)."""
+    return CompletionFrame(completion_tensor(episodes), completion_tensor(episodes, [e.logprobs for e in episodes]))
+
+
+def completion_tensor(episodes: list[Episode], values: list[list[float]] | None = None) -> torch.Tensor:
+    """Per-token lists of N episodes as one right-padded [N, L] float32 tensor, L the
+    longest completion: the *completion frame* (position k = completion token k).
+    ``values`` default to the episodes' loss masks."""
+    rows = values if values is not None else [e.loss_mask for e in episodes]
+    out = torch.zeros(len(episodes), max((len(e.completion_ids) for e in episodes), default=0))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def pack_by_length(widths: list[int], token_budget: int, rows: list[int] | None = None) -> list[list[int]]:
+    """Indices grouped longest first so each group's padded size, members x rows each x
+    the group's longest width, stays within ``token_budget`` (a single item may exceed it).
+
+    Args:
+        widths: [N] padded length of each item.
+        rows: [N] sequences per item (2 for a chosen/rejected pair); default 1.
+    Returns:
+        groups of indices covering 0..N-1 exactly once.
+    """
+    rows = rows or [1] * len(widths)
+    groups: list[list[int]] = []
+    for i in sorted(range(len(widths)), key=lambda i: -widths[i]):
+        # sorted descending, so the group's first member sets its padded width
+        if groups and (len(groups[-1]) + 1) * rows[i] * widths[groups[-1][0]] <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def make_micro_batches(
+    episodes: list[Episode],
+    advantages: torch.Tensor,
+    *,
+    pad_id: int,
+    token_budget: int,
+    old_logps: torch.Tensor | None = None,
+    old_values: torch.Tensor | None = None,
+    returns: torch.Tensor | None = None,
+) -> list[MicroBatch]:
+    """Group episodes into padded micro-batches of at most ``token_budget`` padded tokens.
+
+    Episodes are sorted by length first so each micro-batch pads to a similar
+    length (less wasted compute than padding everything to the longest).
+
+    Args:
+        episodes: N episodes.
+        advantages: [N] one advantage per episode, or [N, L] per completion token.
+        old_logps: [N, L] logprobs to use as pi_old instead of the engine's.
+        old_values, returns: [N, L] critic values at rollout time and critic targets (GAE).
+            (All [N, L] tensors are in the completion frame of :func:`completion_tensor`.)
+    Returns:
+        micro-batches covering every episode exactly once.
+    """
+    groups = pack_by_length([_len(e) for e in episodes], token_budget)
+    frames = {"advantages": advantages, "old_logps": old_logps, "old_values": old_values, "returns": returns}
+    return [_collate(episodes, g, pad_id, {k: v for k, v in frames.items() if v is not None}) for g in groups]
+
+
+def _len(ep: Episode) -> int:
+    return len(ep.prompt_ids) + len(ep.completion_ids)
+
+
+def _collate(episodes: list[Episode], index: list[int], pad_id: int, frames: dict[str, torch.Tensor]) -> MicroBatch:
+    eps = [episodes[i] for i in index]
+    width = max(_len(e) for e in eps)
+    b = len(eps)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    loss_mask = torch.zeros((b, width - 1))
+    old = torch.zeros((b, width - 1))
+    pos = torch.full((b, width - 1), -1, dtype=torch.long)
+    for r, e in enumerate(eps):
+        p, n = len(e.prompt_ids), len(e.completion_ids)
+        ids[r, : p + n] = torch.tensor(e.prompt_ids + e.completion_ids)
+        attn[r, : p + n] = 1
+        # target index t predicts token t+1: completion token k sits at target p-1+k
+        loss_mask[r, p - 1 : p - 1 + n] = torch.tensor(e.loss_mask, dtype=torch.float32)
+        old[r, p - 1 : p - 1 + n] = torch.tensor(e.logprobs)
+        pos[r, p - 1 : p - 1 + n] = torch.arange(n)
+    idx = torch.tensor(index)
+    fields = {}
+    for name, frame in frames.items():
+        if name == "advantages" and frame.dim() == 1:
+            fields[name] = frame[idx].float()  # [B], broadcast over tokens by the loss
+            continue
+        rows = frame[idx].float()  # [B, L]
+        if rows.shape[1] == 0:  # every completion empty
+            fields[name] = torch.zeros(pos.shape)
+            continue
+        fields[name] = torch.where(pos >= 0, rows.gather(1, pos.clamp(0, rows.shape[1] - 1)), 0.0)
+    fields.setdefault("old_logps", old)
+    prompt_lens = torch.tensor([len(e.prompt_ids) for e in eps])
+    return MicroBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, index=idx, completion_pos=pos,
+                      prompt_lens=prompt_lens, **fields)
+
+
+def to_completion_frame(x: torch.Tensor, mb: MicroBatch, out: torch.Tensor) -> None:
+    """Write a micro-batch's [B, T-1] per-target values into ``out`` [N, L] (the
+    completion frame), at each row's episode index."""
+    sel = mb.completion_pos >= 0  # [B, T-1]
+    rows = mb.index.to(x.device)[:, None].expand_as(sel)[sel]
+    out[rows.cpu(), mb.completion_pos[sel].cpu()] = x[sel.to(x.device)].detach().float().cpu()

@@ -1,0 +1,56 @@
+"""Models: loading (embedded default, directories, hub ids, GGUF; dtype; LoRA) and the
+forward passes every stage shares (chunked float32 logprobs, values, sequence scores).
+
+    model = load_policy(cfg.model, device)
+    logps = sequence_logps(model, input_ids, attention_mask, positions=mask > 0)  # [B, T-1]
+"""
+
+from plainrl.models.forward import (
+    LOGIT_BLOCK_ELEMENTS,
+    sequence_logps,
+    sequence_scores,
+    shared_prompt_hidden,
+    token_values,
+)
+from plainrl.models.loading import (
+    DTYPES,
+    EMBEDDED_MODELS,
+    ModelLoadError,
+    apply_lora,
+    convert_gguf,
+    load_adapter,
+    load_policy,
+    load_tokenizer,
+    load_value_model,
+    lora_delta,
+    resolve_device,
+    resolve_model_path,
+    save_policy,
+    share_frozen_weights,
+    trainable_parameters,
+    unwrap,
+)
+
+__all__ = [
+    "DTYPES",
+    "EMBEDDED_MODELS",
+    "LOGIT_BLOCK_ELEMENTS",
+    "ModelLoadError",
+    "apply_lora",
+    "convert_gguf",
+    "load_adapter",
+    "load_policy",
+    "load_tokenizer",
+    "load_value_model",
+    "lora_delta",
+    "resolve_device",
+    "resolve_model_path",
+    "save_policy",
+    "sequence_logps",
+    "sequence_scores",
+    "share_frozen_weights",
+    "shared_prompt_hidden",
+    "token_values",
+    "trainable_parameters",
+    "unwrap",
+]

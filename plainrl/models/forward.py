@@ -1,0 +1,207 @@
+"""The model's forward passes that every stage shares: float32 logprobs of chosen tokens
+in chunks (policy, reference, learner), a value head per token (PPO's critic) and a
+score per sequence (reward models), each able to run a group's shared prompt once.
+
+Shapes: B sequences, T padded tokens, H hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from plainrl.algorithms import entropy_from_logits
+from plainrl.models.loading import unwrap
+
+# Largest [B, chunk, V] float32 block of logits held at once (elements): 2^26 = 256 MiB.
+LOGIT_BLOCK_ELEMENTS = 1 << 26
+
+
+def _target_logps(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    logits = lm_head(hidden).float()  # [c, V] float32, one chunk only
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [c]
+    return (logps, entropy_from_logits(logits)) if with_entropy else logps
+
+
+def shared_prompt_hidden(
+    base: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor
+) -> torch.Tensor | None:
+    """The decoder's last hidden states [B, T, H] with each distinct prompt run once.
+
+    A GRPO group's samples share their prompt, and a prompt is often longer than the
+    completions; recomputing it for every sample is most of the training forward and
+    backward. Here the distinct prompts run first (left-padded so they all end at
+    column P, with use_cache), their keys and values are repeated to the rows that
+    share them (an index, so gradients from every row sum into the one prompt
+    computation), and the completions run on top with the cache. The result is laid out
+    as the plain forward's: row b's position i is prompt column P - p_b + i for i < p_b,
+    else completion column i - p_b. The mathematics is that of one causal forward per
+    row; only float rounding differs.
+
+    Args:
+        base: the unwrapped transformers causal LM.
+        input_ids: [B, T] prompt + completion, right-padded.
+        attention_mask: [B, T] 1 on real tokens.
+        prompt_lens: [B] prompt tokens per row.
+    Returns:
+        [B, T, H] hidden states (padding positions hold finite values of no meaning),
+        or None when no two rows share a prompt (nothing to save).
+    """
+    from transformers import DynamicCache
+
+    b, t = input_ids.shape
+    lens = attention_mask.sum(1).tolist()
+    p_lens = prompt_lens.tolist()
+    first: dict[tuple[int, ...], int] = {}
+    owner = [first.setdefault(tuple(input_ids[r, : p_lens[r]].tolist()), len(first)) for r in range(b)]
+    if len(first) == b or min(p_lens) < 1:
+        return None
+    dev = input_ids.device
+    width = max(p_lens)  # P: prompts end at column P
+    suffix = max(n - p for n, p in zip(lens, p_lens))  # longest completion
+    prompt_ids = torch.zeros(len(first), width, dtype=torch.long, device=dev)
+    prompt_mask = torch.zeros(len(first), width, dtype=torch.long, device=dev)
+    for key, g in first.items():
+        prompt_ids[g, width - len(key):] = torch.tensor(key, device=dev)
+        prompt_mask[g, width - len(key):] = 1
+    comp_ids = torch.zeros(b, suffix, dtype=torch.long, device=dev)
+    comp_mask = torch.zeros(b, suffix, dtype=torch.long, device=dev)
+    for r in range(b):
+        comp_ids[r, : lens[r] - p_lens[r]] = input_ids[r, p_lens[r] : lens[r]]
+        comp_mask[r, : lens[r] - p_lens[r]] = 1
+    owner_t = torch.tensor(owner, device=dev)
+    p_t = prompt_lens.to(dev)
+    decoder = base.get_decoder()
+    cache = DynamicCache()
+    prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_hidden = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos,
+                            past_key_values=cache, use_cache=True).last_hidden_state  # [G, P, H]
+    cache.batch_select_indices(owner_t)  # [G, ...] -> [B, ...], differentiable
+    comp_pos = p_t[:, None] + torch.arange(suffix, device=dev)[None]  # [B, C]
+    comp_hidden = decoder(input_ids=comp_ids, attention_mask=torch.cat([prompt_mask[owner_t], comp_mask], dim=1),
+                          position_ids=comp_pos, past_key_values=cache, use_cache=True).last_hidden_state  # [B, C, H]
+    joined = torch.cat([prompt_hidden[owner_t], comp_hidden], dim=1)  # [B, P + C, H]
+    column = (width - p_t[:, None] + torch.arange(t, device=dev)[None]).clamp(max=width + suffix - 1)  # [B, T]
+    return joined.gather(1, column[..., None].expand(-1, -1, joined.shape[-1]))
+
+
+def sequence_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    positions: torch.Tensor | None = None,
+    with_entropy: bool = False,
+    prompt_lens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log pi_T(x_{t+1} | x_{<=t}) for every position, in float32, where
+    pi_T = softmax(logits / temperature) is the policy the engine sampled from;
+    optionally also the entropy of pi_T at each position.
+
+    The LM head and log-softmax run over chunks of positions so that no whole
+    [B, T, V] float32 logits tensor exists; under autograd each chunk is
+    checkpointed (recomputed in backward) so the chunks' logits are not kept either.
+
+    Args:
+        input_ids: [B, T] token ids (right-padded).
+        attention_mask: [B, T] 1 on real tokens.
+        temperature: the sampling temperature (1 = the model's own distribution).
+        positions: optional [B, T-1] bool; the LM head runs only where it is True
+            (the completion tokens: prompts are most of a sequence and need no logits).
+        with_entropy: also return the entropy of pi_T (:func:`entropy_from_logits`).
+        prompt_lens: optional [B] prompt lengths; rows with identical prompts then run
+            their prompt once (:func:`shared_prompt_hidden`).
+    Returns:
+        [B, T-1] float32 logprobs of ``input_ids[:, 1:]`` (0 where ``positions`` is False);
+        with ``with_entropy``, ``(logps, entropy)``, both [B, T-1].
+    """
+    base = unwrap(model)
+    hidden = None
+    if prompt_lens is not None:
+        hidden = shared_prompt_hidden(base, input_ids, attention_mask, prompt_lens)
+    if hidden is None:
+        hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    b, t = input_ids.shape
+    # flatten to 2-D rows so every chunk is contiguous: a strided 3-D slice makes
+    # F.linear fall back to a batched matmul that copies the whole LM head per row
+    hidden = hidden[:, :-1].reshape(b * (t - 1), -1)  # [B*(T-1), H]
+    targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
+    index = None
+    if positions is not None:
+        index = positions.reshape(-1).nonzero().squeeze(-1)  # [K]
+        hidden, targets = hidden[index], targets[index]
+    lm_head = base.get_output_embeddings()
+    chunk = max(1, LOGIT_BLOCK_ELEMENTS // lm_head.weight.shape[0])
+    outs = []
+    for s in range(0, hidden.shape[0], chunk):
+        h, y = hidden[s : s + chunk], targets[s : s + chunk]
+        if torch.is_grad_enabled():
+            out = checkpoint(_target_logps, h, lm_head, y, temperature, with_entropy, use_reentrant=False)
+        else:
+            out = _target_logps(h, lm_head, y, temperature, with_entropy)
+        outs.append(out if with_entropy else (out,))
+    columns = [torch.cat(c) for c in zip(*outs)] or [hidden.new_zeros(0, dtype=torch.float32)] * (1 + with_entropy)
+
+    def unflatten(flat: torch.Tensor) -> torch.Tensor:
+        if index is None:
+            return flat.view(b, t - 1)
+        return torch.zeros(b * (t - 1), dtype=flat.dtype, device=flat.device).index_put((index,), flat).view(b, t - 1)
+
+    results = [unflatten(c) for c in columns]
+    return tuple(results) if with_entropy else results[0]
+
+
+def _hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+    base = unwrap(model)
+    if prompt_lens is not None:
+        hidden = shared_prompt_hidden(base, input_ids, attention_mask, prompt_lens)
+        if hidden is not None:
+            return hidden
+    return base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """V(s_t) for every target position of a value model (``per_token=True``).
+
+    The state before token t+1 is the prefix through token t, so the value at
+    target index t is the head applied to hidden state t: the same frame as
+    :func:`sequence_logps`.
+
+    Args:
+        input_ids: [B, T] token ids (right-padded).
+        attention_mask: [B, T] 1 on real tokens.
+        prompt_lens: [B] prompt tokens per row; rows with the same prompt then run it
+            once (:func:`shared_prompt_hidden`).
+    Returns:
+        [B, T-1] float32 values (differentiable when grad is enabled).
+    """
+    hidden = _hidden(model, input_ids, attention_mask, prompt_lens)[:, :-1]  # [B, T-1, H]
+    return unwrap(model).score(hidden.float()).squeeze(-1)
+
+
+def sequence_scores(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: torch.Tensor,
+    prompt_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A reward model's score of each sequence, read at the position ``last``.
+
+    Args:
+        input_ids: [B, T] token ids (right-padded).
+        attention_mask: [B, T] 1 on real tokens.
+        last: [B] the position whose hidden state is scored (plainrl's reward models
+            use the last token of the response: the EOS that closes the final assistant turn).
+        prompt_lens: [B] prompt tokens per row; rows with the same prompt then run it
+            once (:func:`shared_prompt_hidden`).
+    Returns:
+        [B] float32 scores (differentiable when grad is enabled).
+    """
+    hidden = _hidden(model, input_ids, attention_mask, prompt_lens)  # [B, T, H]
+    picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last.to(hidden.device)]  # [B, H]
+    return unwrap(model).score(picked.float()).squeeze(-1)

@@ -1,0 +1,35 @@
+"""Rollout: prompts -> engine (-> environment turns) -> token-exact episodes.
+
+    episodes = rollout(engine, sampler.next_batch(), sampling_params(cfg.rollout), tokenizer,
+                       group_size=8, step=step, multi_turn=None)
+
+Engines (``rollout/engines/``) sample token ids with their logprobs; environments
+(``rollout/envs/``) answer model turns with observations; ``workers`` and ``sandbox``
+run user code and model-written code in other processes.
+"""
+
+from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.engines.hf import HFEngine
+from plainrl.rollout.episodes import MultiTurn, make_env_factory, max_live_episodes, rollout, sampling_params
+from plainrl.rollout.multiturn import (
+    build_env_prompt,
+    env_metrics,
+    multi_turn_rollout,
+    prompt_messages,
+    render_chat_continuation,
+)
+
+__all__ = [
+    "Engine",
+    "HFEngine",
+    "MultiTurn",
+    "build_env_prompt",
+    "env_metrics",
+    "make_env_factory",
+    "max_live_episodes",
+    "multi_turn_rollout",
+    "prompt_messages",
+    "render_chat_continuation",
+    "rollout",
+    "sampling_params",
+]

@@ -1,0 +1,125 @@
+"""Rollout: prompts -> engine (-> environment turns) -> :class:`Episode` records, token-exact."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from plainrl.config import RolloutConfig
+from plainrl.data import PromptRow
+from plainrl.rollout.engines.base import Engine
+from plainrl.types import Episode, SamplingParams
+
+
+def sampling_params(cfg: RolloutConfig, **overrides) -> SamplingParams:
+    """The engine's sampling settings from the ``rollout`` config section."""
+    base = dict(
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        top_p=cfg.top_p, top_k=cfg.top_k, stop=tuple(cfg.stop),
+    )
+    return SamplingParams(**{**base, **overrides})
+
+
+def make_env_factory(cfg: RolloutConfig):
+    """``rollout.env`` -> a zero-argument factory of environments, or None (single turn).
+
+    With ``rollout.env_timeout_s`` set (the default) the factory is an
+    :class:`~plainrl.rollout.envs.EnvWorkers` (each episode's environment in a worker process,
+    every call time-limited; call its ``close()`` when done); no worker starts here.
+
+    Raises:
+        RewardLoadError: a ``module:fn`` reference that cannot be loaded (before any model
+            loads; the config already refused names that are neither built-in nor references).
+    """
+    if cfg.env is None:
+        return None
+    from plainrl.rollout.envs import CalculatorEnv, EnvWorkers, PythonToolEnv
+
+    builtins = {"calculator": CalculatorEnv, "python": lambda: PythonToolEnv(timeout_s=cfg.tool_timeout_s)}
+    if cfg.env in builtins:
+        factory = builtins[cfg.env]
+    else:
+        from plainrl.rewards.loading import load_reward_fn
+
+        factory = load_reward_fn(cfg.env, what="rollout.env")
+    return factory if cfg.env_timeout_s is None else EnvWorkers(factory, timeout_s=cfg.env_timeout_s)
+
+
+def max_live_episodes(cfg: RolloutConfig) -> int | None:
+    """Multi-turn episodes in flight at once: a step's worth, at most ``rollout.env_workers``
+    when environments run in worker processes (one each); None (all) otherwise."""
+    if cfg.env_timeout_s is None:
+        return None
+    return min(cfg.prompts_per_step * cfg.group_size, cfg.env_workers)
+
+
+@dataclass(frozen=True)
+class MultiTurn:
+    """How episodes run in an environment (``rollout.env``), in training and held-out eval:
+    the arguments of :func:`plainrl.rollout.multi_turn_rollout` that the config sets.
+
+    env_factory:      () -> a fresh environment per episode (an ``EnvWorkers`` runs each
+                      in a worker process).
+    max_turns:        the most model turns per episode (None: the environment's limit).
+    max_total_tokens: the completion budget in tokens, model and observation tokens together.
+    max_live:         the most episodes in flight at once (the pre-forked environment
+                      workers serve them), None for all.
+    """
+
+    env_factory: Callable[[], Any]
+    max_turns: int | None
+    max_total_tokens: int
+    system_prompt: str | None = None
+    prompt_template: str = "{prompt}"
+    max_live: int | None = None
+
+
+def rollout(
+    engine: Engine,
+    prompts: list[PromptRow],
+    params: SamplingParams,
+    tokenizer,
+    *,
+    group_size: int,
+    step: int,
+    multi_turn: MultiTurn | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Episode]:
+    """Sample ``group_size`` completions for each prompt, single-turn or, with ``multi_turn``,
+    in an environment (:func:`plainrl.rollout.multi_turn_rollout`).
+
+    Returns:
+        len(prompts) * group_size episodes, the samples of one prompt contiguous.
+        ``completion_text`` is decoded for reward functions and logs only; training
+        uses ``completion_ids`` exactly as sampled. An episode whose environment raised
+        is unscorable (``reward`` stays None after scoring).
+    """
+    if multi_turn is not None:
+        from plainrl.rollout.multiturn import multi_turn_rollout
+
+        m = multi_turn
+        return multi_turn_rollout(
+            engine, prompts, m.env_factory, params, tokenizer, group_size=group_size, step=step,
+            max_turns=m.max_turns, max_total_tokens=m.max_total_tokens, generator=generator,
+            system_prompt=m.system_prompt, prompt_template=m.prompt_template, max_live=m.max_live,
+        )
+    flat = [p for p in prompts for _ in range(group_size)]
+    gens = engine.generate([p.prompt_ids for p in flat], params, generator=generator)
+    episodes = []
+    for i, (p, g) in enumerate(zip(flat, gens)):
+        episodes.append(
+            Episode(
+                sample_id=f"s{step}-r{p.source_index}-{i % group_size}",
+                group=i // group_size,
+                row=p.row,
+                prompt_ids=p.prompt_ids,
+                completion_ids=g.token_ids,
+                logprobs=g.logprobs,
+                loss_mask=[1] * len(g.token_ids),
+                finish_reason=g.finish_reason,
+                completion_text=tokenizer.decode(g.token_ids, skip_special_tokens=True),
+            )
+        )
+    return episodes

@@ -1,0 +1,163 @@
+"""The RL loop: prompts -> rollout -> rewards -> advantages -> update -> sync -> log."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+
+from plainrl.algorithms.estimators import Advantages, compute_advantages, reward_kl
+from plainrl.checkpoint import find_latest
+from plainrl.config import Config
+from plainrl.frames import CompletionFrame, completion_frame
+from plainrl.metrics import StepTimer
+from plainrl.models import save_policy
+from plainrl.rewards import reward_metrics, score_episodes
+from plainrl.rollout import env_metrics, rollout
+from plainrl.run.collect import dynamic_sampling, shape_overlong
+from plainrl.run.lifecycle import Diverged, GracefulStop, Preempted
+from plainrl.run.setup import Run, setup
+from plainrl.train import UpdateStats
+from plainrl.types import Episode, RewardOutput
+
+
+def step_metrics(
+    episodes: list[Episode], reward_names: list[str], rewards_out: RewardOutput, stats: UpdateStats,
+    times: dict[str, float], extra: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """One step's row of metrics.jsonl; ``extra`` (sampling, shaping, critic, KL metrics) is added last."""
+    lengths = [len(e.completion_ids) for e in episodes]
+    m = reward_metrics(rewards_out, reward_names)
+    m["reward/unscorable"] = float(sum(e.reward is None for e in episodes))
+    if any(e.env is not None for e in episodes):
+        m.update(env_metrics(episodes))
+    m.update({
+        "loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm, "clip_frac": stats.clip_frac,
+        "lr": stats.lr, "skipped_step": float(stats.skipped),
+        "response_length/mean": statistics.fmean(lengths), "response_length/max": max(lengths),
+        "response_length/clipped_frac": statistics.fmean(e.finish_reason == "length" for e in episodes),
+        "tokens/completion": sum(lengths), **times,
+    })
+    if stats.optimizer_steps != 1:
+        m["optimizer_steps"] = float(stats.optimizer_steps)
+    if stats.optimizer_steps > 1:
+        m["approx_kl"] = stats.approx_kl
+    if stats.entropy:
+        m["entropy"] = stats.entropy
+    m.update(extra or {})
+    return m
+
+
+def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], RewardOutput, dict[str, float]]:
+    """This step's scored episodes: one rollout batch, or DAPO's dynamic sampling
+    (``algorithm.dynamic_sampling``), then overlong shaping/filtering when configured.
+    Engine time goes to ``timer``'s ``generate`` phase, scoring and shaping to ``reward``.
+
+    Returns:
+        ``(episodes, rewards of every episode drawn, metrics)``.
+    """
+    cfg, prep = run.cfg, run.prep
+
+    def draw() -> list[Episode]:
+        with timer("generate"):
+            return rollout(run.engine, run.sampler.next_batch(), run.params, prep.tokenizer,
+                           group_size=cfg.rollout.group_size, step=step, multi_turn=prep.multi_turn,
+                           generator=run.generator)
+
+    def score(episodes: list[Episode]) -> RewardOutput:
+        with timer("reward"):
+            return score_episodes(episodes, prep.reward_fns, models=run.reward_models,
+                                  timeout_s=cfg.rollout.reward_timeout_s, pool=prep.reward_workers,
+                                  fail_fast=cfg.rollout.fail_fast)
+
+    if cfg.algorithm.dynamic_sampling:
+        episodes, rewards_out, metrics = dynamic_sampling(
+            draw, score, group_size=cfg.rollout.group_size, num_groups=cfg.rollout.prompts_per_step,
+            max_tries=cfg.algorithm.dynamic_sampling_tries)
+    else:
+        episodes = draw()
+        rewards_out, metrics = score(episodes), {}
+    with timer("reward"):
+        metrics.update(shape_overlong(episodes, cfg.algorithm, cfg.rollout.completion_budget))
+    return episodes, rewards_out, metrics
+
+
+def estimate(run: Run, episodes: list[Episode], frame: CompletionFrame
+             ) -> tuple[Advantages, torch.Tensor | None, dict[str, float]]:
+    """Advantages per ``algorithm.advantage``, with what the estimator needs: the KL to
+    the reference when it goes into the reward, the critic's values for GAE.
+
+    Returns:
+        ``(advantages and the critic's returns, critic values [N, L] or None, metrics)``.
+    """
+    a = run.cfg.algorithm
+    kl = None
+    if a.kl_coef > 0 and a.kl_placement == "reward":
+        kl = reward_kl(frame, run.learner.completion_logps(episodes, reference=True), a.kl_estimator)  # [N, L]
+    values = run.critic.values(episodes) if run.critic is not None else None
+    out = compute_advantages(episodes, frame.mask, run.advantages, kl=kl, values=values)
+    return out, values, ({"kl": float(kl.sum()) / max(1.0, float(frame.mask.sum()))} if kl is not None else {})
+
+
+def train(cfg: Config) -> Path:
+    """Run the RL algorithm of ``cfg.algorithm`` and save the final policy.
+
+    Returns:
+        the run directory (``config.yaml``, ``metrics.jsonl``, ``rollouts.jsonl``, ``tb/``, ``final/``;
+        ``critic/`` with PPO).
+
+    Raises:
+        Preempted: SIGTERM/SIGINT; a checkpoint of the last finished step was written.
+        Diverged: ``train.max_bad_steps`` non-finite steps in a row (no weights were changed by them).
+    """
+    run = setup(cfg)
+    try:
+        return _train(run)
+    finally:
+        run.prep.close()
+
+
+def _train(run: Run) -> Path:
+    cfg, prep, logger = run.cfg, run.prep, run.logger
+    names = [f.name for f in prep.reward_fns] + [m.name for m in run.reward_models]
+    bad_steps = 0
+    with GracefulStop() as stop:
+        for step in range(run.start, cfg.train.steps):
+            timer = StepTimer()
+            episodes, rewards_out, extra = collect(run, step, timer)  # rollout + rewards (+ DAPO's filters)
+            frame = completion_frame(episodes)  # [N, L] loss masks and engine logprobs
+            with timer("reward"):
+                adv, values, kl_metrics = estimate(run, episodes, frame)  # per algorithm.advantage
+            extra.update(kl_metrics)
+            with timer("update"):
+                if run.critic is not None:
+                    extra.update(run.critic.update(episodes, adv.returns, values, frame.mask))
+                # during PPO's critic warm-up the policy waits until the values mean something
+                warm = step >= cfg.critic.warmup_steps
+                stats = run.learner.update(episodes, adv.advantages) if warm else run.learner.skip()
+                run.engine.load_weights(run.model)
+            logger.log(step, step_metrics(episodes, names, rewards_out, stats, timer.metrics(), extra))
+            logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
+            logger.log_errors(step, rewards_out.errors)
+            bad_steps = bad_steps + 1 if stats.skipped else 0
+            if bad_steps >= cfg.train.max_bad_steps:
+                raise Diverged(f"step {step}: {bad_steps} steps in a row with a non-finite loss or gradient norm "
+                               f"(skipped); last good checkpoint: {find_latest(run.run_dir) or 'none'}")
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps and prep.data.eval:
+                logger.log_eval(step + 1, run.evaluate())
+            every = cfg.checkpoint.every
+            if stop.signum is not None or (every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps)):
+                path = run.save(step + 1)
+                if stop.signum is not None:
+                    logger.close()
+                    raise Preempted(step + 1, stop.signum, path)
+
+    if cfg.eval.after and prep.data.eval:
+        logger.log_eval(cfg.train.steps, run.evaluate())
+    save_policy(run.model, prep.tokenizer, run.run_dir / "final")
+    if run.critic is not None:
+        save_policy(run.critic.model, prep.tokenizer, run.run_dir / "critic" / "final")
+    logger.print(f"saved the final policy to {run.run_dir / 'final'}")
+    logger.close()
+    return run.run_dir

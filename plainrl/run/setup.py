@@ -1,0 +1,208 @@
+"""Everything before the first RL step: checks and data before any model loads
+(:func:`prepare`), then the model, engine, learner, critic and reward models, and
+resume (:func:`setup`). The only place that reads the whole config and hands each
+stage its explicit values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from plainrl.algorithms.estimators import AdvantageParams
+from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint, save_checkpoint, step_dir_name
+from plainrl.config import Config, ConfigError, dump_config
+from plainrl.data import PromptData, PromptSampler, load_prompt_data
+from plainrl.metrics import MetricsLogger
+from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device
+from plainrl.rewards import RewardFn, RewardWorkers, build_reward_fns
+from plainrl.rewards.model import RewardModel
+from plainrl.rollout import HFEngine, MultiTurn, make_env_factory, max_live_episodes, sampling_params
+from plainrl.rollout.envs import Environment, EnvWorkers
+from plainrl.run.evaluate import evaluate
+from plainrl.run.lifecycle import open_run
+from plainrl.train import Critic, Learner
+from plainrl.types import SamplingParams
+
+
+@dataclass
+class Prepared:
+    """Everything that can be checked before a model is loaded."""
+
+    tokenizer: PreTrainedTokenizerBase
+    data: PromptData
+    reward_fns: list[RewardFn]
+    multi_turn: MultiTurn | None  # rollout.env: episodes run in an environment
+    reward_workers: RewardWorkers | None = None  # rollout.reward_timeout_s: reward calls in worker processes
+
+    @property
+    def env_factory(self) -> Callable[[], Environment] | None:
+        return None if self.multi_turn is None else self.multi_turn.env_factory
+
+    def prestart(self) -> None:
+        """Fork the reward and environment workers now, while this process is small: a
+        fork after the model loads copies the page tables of gigabytes (0.1-0.5 s each)."""
+        if self.reward_workers is not None:
+            self.reward_workers.prestart()
+        if isinstance(self.env_factory, EnvWorkers):
+            self.env_factory.prestart(self.multi_turn.max_live or 0)
+
+    def close(self) -> None:
+        """Stop the reward and environment workers, if any."""
+        if self.reward_workers is not None:
+            self.reward_workers.close()
+        if isinstance(self.env_factory, EnvWorkers):
+            self.env_factory.close()
+
+
+def prepare(cfg: Config) -> Prepared:
+    """Load the tokenizer, data and reward functions; fail on bad input before any model loads."""
+    tokenizer = load_tokenizer(cfg.model.name, cfg.model.cache_dir)
+    reward_fns = build_reward_fns(cfg.rewards)
+    for spec in cfg.rewards:
+        if spec.model is not None:
+            RewardModel.check(spec)
+    max_prompt = cfg.model.max_context - cfg.rollout.completion_budget
+    data = load_prompt_data(cfg.data, tokenizer, max_prompt_tokens=max_prompt, seed=cfg.seed)
+    if cfg.algorithm.advantage == "gae" and cfg.critic.model is not None:
+        # the critic reads the policy's token ids, so both must mean the same tokens
+        if load_tokenizer(cfg.critic.model, cfg.model.cache_dir).get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(f"critic.model={cfg.critic.model!r} has another tokenizer than model.name="
+                              f"{cfg.model.name!r}; use a critic of the same model family (or leave critic.model unset)")
+    workers = None
+    if cfg.rollout.reward_timeout_s is not None and reward_fns:
+        workers = RewardWorkers(reward_fns, cfg.rollout.reward_workers)  # forked later, by Prepared.prestart
+    factory = make_env_factory(cfg.rollout)
+    multi_turn = None
+    if factory is not None:
+        multi_turn = MultiTurn(factory, cfg.rollout.max_turns, cfg.rollout.completion_budget, cfg.data.system_prompt,
+                               cfg.data.prompt_template, max_live=max_live_episodes(cfg.rollout))
+    return Prepared(tokenizer, data, reward_fns, multi_turn, workers)
+
+
+def advantage_params(cfg: Config) -> AdvantageParams:
+    """The estimator's scalars from the ``algorithm`` and ``rollout`` sections."""
+    a = cfg.algorithm
+    return AdvantageParams(estimator=a.advantage, group_size=cfg.rollout.group_size, norm_std=cfg.norm_std,
+                           gamma=a.gamma, lam=a.lam, kl_coef=a.kl_coef, whiten=a.whiten_advantages)
+
+
+@dataclass
+class Run:
+    """The live objects of a run, built by :func:`setup`."""
+
+    cfg: Config
+    run_dir: Path
+    prep: Prepared
+    logger: MetricsLogger
+    model: torch.nn.Module
+    engine: HFEngine
+    learner: Learner
+    sampler: PromptSampler
+    generator: torch.Generator
+    params: SamplingParams  # rollout sampling
+    advantages: AdvantageParams
+    start: int  # first step to run (> 0 when resumed)
+    critic: Critic | None = None  # algorithm.advantage: gae
+    reward_models: list[RewardModel] = field(default_factory=list)  # rewards: [{model: ...}]
+
+    def evaluate(self) -> dict[str, float]:
+        c = self.cfg
+        return evaluate(
+            self.engine, self.prep.data.eval, self.prep.tokenizer,
+            max_new_tokens=c.eval.max_new_tokens or c.rollout.max_new_tokens, stop=tuple(c.rollout.stop),
+            k=c.eval.k, temperature=c.eval.temperature, generator=self.generator, multi_turn=self.prep.multi_turn,
+        )
+
+    def save(self, step: int) -> Path:
+        if self.critic is not None:
+            # written first: the policy's checkpoint is the commit point, so a critic
+            # checkpoint always exists for the step that `latest` names
+            save_checkpoint(
+                self.run_dir / "critic", step, model=self.critic.model, optimizer=self.critic.optimizer,
+                scheduler=self.critic.scheduler, sampler_state={}, generator=None, config_yaml=dump_config(self.cfg),
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
+        return save_checkpoint(
+            self.run_dir, step, model=self.model, optimizer=self.learner.optimizer, scheduler=self.learner.scheduler,
+            sampler_state=self.sampler.state_dict(), generator=self.generator, config_yaml=dump_config(self.cfg),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+
+
+def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_id: int) -> Critic:
+    """PPO's critic: ``critic.model`` / ``critic.lora`` over the policy's ``model`` section.
+
+    With LoRA on both and the same base, the critic reuses the policy's frozen base
+    weights (two adapters, one copy of the base; :func:`plainrl.models.share_frozen_weights`).
+    """
+    update = {"lora": cfg.critic.lora or cfg.model.lora}
+    if cfg.critic.model is not None:
+        update["name"] = cfg.critic.model
+    model_cfg = cfg.model.model_copy(update=update)
+    shared = cfg.model.lora.enabled and model_cfg.lora.enabled and model_cfg.name == cfg.model.name
+    model = load_value_model(model_cfg, device, per_token=True, share_with=policy if shared else None)
+    return Critic(model, cfg.algorithm, cfg.train, lr=cfg.critic.lr, pad_id=pad_id)
+
+
+def setup(cfg: Config) -> Run:
+    """Everything before the first step: checks, data, model, engine, learner (and PPO's
+    critic); resume or eval-before. The caller closes ``run.prep`` when done."""
+    run_dir, resume_from, resume_warnings = open_run(cfg)
+    prep = prepare(cfg)
+    try:
+        return _setup(cfg, prep, run_dir, resume_from, resume_warnings)
+    except BaseException:
+        prep.close()
+        raise
+
+
+def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None, resume_warnings: list[str]) -> Run:
+    device = resolve_device(cfg.device)
+    logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
+                           progress=cfg.log.progress)
+    logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
+    for w in resume_warnings:
+        logger.print(f"warning: resuming with a changed setting: {w}")
+    if prep.data.dropped.total:
+        logger.print(f"data: {prep.data.dropped.summary()}")
+    for note in prep.data.notes:
+        logger.print(f"data: {note}")
+    prep.prestart()
+    model = load_policy(cfg.model, device)
+    engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
+                      decoder=cfg.rollout.decoder)
+    learner = Learner(model, cfg.algorithm, cfg.train, pad_id=engine.pad_id, temperature=cfg.rollout.temperature,
+                      completion_budget=cfg.rollout.completion_budget,
+                      copy_reference=cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled)
+    run = Run(
+        cfg, run_dir, prep, logger, model, engine, learner,
+        PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),
+        torch.Generator(device=device).manual_seed(cfg.seed), sampling_params(cfg.rollout), advantage_params(cfg),
+        start=0,
+    )
+    if cfg.algorithm.advantage == "gae":
+        run.critic = load_critic(cfg, model, device, engine.pad_id)
+    run.reward_models = [
+        RewardModel.load(spec, cfg.model, prep.tokenizer, device, share_with=model if cfg.model.lora.enabled else None)
+        for spec in cfg.rewards if spec.model is not None
+    ]
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model=model, optimizer=run.learner.optimizer,
+                                scheduler=run.learner.scheduler, generator=run.generator)
+        run.sampler.load_state_dict(state.sampler_state)
+        run.start = state.step
+        if run.critic is not None:
+            critic_ckpt = resume_from.parent.parent / "critic" / CHECKPOINTS_DIR / step_dir_name(state.step)
+            if not critic_ckpt.is_dir():
+                raise CheckpointError(f"cannot resume the critic: {critic_ckpt} is missing")
+            load_checkpoint(critic_ckpt, model=run.critic.model, optimizer=run.critic.optimizer,
+                            scheduler=run.critic.scheduler, restore_rng=False)
+        logger.resume_at(run.start)
+        logger.print(f"resumed from {resume_from} at step {run.start}")
+    elif cfg.eval.before and prep.data.eval:  # (on resume it ran already; re-running would shift the RNG)
+        logger.log_eval(0, run.evaluate())
+    return run

@@ -1,0 +1,112 @@
+"""PPO's critic: a per-token value model (:func:`plainrl.models.load_value_model`) with
+its own optimiser, fitted to GAE's lambda-returns.
+
+    critic = Critic(load_value_model(cfg.model, device, per_token=True), cfg.algorithm, cfg.train,
+                    lr=cfg.critic.lr, pad_id=pad)
+    values = critic.values(episodes)                          # [N, L], before the update
+    advantages = gae(token_rewards, values, mask, ...)         # (plainrl.algorithms.estimators)
+    metrics = critic.update(episodes, returns, values, mask)  # value loss, own optimiser
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from plainrl.algorithms import value_loss
+from plainrl.config import AlgorithmConfig, TrainConfig
+from plainrl.frames import make_micro_batches, to_completion_frame
+from plainrl.models import token_values, trainable_parameters
+from plainrl.train.learner import mini_batch_indices
+from plainrl.train.optim import MasterAdamW
+from plainrl.types import Episode, MicroBatch
+
+
+class Critic:
+    """A per-token value model with its own optimiser (:class:`plainrl.train.optim.MasterAdamW`,
+    learning rate ``critic.lr`` or ``train.lr``, the same schedule as the policy).
+
+    Args:
+        model: from ``load_value_model(..., per_token=True)``.
+        algorithm: the ``algorithm`` section (``value_clip``, ``ppo_epochs``, ``mini_batches``).
+        train: the ``train`` section (optimiser, ``micro_batch_tokens``, ``share_prompts``).
+        lr: ``critic.lr`` (None: ``train.lr``).
+        pad_id: padding token id.
+    """
+
+    def __init__(self, model: torch.nn.Module, algorithm: AlgorithmConfig, train: TrainConfig, *,
+                 lr: float | None, pad_id: int):
+        self.model, self.algorithm, self.train, self.pad_id = model, algorithm, train, pad_id
+        self.opt = MasterAdamW(trainable_parameters(model), train, lr=lr)
+        self.optimizer, self.scheduler = self.opt.optimizer, self.opt.scheduler
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _batches(self, episodes: list[Episode], **frames: torch.Tensor):
+        return make_micro_batches(episodes, torch.zeros(len(episodes)), pad_id=self.pad_id,
+                                  token_budget=self.train.micro_batch_tokens, **frames)
+
+    @torch.no_grad()
+    def values(self, episodes: list[Episode]) -> torch.Tensor:
+        """Values of every completion position, without gradient.
+
+        Returns:
+            [N, L] float32 in the completion frame (:mod:`plainrl.frames`).
+        """
+        out = torch.zeros(len(episodes), max((len(e.completion_ids) for e in episodes), default=0))
+        for mb in self._batches(episodes):
+            to_completion_frame(self._values(mb), mb, out)
+        return out
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        dev = self.device
+        lens = mb.prompt_lens.to(dev) if self.train.share_prompts and mb.prompt_lens is not None else None
+        return token_values(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), lens)  # [B, T-1]
+
+    def update(self, episodes: list[Episode], returns: torch.Tensor, old_values: torch.Tensor,
+               mask: torch.Tensor) -> dict[str, float]:
+        """Fit the values to the lambda-returns (GAE's ``A + V``, before whitening) with the
+        (clipped) value loss, over the same epochs and mini-batches as the policy;
+        steps the LR schedule once. Unscorable episodes (reward None) are left out.
+
+        Args:
+            episodes: N episodes.
+            returns: [N, L] lambda-returns (completion frame), :class:`plainrl.algorithms.estimators.Advantages`.
+            old_values: [N, L] :meth:`values` from before this update.
+            mask: [N, L] the loss mask (:class:`plainrl.frames.CompletionFrame`).
+        Returns:
+            ``critic/loss``, ``critic/clip_frac``, ``critic/grad_norm`` (means over optimiser
+            steps), ``critic/value_mean``, ``critic/return_mean`` (over loss tokens).
+        """
+        a, dev = self.algorithm, self.device
+        valid = torch.tensor([e.reward is not None for e in episodes], dtype=torch.float32)
+        losses, clips, norms = [], [], []
+        self.model.train()
+        for idx in mini_batch_indices(len(episodes), a.ppo_epochs, a.mini_batches):
+            eps = [episodes[i] for i in idx]
+            mbs = self._batches(eps, old_values=old_values[idx], returns=returns[idx])
+            masks = [mb.loss_mask * valid[idx][mb.index][:, None] for mb in mbs]  # [B, T-1] each
+            num_tokens = int(sum(m.sum().item() for m in masks))
+            loss_sum = clip_sum = 0.0
+            for mb, mask in zip(mbs, masks):
+                v = self._values(mb)  # [B, T-1]
+                loss, stats = value_loss(v, mb.old_values.to(dev), mb.returns.to(dev), mask.to(dev),
+                                         clip=a.value_clip, agg="token-mean", num_tokens=num_tokens)
+                loss.backward()
+                loss_sum += loss.item()
+                clip_sum += float(stats["clip_frac"]) * float(mask.sum())
+            grad_norm, _ = self.opt.step(loss_finite=math.isfinite(loss_sum))
+            losses.append(loss_sum)
+            clips.append(clip_sum / max(1, num_tokens))
+            norms.append(grad_norm)
+        self.scheduler.step()
+        m = mask.bool() & valid.bool()[:, None]  # [N, L]
+        mean = lambda x: float(x[m].mean()) if m.any() else 0.0  # noqa: E731
+        return {
+            "critic/loss": sum(losses) / len(losses), "critic/clip_frac": sum(clips) / len(clips),
+            "critic/grad_norm": sum(norms) / len(norms), "critic/value_mean": mean(old_values),
+            "critic/return_mean": mean(returns),
+        }
