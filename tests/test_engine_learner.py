@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM
 from plainrl.algorithms import policy_loss
 from plainrl.config import load_config
 from plainrl.rollout.engines.hf import HFEngine, filter_logits
-from plainrl.frames import make_micro_batches
+from plainrl.frames import completion_frame, make_micro_batches
 from plainrl.models import sequence_logps
-from plainrl.train import Learner
+from plainrl.run.setup import make_learner
 from plainrl.types import Episode, SamplingParams
 
 
@@ -120,7 +120,7 @@ def test_learner_gradient_is_invariant_to_micro_batch_size(tiny_model_dir, agg):
         cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
                                  f"algorithm.loss_agg={agg}", f"train.micro_batch_tokens={budget}",
                                  "model.lora.enabled=false", "train.max_grad_norm=null"])
-        learner = Learner(m, cfg, pad_id=0)
+        learner = make_learner(cfg, m, pad_id=0)
         learner.optimizer.step = lambda: None  # keep the gradient for inspection
         learner.optimizer.zero_grad = lambda set_to_none=True: None
         stats = learner.update(eps, adv)
@@ -136,7 +136,7 @@ def test_update_changes_lora_weights_and_ref_is_adapter_free(tiny_model_dir):
                              f"model.name={tiny_model_dir}", "model.dtype=float32", "algorithm.kl_coef=0.1",
                              "train.lr=1e-2"])
     m = load_policy(cfg.model, torch.device("cpu"))
-    learner = Learner(m, cfg, pad_id=0)
+    learner = make_learner(cfg, m, pad_id=0)
     before = [p.detach().clone() for p in learner.params]
     eps = _episodes(4)
     ids = torch.tensor([eps[0].prompt_ids + eps[0].completion_ids])
@@ -157,7 +157,7 @@ def test_bf16_params_update_through_fp32_master(tiny_model_dir):
     cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
                              f"model.name={tiny_model_dir}", "model.dtype=bfloat16", "train.lr=1e-6"])
     m = load_policy(cfg.model, torch.device("cpu"))
-    learner = Learner(m, cfg, pad_id=0)
+    learner = make_learner(cfg, m, pad_id=0)
     assert all(p.dtype == torch.bfloat16 for p in learner.params)
     assert all(p.dtype == torch.float32 for p in learner.master)
     start = [p.detach().clone() for p in learner.master]
@@ -262,7 +262,7 @@ def test_learner_update_is_the_same_with_shared_prompts(tiny_model_dir):
         cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
                                  f"train.share_prompts={share}", "model.lora.enabled=false",
                                  "train.max_grad_norm=null", "algorithm.kl_coef=0.1"])
-        learner = Learner(m, cfg, pad_id=0)
+        learner = make_learner(cfg, m, pad_id=0)
         learner.optimizer.step = lambda: None  # keep the gradient for inspection
         learner.optimizer.zero_grad = lambda set_to_none=True: None
         learner.update(eps, adv)  # kl_coef > 0: the reference logprobs take the shared path too
@@ -291,11 +291,12 @@ def test_critic_values_and_update_are_the_same_with_shared_prompts(tiny_model_di
                                  "algorithm.name=ppo", f"train.share_prompts={share}", "train.max_grad_norm=null",
                                  f"model.name={tiny_model_dir}", "model.dtype=float32"])
         torch.manual_seed(0)  # the same new value head in both
-        critic = Critic(load_value_model(cfg.model, torch.device("cpu"), per_token=True), cfg, pad_id=0)
+        critic = Critic(load_value_model(cfg.model, torch.device("cpu"), per_token=True), cfg.algorithm, cfg.train,
+                        lr=cfg.critic.lr, pad_id=0)
         critic.optimizer.step = lambda: None  # keep the gradient for inspection
         critic.optimizer.zero_grad = lambda set_to_none=True: None
         values = critic.values(eps)
-        critic.update(eps, returns, values)
+        critic.update(eps, returns, values, completion_frame(eps).mask)
         out.append((values, torch.cat([p.grad.flatten() for p in critic.opt.master])))
         assert (len(shared_calls) > 0) == (share == "true")  # values and the update's forwards took the shared path
         shared_calls.clear()

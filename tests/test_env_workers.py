@@ -115,16 +115,16 @@ def test_worker_envs_give_the_same_episodes_as_in_process(tokenizer):
     assert [e.completion_ids for e in remote] == [e.completion_ids for e in local]
     assert [e.loss_mask for e in remote] == [e.loss_mask for e in local]
     assert [e.logprobs for e in remote] == [e.logprobs for e in local]
-    assert [e.row for e in remote] == [e.row for e in local]
-    assert local[0].row["env_info"]["turns"] == 3 and local[0].row["env_error"] is None
+    assert [e.columns() for e in remote] == [e.columns() for e in local]
+    assert local[0].env.info["turns"] == 3 and local[0].env.error is None
 
 
 def test_environment_object_and_scratch_live_across_turns(tokenizer):
     with EnvWorkers(CountingEnv, timeout_s=30) as workers:
         eps = _rollout(tokenizer, workers, ["a", "b"])
     for e in eps:
-        assert e.row["env_error"] is None and e.row["env_reward"] == 1.0
-        assert e.row["env_info"]["seen"] == "3/3/2"  # one env object and one scratch per episode, 3 steps
+        assert e.env.error is None and e.env.reward == 1.0
+        assert e.env.info["seen"] == "3/3/2"  # one env object and one scratch per episode, 3 steps
 
 
 def test_a_hanging_step_is_killed_with_its_grandchildren_and_the_others_go_on(tokenizer):
@@ -135,9 +135,9 @@ def test_a_hanging_step_is_killed_with_its_grandchildren_and_the_others_go_on(to
         t = time.monotonic()
         hung, fine = _rollout(tokenizer, workers, ["hang", "ok"])
         assert time.monotonic() - t < 1 + 2
-        assert "env.step did not return within 1 s" in hung.row["env_error"]
-        assert hung.row["env_info"]["end_reason"] == "env_error" and hung.row["env_reward"] is None
-        assert fine.row["env_error"] is None and fine.row["env_reward"] == 1.0
+        assert "env.step did not return within 1 s" in hung.env.error
+        assert hung.env.info["end_reason"] == "env_error" and hung.env.reward is None
+        assert fine.env.error is None and fine.env.reward == 1.0
         leftover = {p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]}
         assert _gone(leftover), "the hung step's grandchild outlived the timeout"
     assert _gone(forked | (_children() - before)), "env workers outlived close()"
@@ -151,8 +151,8 @@ def test_a_hanging_step_is_killed_with_its_grandchildren_and_the_others_go_on(to
 def test_crashes_and_bad_results_make_the_episode_unscorable(tokenizer, how, message):
     with EnvWorkers(RowEnv, timeout_s=10) as workers:
         bad, fine = _rollout(tokenizer, workers, [how, "ok"])
-    assert message in bad.row["env_error"]
-    assert fine.row["env_error"] is None and fine.row["env_reward"] == 1.0
+    assert message in bad.env.error
+    assert fine.env.error is None and fine.env.reward == 1.0
 
 
 @pytest.mark.parametrize("isolated", [False, True])
@@ -161,8 +161,8 @@ def test_an_env_that_fails_to_start_gives_an_empty_unscorable_episode(tokenizer,
     with EnvWorkers(factory, timeout_s=10) as workers:
         (e,) = _rollout(tokenizer, workers if isolated else factory, ["x"])
     assert e.completion_ids == [] and e.loss_mask == []
-    assert e.row["env_error"].startswith("ValueError: no such task (at ") and "bad_envs.py" in e.row["env_error"]
-    assert e.row["env_info"]["end_reason"] == "env_error"
+    assert e.env.error.startswith("ValueError: no such task (at ") and "bad_envs.py" in e.env.error
+    assert e.env.info["end_reason"] == "env_error"
 
 
 def test_workers_are_reused_between_episodes_and_replaced_after_a_kill(tokenizer):
@@ -268,7 +268,7 @@ def test_max_live_runs_episodes_in_waves_with_a_bounded_number_of_workers(tokeni
     with EnvWorkers(CountingEnv, timeout_s=30) as workers:
         waves, batches = run(workers, 4)
         assert workers.started == 4 and max(batches) == 4  # 4 episodes, then the other 2 on the same workers
-    key = lambda e: (e.sample_id, e.group, e.completion_ids, e.loss_mask, e.row["env_info"])  # noqa: E731
+    key = lambda e: (e.sample_id, e.group, e.completion_ids, e.loss_mask, e.env.info)  # noqa: E731
     assert [key(e) for e in waves] == [key(e) for e in whole]
     assert [e.group for e in whole] == [0, 0, 1, 1, 2, 2]
     with pytest.raises(ValueError, match="max_live"):

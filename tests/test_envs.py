@@ -150,13 +150,13 @@ def test_three_turn_bookkeeping_token_by_token(tokenizer):
     assert tokenizer.decode(a.prompt_ids + a.completion_ids) == templ + " Done.<|im_end|>"
     assert a.completion_text == tokenizer.decode(want_ids, skip_special_tokens=True)
     # environment rewards and info land in the row copy
-    assert a.row["env_reward"] == pytest.approx(1.75) and a.row["env_error"] is None
-    info = a.row["env_info"]
+    assert a.env.reward == pytest.approx(1.75) and a.env.error is None
+    info = a.env.info
     assert info["tool_calls"] == 2 and info["note"] == "b" and info["turns"] == 3
     assert info["end_reason"] == "env_done" and info["generate_calls"] == 3
     assert info["model_tokens"] == sum(a.loss_mask) and info["observation_tokens"] == len(obs_a[0]) + len(obs_a[1])
     assert "env_reward" not in pa.row  # the prompt's own row is untouched
-    assert env_reward(a.completion_text, **{k: a.row[k] for k in ("env_reward", "env_error")}) == 1.75
+    assert env_reward(a.completion_text, **{k: a.columns()[k] for k in ("env_reward", "env_error")}) == 1.75
     # what the env saw
     seen = envs[0].seen
     assert [s[0] for s in seen] == ["The answer is", " Checking", " Done."]
@@ -165,7 +165,7 @@ def test_three_turn_bookkeeping_token_by_token(tokenizer):
     assert seen[2][3] == conv + [{"role": "assistant", "content": " Done."}]
     # episode B: one EOS turn, no observation: ends at once
     assert b.completion_ids == tb[0][0] and b.loss_mask == [1] * len(tb[0][0]) and b.logprobs == tb[0][1]
-    assert b.row["env_info"]["end_reason"] == "eos" and b.row["env_reward"] is None
+    assert b.env.info["end_reason"] == "eos" and b.env.reward is None
     # generation paused at the env's stop strings as well as the configured ones
     assert all(set(p.stop) == {"</answer>", "<pause>"} for p in engine.params)
     m = env_metrics(eps)
@@ -181,7 +181,7 @@ def test_budget_cuts_observation_and_ends(tokenizer):
     (a,) = eps
     assert a.completion_ids == ta[0][0] + obs_a[0][:2]
     assert a.loss_mask == [1] * len(ta[0][0]) + [0, 0]
-    assert a.finish_reason == "length" and a.row["env_info"]["end_reason"] == "budget"
+    assert a.finish_reason == "length" and a.env.info["end_reason"] == "budget"
 
 
 def test_budget_limits_each_generate_call(tokenizer):
@@ -200,17 +200,17 @@ def test_max_turns_and_group_size(tokenizer):
     (a,) = eps
     # the observation due after the last allowed turn is not inserted
     assert a.completion_ids == ta[0][0] + obs_a[0] + ta[1][0]
-    assert a.row["env_info"]["end_reason"] == "max_turns" and a.finish_reason == "eos"
+    assert a.env.info["end_reason"] == "max_turns" and a.finish_reason == "eos"
 
 
 def test_env_error_ends_episode(tokenizer):
     pa, pb, ta, tb, obs_a, engine = three_turn_setup(tokenizer, boom=True)
     (a,) = multi_turn_rollout(engine, [pa], ScriptedEnv, SamplingParams(max_new_tokens=32), tokenizer,
                               group_size=1, step=0, max_turns=None, max_total_tokens=200)
-    assert a.row["env_error"].startswith("RuntimeError: boom (at ")
-    assert a.row["env_info"]["end_reason"] == "env_error"
+    assert a.env.error.startswith("RuntimeError: boom (at ")
+    assert a.env.info["end_reason"] == "env_error"
     assert a.completion_ids == ta[0][0] + obs_a[0] + ta[1][0]
-    assert env_reward(a.completion_text, env_reward=a.row["env_reward"], env_error=a.row["env_error"]) is None
+    assert env_reward(a.completion_text, env_reward=a.env.reward, env_error=a.env.error) is None
 
 
 def test_configured_stop_string_ends_episode(tokenizer):
@@ -219,7 +219,7 @@ def test_configured_stop_string_ends_episode(tokenizer):
     engine = ScriptedEngine({tuple(p.prompt_ids): [t0]}, {tuple(p.prompt_ids): [[]]})
     (e,) = multi_turn_rollout(engine, [p], CalculatorEnv, SamplingParams(stop=("=",)), tokenizer,
                               group_size=1, step=0, max_turns=None, max_total_tokens=100)
-    assert e.completion_ids == t0[0] and e.row["env_info"]["end_reason"] == "stop"
+    assert e.completion_ids == t0[0] and e.env.info["end_reason"] == "stop"
 
 
 def test_calculator_rollout_resumes_after_plain_equals(tokenizer):
@@ -233,7 +233,7 @@ def test_calculator_rollout_resumes_after_plain_equals(tokenizer):
                               group_size=1, step=0, max_turns=2, max_total_tokens=100)
     assert e.completion_ids == turns[0][0] + turns[1][0] + obs[1] + turns[2][0]
     assert e.completion_text == "Half is 48/2 = <<48/2=24>> so 24."
-    info = e.row["env_info"]
+    info = e.env.info
     # the plain "=" pause did not use up a turn: max_turns=2 still allowed the insertion
     assert info["tool_calls"] == 1 and info["turns"] == 2 and info["generate_calls"] == 3
     assert info["end_reason"] == "eos"
@@ -385,7 +385,7 @@ def test_tool_env_prompt_and_rollout(tokenizer):
                               max_turns=4, max_total_tokens=200)
     assert e.prompt_ids == prompt_ids
     assert e.completion_ids == turns[0][0] + obs[0] + turns[1][0]
-    assert e.row["env_info"]["tool_calls"] == 1 and e.row["env_info"]["end_reason"] == "eos"
+    assert e.env.info["tool_calls"] == 1 and e.env.info["end_reason"] == "eos"
 
 
 def test_render_chat_continuation(tokenizer):
@@ -493,7 +493,7 @@ def test_multi_turn_rollout_hf_engine_calculator(tokenizer, tiny_model_dir):
         n = len(e.completion_ids)
         assert n == len(e.loss_mask) == len(e.logprobs) and n <= 40
         assert e.completion_text == "<<48/2=24>>"
-        assert e.row["env_info"]["tool_calls"] == 1 and e.finish_reason == "eos"
+        assert e.env.info["tool_calls"] == 1 and e.finish_reason == "eos"
         # mask 0 exactly on the inserted observation tokens
         first = len(ids(tokenizer, "<<48/2="))
         assert e.completion_ids[first:first + len(obs)] == obs

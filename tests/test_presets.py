@@ -17,7 +17,10 @@ from plainrl.config import (
     load_config,
 )
 from plainrl.algorithms.estimators import ADVANTAGE_ESTIMATORS, compute_advantages
-from plainrl.train import Learner
+from plainrl.frames import completion_frame
+from plainrl.rewards import score_episodes
+from plainrl.run.setup import advantage_params
+from plainrl.run.setup import make_learner
 from plainrl.rewards import build_reward_fns
 from plainrl.run.collect import dynamic_sampling, shape_overlong
 from plainrl.types import Episode
@@ -30,6 +33,10 @@ OFFLINE = [f"data.path={DATA / 'sft_mini.jsonl'}"]
 
 def _cfg(name: str, *extra: str):
     return load_config(None, (OFFLINE if name in OFFLINE_ALGORITHMS else RL) + [f"algorithm.name={name}", *extra])
+
+
+def _advantages(episodes, cfg, **kw):
+    return compute_advantages(episodes, completion_frame(episodes).mask, advantage_params(cfg), **kw)
 
 
 # ----------------------------------------------------------------------------- presets
@@ -112,7 +119,7 @@ def _scored(rewards, lengths=None, reasons=None, texts=None, answer="7"):
 def test_token_level_estimators_give_token_advantages_and_zero_for_unscorable():
     cfg = _cfg("reinforce_pp", "rollout.group_size=2")
     eps = _scored([1.0, 0.0, None, 1.0], lengths=[2, 3, 3, 1])
-    adv = compute_advantages(eps, cfg).advantages
+    adv = _advantages(eps, cfg).advantages
     assert adv.shape == (4, 3)
     assert torch.equal(adv[2], torch.zeros(3)) and eps[2].advantage == 0.0
     assert adv[0, 2] == 0 and adv[3, 1:].eq(0).all()  # beyond each completion: 0
@@ -126,7 +133,7 @@ def test_kl_in_the_reward_lowers_sequence_rewards_by_the_summed_kl():
     cfg = _cfg("grpo", "algorithm.kl_coef=0.5", "algorithm.kl_placement=reward", "rollout.group_size=2")
     eps = _scored([1.0, 1.0, 0.0, 1.0])
     kl = torch.tensor([[0.2, 0.2, 0.2], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    adv = compute_advantages(eps, cfg, kl=kl).advantages
+    adv = _advantages(eps, cfg, kl=kl).advantages
     # rewards 1 - 0.5 * 0.6 = 0.7 and 1: the equal-reward group becomes informative
     torch.testing.assert_close(adv, grpo_advantages(torch.tensor([0.7, 1.0, 0.0, 1.0]), 2))
 
@@ -138,7 +145,7 @@ def test_ppo_whitens_advantages_but_the_critic_gets_raw_returns():
     assert cfg.algorithm.whiten_advantages  # the preset's default
     eps = _scored([1.0, 0.0, None, 1.0], lengths=[2, 3, 3, 1])
     values = torch.tensor([[0.5, 0.2, 9.0], [0.1, 0.3, 0.4], [0.0, 0.0, 0.0], [0.7, 9.0, 9.0]])
-    out = compute_advantages(eps, cfg, values=values)
+    out = _advantages(eps, cfg, values=values)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]])
     valid = torch.tensor([1, 1, 0, 1])[:, None]
     raw, returns = gae(token_rewards(torch.tensor([1.0, 0.0, 0.0, 1.0]), mask), values, mask * valid, gamma=1.0, lam=0.95)
@@ -148,14 +155,14 @@ def test_ppo_whitens_advantages_but_the_critic_gets_raw_returns():
     m = (mask * valid).bool()
     torch.testing.assert_close(out.advantages[m], (raw[m] - raw[m].mean()) / raw[m].std(unbiased=False))
     assert torch.equal(out.advantages[2], torch.zeros(3))
-    unwhitened = compute_advantages(eps, _cfg("ppo", "algorithm.kl_coef=0", "rollout.group_size=2",
+    unwhitened = _advantages(eps, _cfg("ppo", "algorithm.kl_coef=0", "rollout.group_size=2",
                                                "algorithm.whiten_advantages=false"), values=values)
     torch.testing.assert_close(unwhitened.advantages, raw)
 
 
 def test_gae_without_a_critic_is_an_error():
     with pytest.raises(ValueError, match="critic values"):
-        compute_advantages(_scored([1.0, 0.0]), _cfg("ppo"))
+        _advantages(_scored([1.0, 0.0]), _cfg("ppo"))
 
 
 # ----------------------------------------------------------------------------- DAPO
@@ -164,6 +171,7 @@ def test_gae_without_a_critic_is_an_error():
 def test_dynamic_sampling_keeps_informative_groups_until_full():
     reward = f"rewards=[{{fn: '{DATA / 'my_reward.py'}:contains_answer'}}]"
     fns = build_reward_fns(load_config(None, RL + [reward]).rewards)
+    score = lambda batch: score_episodes(batch, fns)  # noqa: E731
     # contains_answer scores 1 when "7" is in the text: groups of 2
     batches = [
         _scored([None] * 4, texts=["7", "7", "7", "no"]),   # [equal, mixed]
@@ -171,7 +179,7 @@ def test_dynamic_sampling_keeps_informative_groups_until_full():
         _scored([None] * 4, texts=["7", "no", "7", "no"]),   # never drawn
     ]
     draws = iter(batches)
-    eps, rewards_out, m = dynamic_sampling(lambda: next(draws), fns, group_size=2, num_groups=2, max_tries=5)
+    eps, rewards_out, m = dynamic_sampling(lambda: next(draws), score, group_size=2, num_groups=2, max_tries=5)
     assert [e.completion_text for e in eps] == ["7", "no", "no", "7"]
     assert [e.group for e in eps] == [0, 0, 1, 1]
     assert m == {"sampling/tries": 2.0, "sampling/filtered_frac": 0.5, "sampling/kept_groups": 2.0}
@@ -179,11 +187,11 @@ def test_dynamic_sampling_keeps_informative_groups_until_full():
 
     # the cap: one try, one informative group -> train on it alone
     draws = iter(batches)
-    eps, _, m = dynamic_sampling(lambda: next(draws), fns, group_size=2, num_groups=2, max_tries=1)
+    eps, _, m = dynamic_sampling(lambda: next(draws), score, group_size=2, num_groups=2, max_tries=1)
     assert len(eps) == 2 and m["sampling/kept_groups"] == 1.0
     # nothing informative at all: the last batch, whose advantages are all 0
     equal = iter([_scored([None] * 4, texts=["7", "7", "no", "no"])] * 2)
-    eps, _, m = dynamic_sampling(lambda: next(equal), fns, group_size=2, num_groups=2, max_tries=2)
+    eps, _, m = dynamic_sampling(lambda: next(equal), score, group_size=2, num_groups=2, max_tries=2)
     assert len(eps) == 4 and m["sampling/filtered_frac"] == 1.0
 
 
@@ -210,7 +218,7 @@ def _learner(tiny_model_dir, *extra):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     cfg = load_config(None, RL + ["model.lora.enabled=false", "train.lr=1e-2", "train.micro_batch_tokens=20",
                                   *extra])
-    return Learner(model, cfg, pad_id=0)
+    return make_learner(cfg, model, pad_id=0)
 
 
 def _spy(monkeypatch):

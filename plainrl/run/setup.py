@@ -133,6 +133,14 @@ class Run:
         )
 
 
+def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
+    """The policy learner for ``model`` with the config's algorithm, optimiser and sampling
+    temperature; the KL reference is a frozen copy only for full fine-tuning with a KL."""
+    return Learner(model, cfg.algorithm, cfg.train, pad_id=pad_id, temperature=cfg.rollout.temperature,
+                   completion_budget=cfg.rollout.completion_budget,
+                   copy_reference=cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled)
+
+
 def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_id: int) -> Critic:
     """PPO's critic: ``critic.model`` / ``critic.lora`` over the policy's ``model`` section.
 
@@ -175,11 +183,8 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     model = load_policy(cfg.model, device)
     engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
                       decoder=cfg.rollout.decoder)
-    learner = Learner(model, cfg.algorithm, cfg.train, pad_id=engine.pad_id, temperature=cfg.rollout.temperature,
-                      completion_budget=cfg.rollout.completion_budget,
-                      copy_reference=cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled)
     run = Run(
-        cfg, run_dir, prep, logger, model, engine, learner,
+        cfg, run_dir, prep, logger, model, engine, make_learner(cfg, model, engine.pad_id),
         PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),
         torch.Generator(device=device).manual_seed(cfg.seed), sampling_params(cfg.rollout), advantage_params(cfg),
         start=0,

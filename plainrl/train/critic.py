@@ -91,13 +91,13 @@ class Critic:
             masks = [mb.loss_mask * valid[idx][mb.index][:, None] for mb in mbs]  # [B, T-1] each
             num_tokens = int(sum(m.sum().item() for m in masks))
             loss_sum = clip_sum = 0.0
-            for mb, mask in zip(mbs, masks):
+            for mb, mb_mask in zip(mbs, masks):
                 v = self._values(mb)  # [B, T-1]
-                loss, stats = value_loss(v, mb.old_values.to(dev), mb.returns.to(dev), mask.to(dev),
+                loss, stats = value_loss(v, mb.old_values.to(dev), mb.returns.to(dev), mb_mask.to(dev),
                                          clip=a.value_clip, agg="token-mean", num_tokens=num_tokens)
                 loss.backward()
                 loss_sum += loss.item()
-                clip_sum += float(stats["clip_frac"]) * float(mask.sum())
+                clip_sum += float(stats["clip_frac"]) * float(mb_mask.sum())
             grad_norm, _ = self.opt.step(loss_finite=math.isfinite(loss_sum))
             losses.append(loss_sum)
             clips.append(clip_sum / max(1, num_tokens))
