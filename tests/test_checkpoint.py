@@ -168,8 +168,8 @@ def _learner(lora: bool, seed: int):
     """The production path: a bf16 model (LoRA via apply_lora) and Learner, whose AdamW
     updates fp32 master copies of the bf16 parameters."""
     from plainrl.config import Config
-    from plainrl.train import Learner
     from plainrl.models import apply_lora
+    from plainrl.run.setup import make_learner
 
     cfg = Config.model_validate({
         "data": {"task": "arithmetic"}, "rewards": [{"fn": "m:f"}],
@@ -182,7 +182,7 @@ def _learner(lora: bool, seed: int):
         torch.manual_seed(seed)
         model = apply_lora(model, cfg.model.lora)
     model.train()
-    return Learner(model, cfg, pad_id=0)
+    return make_learner(cfg, model, pad_id=0)
 
 
 def learner_steps(learner, gen, steps):
