@@ -166,7 +166,7 @@ def model_counts(model) -> dict[str, int]:
 def learner_work(episodes, mbs, share_prompts: bool) -> tuple[int, float]:
     """(tokens the learner runs, sum of squared attention lengths): with
     ``train.share_prompts`` a micro-batch whose rows share prompts runs each distinct
-    prompt once (as plainrl.learner.shared_prompt_hidden does), so its tokens and its
+    prompt once (as plainrl.models.forward.shared_prompt_hidden does), so its tokens and its
     prompt self-attention count once."""
     tokens, attn_sq = 0, 0.0
     for mb in mbs:
@@ -261,26 +261,28 @@ class LargestTensor:
 
 
 def plainrl_part(args, cfg) -> dict:
-    from plainrl.frames import make_micro_batches
-    from plainrl.loop import compute_advantages, setup
-    from plainrl.rollout import rollout, sampling_params, score_episodes
+    from plainrl.algorithms.estimators import compute_advantages
+    from plainrl.frames import completion_frame, make_micro_batches
+    from plainrl.rewards import score_episodes
+    from plainrl.rollout import rollout
+    from plainrl.run.setup import setup
 
     rss_start = current_rss_bytes()
     run = setup(cfg)
     dev = run.learner.device
     rss_model = current_rss_bytes()
-    params = sampling_params(cfg.rollout)
+    params = run.params
     counts = model_counts(run.model)
 
     # one demo rollout: end-to-end engine throughput
     sync(dev)
     t0 = time.perf_counter()
-    episodes = rollout(run.engine, run.sampler.next_batch(), params, run.prep.tokenizer, cfg=cfg, step=0,
+    episodes = rollout(run.engine, run.sampler.next_batch(), params, run.prep.tokenizer, group_size=cfg.rollout.group_size, step=0,
                        generator=run.generator)
     sync(dev)
     gen_s = time.perf_counter() - t0
     score_episodes(episodes, run.prep.reward_fns)
-    advantages = compute_advantages(episodes, cfg).advantages
+    advantages = compute_advantages(episodes, completion_frame(episodes).mask, run.advantages).advantages
     completion = sum(len(e.completion_ids) for e in episodes)
     seq_lens = [len(e.prompt_ids) + len(e.completion_ids) for e in episodes]
     mbs = make_micro_batches(episodes, advantages, pad_id=run.learner.pad_id,
@@ -314,10 +316,10 @@ def plainrl_part(args, cfg) -> dict:
     if not args.no_logits_check:
         big = LargestTensor()
         with big:
-            eps = rollout(run.engine, run.sampler.next_batch(), params, run.prep.tokenizer, cfg=cfg, step=1,
+            eps = rollout(run.engine, run.sampler.next_batch(), params, run.prep.tokenizer, group_size=cfg.rollout.group_size, step=1,
                           generator=run.generator)
             score_episodes(eps, run.prep.reward_fns)
-            run.learner.update(eps, compute_advantages(eps, cfg).advantages)
+            run.learner.update(eps, compute_advantages(eps, completion_frame(eps).mask, run.advantages).advantages)
         out["largest_tensor"] = {"shape": list(big.shape), "dtype": str(big.dtype), "bytes": big.nbytes,
                                  "op": big.op, "text": big.describe()}
     return out

@@ -15,7 +15,7 @@ no gradient checkpointing (TRL's default turns it on: --trl-gradient-checkpointi
 and the same attention kernel (plainrl's CPU choice, eager; --trl-attn to change it).
 
 How the alternation works: TRL's own ``trainer.train()`` loop runs; a callback's
-``on_step_end`` runs one plainrl step (a copy of the body of plainrl.loop.train),
+``on_step_end`` runs one plainrl step (the body of plainrl.run.loop._train),
 so the order is TRL 0, plainrl 0, TRL 1, plainrl 1, ... Step 0 of each is the
 warm-up. A TRL step is the wall time spent in TRL between two callbacks (data,
 generation, rewards, logprobs, backward, optimiser, logging); a plainrl step is
@@ -195,54 +195,54 @@ def plainrl_config(args, model_path: str, run_dir: Path):
 
 
 class PlainrlStepper:
-    """One plainrl step at a time: the body of plainrl.loop.train, with each phase timed."""
+    """One plainrl step at a time: the body of plainrl.run.loop.train, with each phase timed."""
 
     def __init__(self, cfg):
-        import plainrl.learner
-        from plainrl.loop import setup
-        from plainrl.rollout import sampling_params
+        import plainrl.train.learner
+        from plainrl.run.setup import setup
 
         self.cfg = cfg
         self.run = setup(cfg)
-        self.params = sampling_params(cfg.rollout)
+        self.params = self.run.params
         self.device = self.run.learner.device
         self.fwd = Timer()
-        self._learner_module = plainrl.learner
+        self._learner_module = plainrl.train.learner
         self.records: list[dict] = []
 
     def step(self, step: int) -> dict:
         from plainrl.data import render_prompt
-        from plainrl.loop import compute_advantages, step_metrics
-        from plainrl.rollout import rollout, score_episodes
+        from plainrl.frames import completion_frame
+        from plainrl.metrics import StepTimer
+        from plainrl.run.loop import collect, estimate, step_metrics
 
         run, cfg, dev = self.run, self.cfg, self.device
-        prep = run.prep
         # the policy forward (decoder + chunked fp32 logprobs) is sequence_logps under grad
         timed_logps = self.fwd.wrap(self._learner_module.sequence_logps, dev, only_with_grad=True)
         with patched(self._learner_module, "sequence_logps", timed_logps):
+            timer = StepTimer()
             sync(dev)
             t0 = time.perf_counter()
-            episodes = rollout(run.engine, run.sampler.next_batch(), self.params, prep.tokenizer, cfg=cfg,
-                               env_factory=prep.env_factory, step=step, generator=run.generator)
-            sync(dev)
-            t1 = time.perf_counter()
-            rewards_out = score_episodes(episodes, prep.reward_fns)
-            advantages = compute_advantages(episodes, cfg).advantages
-            t2 = time.perf_counter()
+            episodes, rewards_out, extra = collect(run, step, timer)
+            with timer("reward"):
+                advantages = estimate(run, episodes, completion_frame(episodes))[0].advantages
             self.fwd.reset()
-            stats = run.learner.update(episodes, advantages)
-            sync(dev)
+            t2 = time.perf_counter()
+            with timer("update"):
+                stats = run.learner.update(episodes, advantages)
+                sync(dev)
             t3 = time.perf_counter()
             run.engine.load_weights(run.model)
             sync(dev)
             t4 = time.perf_counter()
             fwd = self.fwd.reset()
-            times = {"generate": t1 - t0, "reward": t2 - t1, "update": t3 - t2, "step": t4 - t0}
-            run.logger.log(step, step_metrics(episodes, [f.name for f in prep.reward_fns], rewards_out, stats, times))
-            run.logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
+            times = timer.metrics()
+            run.logger.log(step, step_metrics(episodes, [f.name for f in run.prep.reward_fns], rewards_out, stats,
+                                              times, extra))
+            run.logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, run.prep.tokenizer)
             t5 = time.perf_counter()
+        generate, reward = times["time/generate"], times["time/reward"]
         rec = {
-            "step": step, "generate": t1 - t0, "reward": t2 - t1, "logprobs": fwd, "backward_opt": (t3 - t2) - fwd,
+            "step": step, "generate": generate, "reward": reward, "logprobs": fwd, "backward_opt": (t3 - t2) - fwd,
             "sync": t4 - t3, "log": t5 - t4, "total": t5 - t0,
             "completion_tokens": sum(len(e.completion_ids) for e in episodes),
             "reward_mean": statistics.fmean(e.reward or 0.0 for e in episodes),

@@ -50,6 +50,49 @@ class StepTimer:
         return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": time.perf_counter() - self._start}
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Confidence interval of a success rate from ``n`` pass/fail trials (z = 1.96: 95%).
+
+    The Wilson score interval (Wilson 1927, JASA 22:209; recommended over the normal
+    approximation by Brown, Cai & DasGupta 2001, Stat. Sci. 16:101): with p = s/n,
+
+        centre = (p + z^2/(2n)) / (1 + z^2/n)
+        half   = z / (1 + z^2/n) * sqrt(p(1-p)/n + z^2/(4n^2))
+
+    It stays inside [0, 1] and is not degenerate at p = 0 or 1, where evals of small
+    models often sit.
+
+    Raises:
+        ValueError: ``n < 1`` or ``successes`` outside ``[0, n]``.
+    """
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval needs 0 <= successes <= n and n >= 1; got {successes}/{n}")
+    p, z2 = successes / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """Normal-approximation confidence interval of the mean of i.i.d. per-item scores
+    (e.g. each prompt's mean accuracy over k samples): mean -/+ z * s / sqrt(n), with the
+    sample standard deviation s. Treating the prompt, not the sample, as the unit keeps
+    the k correlated samples of a prompt from narrowing the interval (Miller 2024,
+    "Adding Error Bars to Evals", arXiv:2411.00640, Sec. 2.2).
+
+    Raises:
+        ValueError: fewer than one value.
+    """
+    if not values:
+        raise ValueError("mean_interval needs at least one value")
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, mean
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    half = z * math.sqrt(var / len(values))
+    return mean - half, mean + half
+
+
 def _clean(v: Any) -> Any:
     # JSON has no NaN/inf; write them as strings so a bad step is logged as it is.
     if isinstance(v, float) and not math.isfinite(v):

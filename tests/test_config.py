@@ -65,5 +65,13 @@ def test_dr_grpo_preset_turns_off_std():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_examples_validate(path):
-    load_config(path)
+def test_examples_validate(path, tmp_path):
+    """Every example loads, names importable reward functions, and survives the round trip
+    through the ``config.yaml`` a run writes (which is what ``plainrl eval RUN_DIR`` reads)."""
+    from plainrl.rewards import build_reward_fns
+
+    cfg = load_config(path)
+    assert len(build_reward_fns(cfg.rewards)) == sum(s.fn is not None for s in cfg.rewards)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(dump_config(cfg))
+    assert load_config(saved) == cfg

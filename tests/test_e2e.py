@@ -1,9 +1,11 @@
 """End-to-end runs with the real embedded model (SmolLM2-135M-Instruct), kept short."""
 
 import json
+import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import GSM8K_TRAIN, REPO
 from plainrl.cli import main
@@ -11,16 +13,29 @@ from plainrl.cli import main
 pytestmark = pytest.mark.e2e
 
 
-def test_arithmetic_demo_config_two_steps_real_model(tmp_path):
+def test_arithmetic_demo_config_two_steps_real_model(tmp_path, capsys):
+    """Greedy pass@1 is deterministic, so ``plainrl eval`` must reproduce the loop's own
+    evaluations: on the config (the base model) the eval-before figure, on the run
+    directory (the saved ``final/`` adapter) the eval-after one. A high learning rate
+    makes two steps move the policy off its initial adapter (LoRA's B starts at zero)."""
     run = tmp_path / "run"
     over = [f"run_dir={run}", "train.steps=2", "train.warmup_steps=0", "rollout.prompts_per_step=2",
-            "rollout.max_new_tokens=24", "data.eval_size=8", "log.progress=false"]
-    assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
+            "rollout.max_new_tokens=24", "data.eval_size=16", "log.progress=false", "train.lr=3e-2"]
+    config = str(REPO / "examples" / "arithmetic_grpo.yaml")
+    assert main(["train", config, *over]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
-    assert len(steps) == 2 and all(r["tokens/completion"] > 0 for r in steps)
-    assert [r["eval/n"] for r in rows if "eval/n" in r] == [8, 8]
-    assert (run / "final" / "adapter_config.json").is_file()
+    assert len(steps) == 2 and all(r["tokens/completion"] > 0 and math.isfinite(r["loss"]) for r in steps)
+    before, after = [r for r in rows if "eval/n" in r]
+    assert before["eval/n"] == after["eval/n"] == 16
+    capsys.readouterr()
+    assert main(["eval", config, *over]) == 0
+    assert json.loads(capsys.readouterr().out)["eval/pass@1"] == before["eval/pass@1"]
+    assert main(["eval", str(run)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"].endswith("final") and out["eval/pass@1"] == after["eval/pass@1"]
+    lora_b = load_file(run / "final" / "adapter_model.safetensors")
+    assert any(t.abs().max() > 0 for n, t in lora_b.items() if "lora_B" in n)  # initialised to 0, so it trained
 
 
 @pytest.mark.skipif(not GSM8K_TRAIN.is_file(), reason="GSM8K train split not beside the repo")
@@ -30,10 +45,11 @@ def test_gsm8k_config_one_step_on_the_real_file(tmp_path, capsys):
             "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_new_tokens=32", "data.eval_holdout=4",
             "data.eval_size=4", "eval.before=false", "log.progress=false"]
     assert main(["train", str(REPO / "examples" / "gsm8k_grpo.yaml"), *over]) == 0
+    after = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     capsys.readouterr()
-    assert main(["eval", str(run), "eval.max_new_tokens=16"]) == 0  # the run's 4 held-out rows
+    assert main(["eval", str(run)]) == 0  # the run's 4 held-out rows, greedy: the loop's last figure again
     out = json.loads(capsys.readouterr().out)
-    assert out["eval/n"] == 4 and 0.0 <= out["eval/pass@1"] <= 1.0
+    assert out["eval/n"] == after["eval/n"] == 4 and out["eval/pass@1"] == after["eval/pass@1"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

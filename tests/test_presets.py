@@ -19,8 +19,7 @@ from plainrl.config import (
 from plainrl.algorithms.estimators import ADVANTAGE_ESTIMATORS, compute_advantages
 from plainrl.frames import completion_frame
 from plainrl.rewards import score_episodes
-from plainrl.run.setup import advantage_params
-from plainrl.run.setup import make_learner
+from plainrl.run.setup import advantage_params, make_learner
 from plainrl.rewards import build_reward_fns
 from plainrl.run.collect import dynamic_sampling, shape_overlong
 from plainrl.types import Episode
@@ -98,8 +97,14 @@ def test_bad_combinations_name_path_value_and_fix(override, needles):
 
 
 def test_reinforce_pp_needs_no_groups():
-    load_config(None, RL + ["algorithm.name=reinforce_pp", "rollout.group_size=1"])
-    load_config(None, RL + ["algorithm.name=ppo", "rollout.group_size=1"])
+    """REINFORCE++ normalises over the batch and PPO uses a critic, so one sample per prompt
+    is valid for them; the group estimators refuse it."""
+    for name, estimator in (("reinforce_pp", "reinforce_pp"), ("ppo", "gae")):
+        cfg = load_config(None, RL + [f"algorithm.name={name}", "rollout.group_size=1"])
+        assert cfg.rollout.group_size == 1 and cfg.algorithm.advantage == estimator
+    for name in ("grpo", "rloo"):
+        with pytest.raises(ConfigError, match="rollout.group_size>=2"):
+            load_config(None, RL + [f"algorithm.name={name}", "rollout.group_size=1"])
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -13,7 +13,6 @@ from plainrl.models.forward import (
     token_values,
 )
 from plainrl.models.loading import (
-    DTYPES,
     EMBEDDED_MODELS,
     ModelLoadError,
     apply_lora,
@@ -30,20 +29,25 @@ from plainrl.models.loading import (
     trainable_parameters,
     unwrap,
 )
+from plainrl.models.precision import DTYPES, DtypeChoice, cpu_summary, model_dtype, resolve_dtype
 
 __all__ = [
     "DTYPES",
+    "DtypeChoice",
     "EMBEDDED_MODELS",
     "LOGIT_BLOCK_ELEMENTS",
     "ModelLoadError",
     "apply_lora",
     "convert_gguf",
+    "cpu_summary",
     "load_adapter",
     "load_policy",
     "load_tokenizer",
     "load_value_model",
     "lora_delta",
+    "model_dtype",
     "resolve_device",
+    "resolve_dtype",
     "resolve_model_path",
     "save_policy",
     "sequence_logps",

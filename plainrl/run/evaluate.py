@@ -1,34 +1,47 @@
 """Held-out evaluation: greedy pass@1 and, when ``eval.k > 1``, mean@k of sampled
-completions, graded by the built-in final-answer check (math-verify); multi-turn runs
-are evaluated in their environment."""
+completions, graded by the built-in final-answer check (math-verify), each with a 95%
+confidence interval; multi-turn runs are evaluated in their environment."""
 
 from __future__ import annotations
 
 import statistics
+from contextlib import nullcontext
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plainrl.data import PromptRow
+from plainrl.metrics import mean_interval, wilson_interval
 from plainrl.rewards import correctness
 from plainrl.rollout import Engine, MultiTurn, env_metrics, rollout
-from plainrl.types import SamplingParams
+from plainrl.types import Episode, SamplingParams
 
 
 def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tokenizer, n: int, generator,
-              multi_turn: MultiTurn | None) -> tuple[list[float], dict[str, float]]:
+              multi_turn: MultiTurn | None) -> tuple[list[float], list[Episode]]:
+    """Scores [len(rows) * n] (row-major: a row's n samples are adjacent), and the
+    episodes when ``multi_turn`` (else [])."""
     flat = [r for r in rows for _ in range(n)]
     if multi_turn is None:
         gens = engine.generate([r.prompt_ids for r in flat], params, generator=generator)
-        texts, extra = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens], {}
+        texts, episodes = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens], []
     else:
         episodes = rollout(engine, flat, params, tokenizer, group_size=1, step=-1, multi_turn=multi_turn,
                            generator=generator)
-        texts, extra = [e.completion_text for e in episodes], env_metrics(episodes)
+        texts = [e.completion_text for e in episodes]
     scores = []
     for r, text in zip(flat, texts):
         s = correctness(text, **r.row)
         scores.append(0.0 if s is None else float(s))
-    return scores, extra
+    return scores, episodes
+
+
+def _progress(show: bool):
+    if not show:
+        return nullcontext(None)
+    return Progress(TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=Console(stderr=True), transient=True)
 
 
 def evaluate(
@@ -42,6 +55,8 @@ def evaluate(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     multi_turn: MultiTurn | None = None,
+    chunk_size: int = 64,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Accuracy on ``rows`` (each needs an ``answer`` column).
 
@@ -50,20 +65,46 @@ def evaluate(
         multi_turn: run each prompt as a multi-turn episode in the training
             environment (a tool-using policy is graded with its tools), graded on
             the whole completion text, tool output included.
+        chunk_size: prompts handed to the engine at a time (the unit of progress); a
+            multiple of the engine's batch size leaves the batches, and so the greedy
+            results, as one call would make them.
+        progress: show a progress bar (prompts done, time left) on stderr.
     Returns:
-        ``{"eval/pass@1": greedy accuracy, "eval/mean@k": mean accuracy of k samples
-        per prompt at ``temperature`` (only when k > 1), "eval/n": number of prompts}``;
+        ``{"eval/pass@1": greedy accuracy, "eval/pass@1_ci_low"/"_ci_high": its 95% Wilson
+        interval, "eval/mean@k": mean accuracy of k samples per prompt at ``temperature``
+        and its 95% interval over prompts (only when k > 1), "eval/n": number of prompts}``;
         with ``multi_turn``, also the greedy episodes' environment metrics as
         ``eval/env/...`` (e.g. ``eval/env/tool_calls`` per episode).
     """
     if not rows:
         return {}
+    chunks = [rows[i: i + chunk_size] for i in range(0, len(rows), chunk_size)]
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop)
-    scores, extra = _accuracy(engine, rows, greedy, tokenizer, 1, generator, multi_turn)
-    out = {"eval/pass@1": statistics.fmean(scores), "eval/n": len(rows),
-           **{f"eval/{k_}": v for k_, v in extra.items()}}
+    sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
+    passes: list[float] = []
+    per_prompt: list[float] = []  # each prompt's mean over its k samples
+    episodes: list[Episode] = []  # multi-turn: the greedy episodes, for their environment metrics
+    with _progress(progress) as bar:
+        task = bar.add_task("pass@1", total=len(rows)) if bar else None
+        for chunk in chunks:
+            scores, chunk_episodes = _accuracy(engine, chunk, greedy, tokenizer, 1, generator, multi_turn)
+            passes += scores
+            episodes += chunk_episodes
+            if bar:
+                bar.advance(task, len(chunk))
+        if k > 1:
+            task = bar.add_task(f"mean@{k}", total=len(rows)) if bar else None
+            for chunk in chunks:
+                scores = _accuracy(engine, chunk, sampled, tokenizer, k, generator, multi_turn)[0]
+                per_prompt += [statistics.fmean(scores[i: i + k]) for i in range(0, len(scores), k)]
+                if bar:
+                    bar.advance(task, len(chunk))
+    low, high = wilson_interval(int(sum(passes)), len(passes))
+    out = {"eval/pass@1": statistics.fmean(passes), "eval/pass@1_ci_low": low, "eval/pass@1_ci_high": high,
+           "eval/n": len(rows), **{f"eval/{name}": v for name, v in env_metrics(episodes).items()}}
     if k > 1:
-        sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
-        out[f"eval/mean@{k}"] = statistics.fmean(_accuracy(engine, rows, sampled, tokenizer, k, generator,
-                                                            multi_turn)[0])
+        low, high = mean_interval(per_prompt)
+        out.update({f"eval/mean@{k}": statistics.fmean(per_prompt), f"eval/mean@{k}_ci_low": max(0.0, low),
+                    f"eval/mean@{k}_ci_high": min(1.0, high)})
     return out
+

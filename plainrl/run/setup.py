@@ -17,7 +17,7 @@ from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint
 from plainrl.config import Config, ConfigError, dump_config
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.metrics import MetricsLogger
-from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device
+from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, resolve_dtype
 from plainrl.rewards import RewardFn, RewardWorkers, build_reward_fns
 from plainrl.rewards.model import RewardModel
 from plainrl.rollout import HFEngine, MultiTurn, make_env_factory, max_live_episodes, sampling_params
@@ -115,6 +115,7 @@ class Run:
             self.engine, self.prep.data.eval, self.prep.tokenizer,
             max_new_tokens=c.eval.max_new_tokens or c.rollout.max_new_tokens, stop=tuple(c.rollout.stop),
             k=c.eval.k, temperature=c.eval.temperature, generator=self.generator, multi_turn=self.prep.multi_turn,
+            chunk_size=c.rollout.batch_size, progress=c.log.progress,
         )
 
     def save(self, step: int) -> Path:
@@ -173,6 +174,7 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress)
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
+    logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
     for w in resume_warnings:
         logger.print(f"warning: resuming with a changed setting: {w}")
     if prep.data.dropped.total:

@@ -45,10 +45,10 @@ class StepResult:
             model ended its turn itself (EOS).
         done: the episode is over; the observation is then not inserted.
         reward: a reward for this step; the rollout sums the non-None rewards of
-            an episode into ``row["env_reward"]``.
+            an episode into ``Episode.env.reward``.
         info: counters and facts about this step. Numeric values are summed over
             the episode's steps, other values keep the last one, into
-            ``row["env_info"]``.
+            ``Episode.env.info``.
     """
 
     observation: Observation = None
@@ -124,7 +124,7 @@ class Environment(Protocol):
             state: the episode's state (see :class:`EnvState`).
         Returns:
             A :class:`StepResult`. Raising ends the episode and records the error
-            in ``row["env_error"]``.
+            in ``Episode.env.error``.
         """
         ...
 
@@ -181,7 +181,7 @@ def env_reward(completion: str, env_reward: float | None = None, env_error: str 
     :func:`plainrl.rollout.envs.multi_turn_rollout` adds to each episode's row.
 
     Returns:
-        ``row["env_reward"]``; None (unscorable) when the environment raised or
+        ``Episode.env.reward``; None (unscorable) when the environment raised or
         never gave a reward.
     """
     if env_error is not None:

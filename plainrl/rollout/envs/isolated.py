@@ -10,7 +10,7 @@ a stand-in whose real environment is built by the factory inside a worker proces
 keeps its state across turns. ``reset``, ``tools_schema`` and ``step`` are
 forwarded to it, each limited to ``timeout_s`` seconds. A call that runs over gets
 its worker's whole process group killed; the call raises :class:`EnvWorkerError`,
-which ends that episode as unscorable (``row["env_error"]``) while the other
+which ends that episode as unscorable (``Episode.env.error``) while the other
 episodes go on. A worker serves one episode at a time and is reused by later
 episodes once the rollout closes the environment.
 """

@@ -1,20 +1,12 @@
-"""Typed configuration: YAML file + dotted CLI overrides, validated before any model loads.
-
-    cfg = load_config("examples/arithmetic_grpo.yaml", ["train.lr=1e-5", "seed=1"])
-
-Every section is a pydantic model with ``extra="forbid"``, so an unknown key,
-a wrong type or an impossible combination raises :class:`ConfigError` naming
-the dotted path, the value given and how to fix it.
-"""
+"""The configuration schema: one pydantic model per section, ``extra="forbid"`` so an
+unknown key, a wrong type or an impossible combination fails validation naming the
+dotted path, the value given and how to fix it."""
 
 from __future__ import annotations
 
-import difflib
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -45,7 +37,8 @@ class ModelConfig(_Section):
     """
 
     name: str = "smollm2-135m-instruct"
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # auto: bfloat16 where the device runs it natively, else float32 (plainrl.models.precision)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     lora: LoraConfig = Field(default_factory=LoraConfig)
     # a peft LoRA adapter directory to start from and train further (e.g. an SFT run's final/);
     # its own r/alpha/targets are used; needs lora.enabled
@@ -406,125 +399,3 @@ class Config(_Section):
     def norm_std(self) -> bool:
         """Whether group advantages divide by the group std (GRPO) or not (Dr. GRPO)."""
         return self.algorithm.norm_std
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """Turn ``["train.lr=1e-5", "model.lora.enabled=false"]`` into a nested dict.
-
-    Values are parsed as YAML (so numbers, booleans, lists work).
-
-    Raises:
-        ConfigError: an override without ``=`` or with an empty key.
-    """
-    nested: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip() or any(not p for p in key.split(".")):
-            raise ConfigError(
-                f"override {item!r} is not of the form dotted.key=value (e.g. train.lr=1e-5)"
-            )
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        # YAML reads 1e-5 as a string (no dot in the mantissa); numbers are what users mean.
-        if isinstance(value, str):
-            try:
-                value = float(value) if any(c in value.lower() for c in ".e") else int(value)
-            except ValueError:
-                pass
-        node = nested
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
-        node[parts[-1]] = value
-    return nested
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def _fields_at(path: tuple[Any, ...]) -> list[str]:
-    """Known field names of the section at a dotted path (for 'did you mean')."""
-    model: Any = Config
-    for part in path:
-        if isinstance(part, int):
-            continue
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        ann = field.annotation
-        args = getattr(ann, "__args__", ())
-        model = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if model is None:
-            return []
-    return list(getattr(model, "model_fields", {}))
-
-
-def _format_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration ({source}):"]
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        dotted = ".".join(str(p) for p in loc) or "<root>"
-        if e["type"] == "extra_forbidden":
-            known = _fields_at(loc[:-1])
-            guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            hint = f"did you mean {'.'.join([*map(str, loc[:-1]), guess[0]])}?" if guess else (
-                f"known keys here: {', '.join(known)}" if known else "remove it"
-            )
-            lines.append(f"  {dotted}: unknown key (value {e['input']!r}); {hint}")
-        elif e["type"] == "value_error":
-            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
-        else:
-            lines.append(f"  {dotted}: {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML config, apply dotted overrides, validate.
-
-    Args:
-        path: YAML file, or None for all defaults (overrides still apply).
-        overrides: ``["section.key=value", ...]``.
-
-    Raises:
-        ConfigError: missing file, bad YAML, unknown key, wrong type or impossible
-            combination; the message names the dotted path, the value and the fix.
-    """
-    raw: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level, got {type(raw).__name__}")
-        source = str(p)
-    if overrides:
-        raw = _merge(raw, parse_overrides(overrides))
-        source += " + overrides " + " ".join(overrides)
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(_format_error(e, source)) from None
-
-
-def dump_config(cfg: Config) -> str:
-    """The resolved config as YAML (what is saved to ``run_dir/config.yaml``)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

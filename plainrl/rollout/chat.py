@@ -1,0 +1,180 @@
+"""Chat-template rendering for multi-turn episodes: the first prompt (with the
+environment's tools), and the tokens that continue a conversation after a model turn
+(the assistant turn's closing tokens plus the next observation), rendered without
+re-tokenising what the model sampled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plainrl.data import PromptRow, render_prompt
+from plainrl.rollout.envs.base import Environment
+from plainrl.rollout.envs.tools import hermes_tools_prompt
+
+__all__ = ["build_env_prompt", "prompt_messages", "render_chat_continuation"]
+
+
+_SENTINEL = "\x00PLAINRL-SENTINEL\x00"
+_PROBE_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def prompt_messages(row: dict[str, Any], system_prompt: str | None = None,
+                    prompt_template: str = "{prompt}") -> list[dict[str, Any]]:
+    """The chat messages a row's prompt is made of (as :func:`plainrl.data.build_prompt_ids` builds them).
+
+    Raises:
+        plainrl.data.DataError: bad ``prompt_template``.
+        ValueError: the row has neither ``messages`` nor ``prompt``.
+    """
+    if row.get("messages") is not None:
+        msgs = [dict(m) for m in row["messages"]]
+        if system_prompt and (not msgs or msgs[0].get("role") != "system"):
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        return msgs
+    if row.get("prompt") is not None:
+        msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        return msgs + [{"role": "user", "content": render_prompt(row, prompt_template)}]
+    raise ValueError("row has neither 'messages' nor 'prompt'")
+
+
+def _add_system(messages: list[dict[str, Any]], text: str, *, first: bool) -> list[dict[str, Any]]:
+    # one system message only: many templates reject or misplace a second one
+    if messages and messages[0].get("role") == "system":
+        old = messages[0]["content"]
+        merged = f"{text}\n\n{old}" if first else f"{old}\n\n{text}"
+        return [{**messages[0], "content": merged}] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
+
+
+def encode_rendered(tokenizer, text: str) -> list[int]:
+    """Token ids of chat-template output. The text already holds its special tokens
+    (the template wrote them), so the tokenizer adds none."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def build_env_prompt(
+    prompt: PromptRow,
+    env: Environment,
+    tokenizer,
+    *,
+    system_prompt: str | None = None,
+    prompt_template: str = "{prompt}",
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Start ``env`` for a prompt: its prompt ids and its conversation as messages.
+
+    ``env.reset(row)`` is called here. When it returns None and the env has no
+    tools, ``prompt.prompt_ids`` are used unchanged. Otherwise the prompt is
+    re-rendered with the chat template (``add_generation_prompt=True``) from
+    ``reset``'s messages followed by the row's (a leading system message of
+    ``reset`` is merged into the row's), and with ``tools=env.tools_schema()``;
+    if the template ignores ``tools`` (the rendering does not change), the tools
+    are described in the system message instead (:func:`hermes_tools_prompt`).
+
+    Args:
+        prompt: the prompt row.
+        env: a fresh environment for this episode.
+        tokenizer: the policy's tokenizer.
+        system_prompt, prompt_template: ``data.system_prompt`` and
+            ``data.prompt_template``, so a re-rendered prompt matches the data config.
+    Returns:
+        ``(prompt_ids [P], messages)``.
+    Raises:
+        ValueError: the env needs a re-rendered prompt but the tokenizer has no chat template.
+    """
+    extra = env.reset(prompt.row)
+    tools_fn = getattr(env, "tools_schema", None)
+    tools = tools_fn() if callable(tools_fn) else None
+    messages = prompt_messages(prompt.row, system_prompt, prompt_template)
+    if not extra and not tools:
+        return list(prompt.prompt_ids), messages
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("an environment that adds prompt messages or tools needs a tokenizer with a chat template")
+    if extra:
+        extra = [dict(m) for m in extra]
+        if extra[0].get("role") == "system":
+            messages = _add_system(messages, extra[0]["content"], first=True)
+            extra = extra[1:]
+        head = 1 if messages and messages[0].get("role") == "system" else 0
+        messages = messages[:head] + extra + messages[head:]
+    render = lambda msgs, **kw: tokenizer.apply_chat_template(  # noqa: E731
+        msgs, tokenize=False, add_generation_prompt=True, **kw)
+    text = render(messages)
+    if tools:
+        with_tools = render(messages, tools=tools)
+        if with_tools != text:
+            text = with_tools
+        else:
+            messages = _add_system(messages, hermes_tools_prompt(tools), first=False)
+            text = render(messages)
+    return encode_rendered(tokenizer, text), messages
+
+
+# ---------------------------------------------------------------------- observations
+
+
+def _assistant_closing(tokenizer) -> str:
+    """What the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False)
+    except Exception:
+        return "<|im_end|>\n"
+    i = text.rfind(_SENTINEL)
+    return text[i + len(_SENTINEL):] if i >= 0 else "<|im_end|>\n"
+
+
+def render_chat_continuation(
+    tokenizer,
+    history: list[dict[str, Any]],
+    new_messages: list[dict[str, Any]],
+    *,
+    eos_text: str = "",
+) -> str:
+    """The text that continues a conversation after the assistant's turn with ``new_messages``.
+
+    It closes the assistant message (minus what the model already wrote: the EOS
+    token that ended its turn), renders ``new_messages`` and opens the next
+    assistant message, all as the chat template would write them for the whole
+    conversation. The template's rendering of ``base`` and of ``base +
+    new_messages`` (with the generation prompt) is compared and the suffix taken,
+    but only when the longer one extends the shorter (templates that render the
+    last assistant message differently from earlier ones fail that check). The
+    bases tried, in order: ``history`` itself, a two-message user/assistant
+    conversation, a lone user message. If none works (a template that rejects
+    the roles), ChatML is written by hand: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``
+    per message, then ``<|im_start|>assistant\\n``. Without a chat template:
+    ``"\\n\\n{role}: {content}"`` per message, then ``"\\n\\nassistant:"``.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        history: the conversation so far, ending with the assistant message just written.
+        new_messages: the messages to add (e.g. ``[{"role": "tool", "content": "24"}]``).
+        eos_text: the decoded EOS token when the turn ended on EOS ("" otherwise);
+            the part of the closing it covers is not written again.
+    Returns:
+        The continuation text, to be tokenised with ``add_special_tokens=False``.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        body = "".join(f"\n\n{m['role']}: {m.get('content', '')}" for m in new_messages)
+        return body + "\n\nassistant:"
+    closing = _assistant_closing(tokenizer)
+    suffix = None
+    for base in (history, _PROBE_BASE, _PROBE_BASE[:1]):
+        try:
+            a = tokenizer.apply_chat_template(base, tokenize=False)
+            b = tokenizer.apply_chat_template(base + new_messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # templates that enforce role order raise for some bases
+            continue
+        ends_assistant = bool(base) and base[-1].get("role") == "assistant"
+        if b.startswith(a) and len(b) > len(a) and (not ends_assistant or a.endswith(closing)):
+            suffix = b[len(a):]
+            break
+    if suffix is None:
+        suffix = "".join(f"<|im_start|>{m['role']}\n{m.get('content', '')}<|im_end|>\n" for m in new_messages)
+        suffix += "<|im_start|>assistant\n"
+    if eos_text and closing.startswith(eos_text):
+        closing = closing[len(eos_text):]
+    return closing + suffix
