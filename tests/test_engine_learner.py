@@ -304,3 +304,28 @@ def test_critic_values_and_update_are_the_same_with_shared_prompts(tiny_model_di
     assert v_plain.abs().sum() > 0 and g_plain.abs().sum() > 0
     torch.testing.assert_close(v_shared, v_plain, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(g_shared, g_plain, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("epochs", [1, 2])  # on-policy (one pass) and PPO's recomputed old logprobs
+def test_logprob_diff_measures_engine_learner_disagreement(tiny_model_dir, tokenizer, epochs):
+    """rollout/logprob_diff: ~0 when the engine samples from the learner's own float32 model;
+    shifting every engine logprob by 0.25 must show as 0.25."""
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                             "model.lora.enabled=false", "rollout.temperature=1.0", f"algorithm.ppo_epochs={epochs}",
+                             "train.lr=1e-3"])
+    engine = HFEngine(m, tokenizer, batch_size=8)
+    prompts = _prompts(tokenizer)
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(0))
+    diffs = []
+    for shift in (0.0, 0.25):
+        torch.manual_seed(0)
+        fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        learner = make_learner(cfg, fresh, pad_id=engine.pad_id)
+        eps = [Episode(sample_id=str(i), group=i, row={}, prompt_ids=p, completion_ids=g.token_ids,
+                       logprobs=[lp + shift for lp in g.logprobs], loss_mask=[1] * len(g.token_ids),
+                       finish_reason=g.finish_reason) for i, (p, g) in enumerate(zip(prompts, gens))]
+        diffs.append(learner.update(eps, torch.tensor([1.0, -1.0, 0.5])).logprob_diff)
+    assert diffs[0] < 1e-4
+    assert diffs[1] == pytest.approx(0.25, abs=1e-4)

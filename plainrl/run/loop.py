@@ -34,7 +34,7 @@ def step_metrics(
         m.update(env_metrics(episodes))
     m.update({
         "loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm, "clip_frac": stats.clip_frac,
-        "lr": stats.lr, "skipped_step": float(stats.skipped),
+        "lr": stats.lr, "skipped_step": float(stats.skipped), "rollout/logprob_diff": stats.logprob_diff,
         "response_length/mean": statistics.fmean(lengths), "response_length/max": max(lengths),
         "response_length/clipped_frac": statistics.fmean(e.finish_reason == "length" for e in episodes),
         "tokens/completion": sum(lengths), **times,

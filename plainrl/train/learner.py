@@ -15,7 +15,7 @@ import torch
 
 from plainrl.algorithms import aggregate_loss, kl_estimate, policy_loss
 from plainrl.config import AlgorithmConfig, TrainConfig
-from plainrl.frames import make_micro_batches, to_completion_frame
+from plainrl.frames import completion_frame, make_micro_batches, to_completion_frame
 from plainrl.models import sequence_logps, trainable_parameters
 from plainrl.train.optim import MasterAdamW
 from plainrl.types import Episode, MicroBatch
@@ -36,7 +36,11 @@ def mini_batch_indices(n: int, epochs: int, mini_batches: int) -> list[torch.Ten
 class UpdateStats:
     """One :meth:`Learner.update`: means over its optimiser steps (``loss``, ``kl``,
     ``entropy``, ``grad_norm``), loss-token means (``clip_frac``, ``approx_kl``), and
-    totals (``num_tokens``: loss tokens over all steps, ``micro_batches``)."""
+    totals (``num_tokens``: loss tokens over all steps, ``micro_batches``).
+
+    ``logprob_diff`` is the mean |learner logprob - engine logprob| of the sampled tokens
+    before the update: 0 up to float rounding when engine and learner compute the same
+    policy; larger values mean the rollouts are off-policy by numerics (precision, kernels)."""
 
     loss: float
     grad_norm: float
@@ -49,6 +53,7 @@ class UpdateStats:
     entropy: float = 0.0
     approx_kl: float = 0.0
     optimizer_steps: int = 1
+    logprob_diff: float = 0.0
 
     @staticmethod
     def merge(steps: list["UpdateStats"]) -> "UpdateStats":
@@ -61,6 +66,7 @@ class UpdateStats:
             lr=steps[0].lr, num_tokens=tokens,
             micro_batches=sum(s.micro_batches for s in steps), skipped=any(s.skipped for s in steps),
             entropy=mean("entropy"), approx_kl=per_token("approx_kl"), optimizer_steps=len(steps),
+            logprob_diff=steps[0].logprob_diff,  # the first step's forward is the rollout policy's
         )
 
 
@@ -157,7 +163,11 @@ class Learner:
         for idx in mini_batch_indices(len(episodes), a.ppo_epochs, a.mini_batches):
             steps.append(self._step([episodes[i] for i in idx], advantages[idx], None if old is None else old[idx]))
         self.scheduler.step()
-        return UpdateStats.merge(steps)
+        stats = UpdateStats.merge(steps)
+        if old is not None:
+            frame = completion_frame(episodes)  # [N, L] the engine's logprobs
+            stats.logprob_diff = float(((old - frame.logprobs).abs() * frame.mask).sum() / frame.mask.sum().clamp(min=1))
+        return stats
 
     def skip(self) -> UpdateStats:
         """Advance the LR schedule without touching the policy (PPO critic warm-up)."""
@@ -175,7 +185,7 @@ class Learner:
                                  token_budget=self.train.micro_batch_tokens, old_logps=old_logps)
         num_tokens = int(sum(mb.loss_mask.sum().item() for mb in mbs))
         agg = dict(num_tokens=num_tokens, num_seqs=len(episodes), normalizer=self.completion_budget)
-        loss_sum = kl_sum = ent_sum = clip_sum = approx_kl_sum = 0.0
+        loss_sum = kl_sum = ent_sum = clip_sum = approx_kl_sum = diff_sum = 0.0
         self.model.train()
         for mb in mbs:
             ids, attn = mb.input_ids.to(dev), mb.attention_mask.to(dev)
@@ -183,6 +193,8 @@ class Learner:
             out = sequence_logps(self.model, ids, attn, temperature=self.temperature, positions=mask > 0,
                                  with_entropy=a.entropy_coef > 0, prompt_lens=self._prompt_lens(mb))
             logps, entropy = out if a.entropy_coef > 0 else (out, None)  # [B, T-1]
+            if old_logps is None:  # on-policy: mb.old_logps are the engine's, logps the same policy's
+                diff_sum += float(((logps.detach() - mb.old_logps.to(dev)).abs() * mask).sum())
             old = logps.detach() if old_logps is None else mb.old_logps.to(dev)
             loss, stats = policy_loss(
                 logps, old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
@@ -208,5 +220,5 @@ class Learner:
         return UpdateStats(
             loss=loss_sum, grad_norm=grad_norm, kl=kl_sum, clip_frac=clip_sum / max(1, num_tokens),
             lr=lr, num_tokens=num_tokens, micro_batches=len(mbs), skipped=skipped, entropy=ent_sum,
-            approx_kl=approx_kl_sum / max(1, num_tokens),
+            approx_kl=approx_kl_sum / max(1, num_tokens), logprob_diff=diff_sum / max(1, num_tokens),
         )
