@@ -13,7 +13,7 @@ from conftest import REPO, tiny_overrides
 from plainrl.cli import main
 from plainrl.config import load_config
 from plainrl.data import DataError
-from plainrl.run.offline import assistant_tokens, load_offline_data, preference_conversations
+from plainrl.data.offline import assistant_tokens, load_offline_data, preference_conversations
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 OFFLINE_EXAMPLES = [e for e in EXAMPLES if load_config(e).algorithm.offline]
@@ -172,7 +172,7 @@ def test_reward_model_learns_and_loads_without_plainrl(tiny_model_dir, tmp_path,
     from transformers import AutoModelForSequenceClassification
 
     from plainrl.models import sequence_scores
-    from plainrl.run.offline import collate
+    from plainrl.train.offline import collate
 
     run = offline.train_offline(_offline(tiny_model_dir, tmp_path / "run", "rm", "train.steps=8", "train.lr=1e-2"))
     rows = _rows(run)

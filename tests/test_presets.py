@@ -44,7 +44,7 @@ def _advantages(episodes, cfg, **kw):
 def test_dispatch_tables_match_literals():
     assert set(PRESETS) == set(get_args(AlgorithmName))
     assert set(ADVANTAGE_ESTIMATORS) == set(get_args(AdvantageEstimator))
-    from plainrl.run.offline import OBJECTIVES
+    from plainrl.train.offline import OBJECTIVES
 
     assert set(OBJECTIVES) == set(OFFLINE_ALGORITHMS)
 

@@ -16,7 +16,8 @@ from conftest import REPO, tiny_overrides
 from plainrl.config import ConfigError, load_config
 from plainrl.models import sequence_scores
 from plainrl.models import ModelLoadError, load_policy
-from plainrl.run.offline import collate, load_offline_data
+from plainrl.data.offline import load_offline_data
+from plainrl.train.offline import collate
 from plainrl.rewards.model import RewardModel
 from plainrl.types import Episode
 

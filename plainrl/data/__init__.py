@@ -5,19 +5,11 @@
     batch = sampler.next_batch()   # list[PromptRow]
 """
 
-from plainrl.data.loading import (
-    DataError,
-    DropReport,
-    PromptData,
-    PromptRow,
-    PromptSampler,
-    build_prompt_ids,
-    check_prompt_lengths,
-    load_prompt_data,
-    load_rows,
-    render_prompt,
-    to_prompt_rows,
-)
+from plainrl.data.loading import PromptData, PromptRow, load_prompt_data
+from plainrl.data.prompts import build_prompt_ids, check_prompt_lengths, render_prompt
+from plainrl.data.rows import DataError, DropReport, to_prompt_rows
+from plainrl.data.sampler import PromptSampler
+from plainrl.data.sources import load_rows
 from plainrl.data.tasks import TASKS, arithmetic, make_task_rows, make_task_split, task_arg_names
 
 __all__ = [

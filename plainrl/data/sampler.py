@@ -1,0 +1,97 @@
+"""The prompt sampler: endless, resumable batches of training rows, epoch by epoch."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Iterator
+
+__all__ = ["PromptSampler"]
+
+
+class PromptSampler:
+    """Endless batches of training prompts, epoch by epoch, resumable exactly.
+
+    Each epoch visits every row once, in an order shuffled with
+    ``random.Random(seed + epoch)`` (file order when ``shuffle`` is false). A batch
+    that crosses an epoch boundary finishes one epoch and continues into the next.
+    ``state_dict()`` captures (epoch, position); a sampler built on the same rows
+    with the same seed and ``load_state_dict`` continues with the same batches.
+
+    Args:
+        rows: the training prompts (non-empty).
+        prompts_per_step: rows per batch (``rollout.prompts_per_step``).
+        seed: shuffle seed.
+        shuffle: ``data.shuffle``.
+
+    Raises:
+        ValueError: no rows, or ``prompts_per_step < 1``.
+    """
+
+    def __init__(self, rows: Sequence[Any], prompts_per_step: int, *, seed: int, shuffle: bool = True):
+        if not rows:
+            raise ValueError("PromptSampler needs at least one row")
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        self.rows = rows
+        self.prompts_per_step = prompts_per_step
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[Any]:
+        """The next ``prompts_per_step`` rows (can hold a row twice when the data is smaller)."""
+        out: list[Any] = []
+        while len(out) < self.prompts_per_step:
+            if self.position >= len(self.rows):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+            take = min(self.prompts_per_step - len(out), len(self.rows) - self.position)
+            out.extend(self.rows[j] for j in self._order[self.position : self.position + take])
+            self.position += take
+        return out
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return self
+
+    def __next__(self) -> list[Any]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "position", "num_rows", "seed", "shuffle"}`` (JSON-serialisable)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_rows": len(self.rows),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`.
+
+        Raises:
+            ValueError: the state was saved for a different number of rows, seed or
+                shuffle setting (the data or config changed since the checkpoint),
+                or its position is out of range.
+        """
+        for key, mine in (("num_rows", len(self.rows)), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if key in state and state[key] != mine:
+                raise ValueError(
+                    f"sampler state was saved with {key}={state[key]!r} but this run has {key}={mine!r}; "
+                    "the training data or seed changed since the checkpoint, so the data position cannot be resumed"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self.rows):
+            raise ValueError(f"sampler state out of range: epoch={epoch}, position={position}")
+        self.epoch, self.position = epoch, position
+        self._order = self._epoch_order(epoch)

@@ -1,0 +1,195 @@
+"""Beside RL: the trainers of supervised fine-tuning (SFT), DPO and a Bradley-Terry
+reward model (RM): examples from :mod:`plainrl.data.offline` padded into micro-batches,
+each algorithm's objective, and :class:`OfflineTrainer`, one optimiser step
+(:class:`MasterAdamW`) on a batch of examples. The run around it is
+:func:`plainrl.run.offline.train_offline`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from plainrl.algorithms import aggregate_loss, bradley_terry_loss, dpo_loss
+from plainrl.config import Config
+from plainrl.data.offline import Example
+from plainrl.frames import pack_by_length
+from plainrl.models import sequence_logps, sequence_scores, trainable_parameters
+from plainrl.train.optim import MasterAdamW
+
+__all__ = ["OBJECTIVES", "Batch", "OfflineTrainer", "Totals", "collate", "micro_batches"]
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    """Padded sequences of some examples: all first sequences (sft: the chat; dpo/rm:
+    chosen), then all second ones (rejected).
+
+    input_ids, attention_mask: [B, T]; mask: [B, T-1] 1 where target t+1 is trained on /
+    scored; last: [B] the position of each sequence's last masked token (the RM reads
+    its score there).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    mask: torch.Tensor
+    last: torch.Tensor
+
+
+def collate(examples: list[Example], pad_id: int) -> Batch:
+    """Pad the examples' sequences (first sequences, then second ones) into one :class:`Batch`."""
+    seqs = [ex.seqs[j] for j in range(len(examples[0].seqs)) for ex in examples]
+    width = max(len(s.ids) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width))
+    for r, s in enumerate(seqs):
+        ids[r, : len(s.ids)] = torch.tensor(s.ids)
+        attn[r, : len(s.ids)] = 1
+        mask[r, : len(s.ids)] = torch.tensor(s.mask, dtype=torch.float32)
+    positions = torch.arange(width)
+    last = torch.where(mask > 0, positions, -1).amax(dim=1)  # [B]
+    return Batch(ids, attn, mask[:, 1:], last)
+
+
+def micro_batches(examples: list[Example], token_budget: int) -> list[list[Example]]:
+    """Examples grouped, longest first, so a group's padded tokens stay within the budget."""
+    groups = pack_by_length([e.width for e in examples], token_budget, [len(e.seqs) for e in examples])
+    return [[examples[i] for i in g] for g in groups]
+
+
+# ----------------------------------------------------------------------------- objectives
+
+
+@dataclass
+class Totals:
+    """Normalisers over the whole optimiser batch (sums of micro-batch losses equal one
+    call on the batch): trained tokens and sequences (sft), pairs (dpo, rm)."""
+
+    tokens: int
+    seqs: int
+    pairs: int
+
+
+Objective = Callable[["OfflineTrainer", Batch, Totals], tuple[torch.Tensor, dict[str, float]]]
+
+
+def _sft(t: "OfflineTrainer", b: Batch, n: Totals) -> tuple[torch.Tensor, dict[str, float]]:
+    logps = sequence_logps(t.model, b.input_ids, b.attention_mask, positions=b.mask > 0)  # [B, T-1]
+    loss = aggregate_loss(-logps, b.mask, t.cfg.algorithm.loss_agg, num_tokens=n.tokens, num_seqs=n.seqs,
+                          normalizer=t.cfg.model.max_context)
+    nll = float(-(logps * b.mask).sum())
+    return loss, {"nll": nll / max(1, n.tokens)}
+
+
+def _response_logps(model, b: Batch) -> torch.Tensor:
+    logps = sequence_logps(model, b.input_ids, b.attention_mask, positions=b.mask > 0)  # [2P, T-1]
+    return (logps * b.mask).sum(dim=1)  # [2P] log pi(y | x)
+
+
+def _pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, pairs: int) -> dict[str, float]:
+    return {"accuracy": float((chosen > rejected).float().sum()) / pairs,
+            "margin": float((chosen - rejected).sum()) / pairs}
+
+
+def _dpo(t: "OfflineTrainer", b: Batch, n: Totals) -> tuple[torch.Tensor, dict[str, float]]:
+    policy = _response_logps(t.model, b).chunk(2)
+    with torch.no_grad(), t.reference() as ref_model:
+        ref = _response_logps(ref_model, b).chunk(2)
+    losses, chosen, rejected = dpo_loss(policy[0], policy[1], ref[0], ref[1], beta=t.cfg.algorithm.beta)
+    return losses.sum() / n.pairs, {**_pair_metrics(chosen, rejected, n.pairs),
+                                    "chosen_reward": float(chosen.sum()) / n.pairs,
+                                    "rejected_reward": float(rejected.sum()) / n.pairs}
+
+
+def _rm(t: "OfflineTrainer", b: Batch, n: Totals) -> tuple[torch.Tensor, dict[str, float]]:
+    chosen, rejected = sequence_scores(t.model, b.input_ids, b.attention_mask, b.last).chunk(2)
+    loss = bradley_terry_loss(chosen, rejected).sum() / n.pairs
+    return loss, _pair_metrics(chosen.detach(), rejected.detach(), n.pairs)
+
+
+# algorithm.name -> objective; the keys are exactly config.OFFLINE_ALGORITHMS
+OBJECTIVES: dict[str, Objective] = {"sft": _sft, "dpo": _dpo, "rm": _rm}
+
+
+class OfflineTrainer:
+    """The model, its optimiser and (DPO) the reference; :meth:`step` is one optimiser
+    step on a batch of examples, :meth:`evaluate` the same objective without updates.
+
+    The reference policy of DPO is the model with adapters disabled under LoRA (no
+    second copy), or a frozen copy of the initial weights for full fine-tuning.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: Config, *, pad_id: int):
+        self.model, self.cfg, self.pad_id = model, cfg, pad_id
+        self.objective = OBJECTIVES[cfg.algorithm.name]
+        self.opt = MasterAdamW(trainable_parameters(model), cfg.train)
+        self.ref_model = None
+        if cfg.algorithm.name == "dpo" and not cfg.model.lora.enabled:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Yields the reference policy (see the class docstring)."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        else:
+            with self.model.disable_adapter():
+                yield self.model
+
+    def _run(self, examples: list[Example]) -> tuple[float, dict[str, float]]:
+        """Forward (and backward, under grad) every micro-batch; returns the loss and metric sums."""
+        groups = micro_batches(examples, self.cfg.train.micro_batch_tokens)
+        batches = [collate(g, self.pad_id) for g in groups]
+        pairs = len(examples) if len(examples[0].seqs) == 2 else 0
+        totals = Totals(tokens=int(sum(b.mask.sum() for b in batches)), seqs=sum(len(b.last) for b in batches),
+                        pairs=max(1, pairs))
+        loss_sum, sums = 0.0, {}
+        for b in batches:
+            dev = self.device
+            b = Batch(b.input_ids.to(dev), b.attention_mask.to(dev), b.mask.to(dev), b.last.to(dev))
+            loss, metrics = self.objective(self, b, totals)
+            if torch.is_grad_enabled():
+                loss.backward()
+            loss_sum += loss.item()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+        return loss_sum, {**sums, "tokens": float(totals.tokens)}
+
+    def step(self, examples: list[Example]) -> dict[str, float]:
+        """One optimiser step on ``examples`` (the loss normalised over all of them)."""
+        self.model.train()
+        lr = self.opt.lr
+        loss, metrics = self._run(examples)
+        grad_norm, skipped = self.opt.step(loss_finite=math.isfinite(loss))
+        self.opt.scheduler.step()
+        return {"loss": loss, **metrics, "grad_norm": grad_norm, "lr": lr, "skipped_step": float(skipped)}
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[Example]) -> dict[str, float]:
+        """The objective's loss and metrics on held-out examples, under ``eval/`` keys."""
+        self.model.eval()
+        try:
+            out: dict[str, float] = {}
+            size = self.cfg.train.batch_size
+            chunks = [examples[i : i + size] for i in range(0, len(examples), size)]
+            for chunk in chunks:
+                loss, metrics = self._run(chunk)
+                for k, v in {"loss": loss, **metrics}.items():
+                    out[k] = out.get(k, 0.0) + v * len(chunk) / len(examples)
+            out.pop("tokens", None)
+            return {f"eval/{k}": v for k, v in out.items()} | {"eval/n": len(examples)}
+        finally:
+            self.model.train()
