@@ -7,15 +7,18 @@ from __future__ import annotations
 import random
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 from plainrl.checkpoint import (
-    FATAL_FIELDS, WARN_FIELDS, CheckpointError, check_compatible, read_config, resolve_resume,
+    FATAL_FIELDS, WARN_FIELDS, CheckpointError, check_compatible, find_latest, read_config, resolve_resume,
 )
 from plainrl.config import Config, dump_config
+from plainrl.metrics import MetricsLogger
 
 
 def seed_everything(seed: int) -> None:
@@ -90,3 +93,44 @@ def open_run(cfg: Config) -> tuple[Path, Path | None, list[str]]:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     return run_dir, resume_from, resume_warnings
+
+
+@dataclass
+class StepBoundary:
+    """What happens between two steps of any training run (RL or offline): stop after
+    ``max_bad_steps`` skipped (non-finite) steps in a row, evaluate every ``eval_every``
+    steps, checkpoint every ``checkpoint_every`` steps and after the last, and on
+    SIGTERM/SIGINT checkpoint and stop."""
+
+    run_dir: Path
+    total_steps: int
+    max_bad_steps: int
+    eval_every: int  # 0: only eval.before/after
+    checkpoint_every: int  # 0: never
+    bad_steps: int = 0
+
+    @classmethod
+    def for_run(cls, cfg: Config, run_dir: Path) -> "StepBoundary":
+        return cls(run_dir, cfg.train.steps, cfg.train.max_bad_steps, cfg.eval.every, cfg.checkpoint.every)
+
+    def __call__(self, step: int, *, skipped: bool, stop: GracefulStop, logger: MetricsLogger,
+                 evaluate: Callable[[], dict[str, float]] | None, save: Callable[[int], Path]) -> None:
+        """After step ``step`` (0-based) finished; ``evaluate`` is None without held-out rows.
+
+        Raises:
+            Diverged: the run is to stop, its last checkpoint named.
+            Preempted: a signal arrived; the checkpoint of this step was written.
+        """
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
+        if self.bad_steps >= self.max_bad_steps:
+            raise Diverged(f"step {step}: {self.bad_steps} steps in a row with a non-finite loss or gradient norm "
+                           f"(skipped); last good checkpoint: {find_latest(self.run_dir) or 'none'}")
+        done = step + 1
+        if evaluate is not None and self.eval_every and done % self.eval_every == 0 and done < self.total_steps:
+            logger.log_eval(done, evaluate())
+        every = self.checkpoint_every
+        if stop.signum is not None or (every and (done % every == 0 or done == self.total_steps)):
+            path = save(done)
+            if stop.signum is not None:
+                logger.close()
+                raise Preempted(done, stop.signum, path)

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from plainrl.algorithms.estimators import Advantages, compute_advantages, reward_kl
-from plainrl.checkpoint import find_latest
 from plainrl.config import Config
 from plainrl.frames import CompletionFrame, completion_frame
 from plainrl.metrics import StepTimer
@@ -16,7 +15,7 @@ from plainrl.models import save_policy
 from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
 from plainrl.run.collect import dynamic_sampling, shape_overlong
-from plainrl.run.lifecycle import Diverged, GracefulStop, Preempted
+from plainrl.run.lifecycle import GracefulStop, StepBoundary
 from plainrl.run.setup import Run, setup
 from plainrl.train import UpdateStats
 from plainrl.types import Episode, RewardOutput
@@ -121,7 +120,7 @@ def train(cfg: Config) -> Path:
 def _train(run: Run) -> Path:
     cfg, prep, logger = run.cfg, run.prep, run.logger
     names = [f.name for f in prep.reward_fns] + [m.name for m in run.reward_models]
-    bad_steps = 0
+    boundary = StepBoundary.for_run(cfg, run.run_dir)
     with GracefulStop() as stop:
         for step in range(run.start, cfg.train.steps):
             timer = StepTimer()
@@ -140,18 +139,8 @@ def _train(run: Run) -> Path:
             logger.log(step, step_metrics(episodes, names, rewards_out, stats, timer.metrics(), extra))
             logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
             logger.log_errors(step, rewards_out.errors)
-            bad_steps = bad_steps + 1 if stats.skipped else 0
-            if bad_steps >= cfg.train.max_bad_steps:
-                raise Diverged(f"step {step}: {bad_steps} steps in a row with a non-finite loss or gradient norm "
-                               f"(skipped); last good checkpoint: {find_latest(run.run_dir) or 'none'}")
-            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps and prep.data.eval:
-                logger.log_eval(step + 1, run.evaluate())
-            every = cfg.checkpoint.every
-            if stop.signum is not None or (every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps)):
-                path = run.save(step + 1)
-                if stop.signum is not None:
-                    logger.close()
-                    raise Preempted(step + 1, stop.signum, path)
+            boundary(step, skipped=stats.skipped, stop=stop, logger=logger,
+                     evaluate=run.evaluate if prep.data.eval else None, save=run.save)
 
     if cfg.eval.after and prep.data.eval:
         logger.log_eval(cfg.train.steps, run.evaluate())

@@ -10,16 +10,15 @@ them (:func:`train_offline`).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-from plainrl.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from plainrl.checkpoint import load_checkpoint, save_checkpoint
 from plainrl.config import Config, dump_config
 from plainrl.data import PromptSampler
 from plainrl.data.offline import load_offline_data
-from plainrl.metrics import MetricsLogger
-from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, save_policy
-from plainrl.run.lifecycle import Diverged, GracefulStop, Preempted, open_run
+from plainrl.metrics import MetricsLogger, StepTimer
+from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, resolve_dtype, save_policy
+from plainrl.run.lifecycle import GracefulStop, StepBoundary, open_run
 from plainrl.train.offline import OfflineTrainer
 
 __all__ = ["train_offline"]
@@ -50,6 +49,7 @@ def train_offline(cfg: Config) -> Path:
     for note in [*resume_warnings, *data.notes] + ([data.dropped.summary()] if data.dropped.total else []):
         logger.print(f"note: {note}")
     device = resolve_device(cfg.device)
+    logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
     if cfg.algorithm.name == "rm":
         model = load_value_model(cfg.model, device, per_token=False)
     else:
@@ -73,24 +73,14 @@ def train_offline(cfg: Config) -> Path:
                                scheduler=trainer.opt.scheduler, sampler_state=sampler.state_dict(), generator=None,
                                config_yaml=dump_config(cfg), keep_last=cfg.checkpoint.keep_last)
 
-    bad_steps = 0
+    boundary = StepBoundary.for_run(cfg, run_dir)
     with GracefulStop() as stop:
         for step in range(start, cfg.train.steps):
-            t0 = time.perf_counter()
+            timer = StepTimer()
             metrics = trainer.step(sampler.next_batch())
-            logger.log(step, {**metrics, "time/step": time.perf_counter() - t0})
-            bad_steps = bad_steps + 1 if metrics["skipped_step"] else 0
-            if bad_steps >= cfg.train.max_bad_steps:
-                raise Diverged(f"step {step}: {bad_steps} steps in a row with a non-finite loss or gradient norm "
-                               f"(skipped); last good checkpoint: {find_latest(run_dir) or 'none'}")
-            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps and data.eval:
-                logger.log_eval(step + 1, trainer.evaluate(data.eval))
-            every = cfg.checkpoint.every
-            if stop.signum is not None or (every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps)):
-                path = save(step + 1)
-                if stop.signum is not None:
-                    logger.close()
-                    raise Preempted(step + 1, stop.signum, path)
+            logger.log(step, {**metrics, **timer.metrics()})
+            boundary(step, skipped=bool(metrics["skipped_step"]), stop=stop, logger=logger,
+                     evaluate=(lambda: trainer.evaluate(data.eval)) if data.eval else None, save=save)
     if cfg.eval.after and data.eval:
         logger.log_eval(cfg.train.steps, trainer.evaluate(data.eval))
     save_policy(model, tokenizer, run_dir / "final")
