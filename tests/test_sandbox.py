@@ -20,13 +20,14 @@ if not sys.platform.startswith("linux"):
 psutil = pytest.importorskip("psutil")
 
 from plainrl.rollout import sandbox  # noqa: E402
+from plainrl.rollout.sandbox import api as sandbox_api  # noqa: E402
 from plainrl.rollout.sandbox import ExecResult, SandboxUnavailableError, run_python  # noqa: E402
 
 SLACK_S = 2.0
 
 
 def _sandbox_tmpdirs() -> set[str]:
-    return set(glob.glob(os.path.join(sandbox._tmp_base(), sandbox.TMP_PREFIX + "*")))
+    return set(glob.glob(os.path.join(sandbox_api._tmp_base(), sandbox.TMP_PREFIX + "*")))
 
 
 def _leftovers(roots: list[int]) -> list[str]:
@@ -68,7 +69,7 @@ def sb(monkeypatch):
         roots.append(proc.pid)  # the keeper leads its own session and process group
         return proc
 
-    monkeypatch.setattr(sandbox.subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
     before_dirs = _sandbox_tmpdirs()
 
     def run(code: str, **kw) -> ExecResult:
@@ -132,7 +133,7 @@ def test_bad_arguments():
 
 
 def test_non_linux_raises(monkeypatch):
-    monkeypatch.setattr(sandbox.sys, "platform", "darwin")
+    monkeypatch.setattr(sys, "platform", "darwin")
     with pytest.raises(SandboxUnavailableError):
         run_python("pass")
 
@@ -431,7 +432,7 @@ def test_isolation_layers_on_this_machine(isolation):
 
 
 def test_fallback_without_namespaces_still_kills_everything(sb, monkeypatch):
-    monkeypatch.setattr(sandbox, "_USE_NAMESPACES", False)
+    monkeypatch.setattr(sandbox_api, "_USE_NAMESPACES", False)
     r = sb("print('ok')")
     assert r.status == "ok" and "pidns" not in r.isolation
     code = """
