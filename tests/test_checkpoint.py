@@ -8,15 +8,16 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from plainrl import checkpoint as ckpt
+from plainrl.checkpoint import resume as resume_mod
+from plainrl.checkpoint import save as save_mod
 from plainrl.checkpoint import (
     FATAL_FIELDS,
-    FAULT_STAGES,
     RESUME_FIELDS,
     WARN_FIELDS,
     CheckpointError,
@@ -300,23 +301,71 @@ def test_corrupt_latest_falls_back_with_warning(tmp_path, caplog):
 # ----------------------------------------------------------------------------- crash safety
 
 
-@pytest.mark.parametrize("stage", FAULT_STAGES)
+# The points of save_checkpoint at which a kill is tested, in order, each meaning "killed
+# right after this step": the child dies at the first operation that follows it.
+# (module, attribute, whether this call is the one to die at).
+KILL_POINTS = {
+    "weights": (save_mod, "torch_save", lambda obj, path: path.name == "optimizer.pt"),
+    "optimizer": (save_mod, "torch_save", lambda obj, path: path.name == "scheduler.pt"),
+    "manifest": (os, "rename", lambda src, dst: Path(src).name.startswith(".tmp-step-")),
+    # "rename": the directory has its final name but `latest` still names the previous one
+    "rename": (save_mod, "write_bytes", lambda path, data: path.name == "latest.tmp"),
+    "pointer": (os, "replace", lambda src, dst: Path(dst).name == "latest"),
+    "retention": (save_mod, "_apply_retention", lambda *args: True),
+}
+STAGES = tuple(KILL_POINTS)
+
+
+def die_at(stage: str) -> None:
+    """Make this process SIGKILL itself at ``stage`` of its next save (a forked child only:
+    the patch is never undone)."""
+    module, attr, when = KILL_POINTS[stage]
+    real = getattr(module, attr)
+
+    def wrapper(*args):
+        if when(*args):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args)
+
+    setattr(module, attr, wrapper)
+
+
+def on_disk_at(stage: str, root) -> bool:
+    """Whether ``root`` (checkpoints/) is as a save of step 2 killed at ``stage`` leaves it,
+    so each stage above kills where it says."""
+    tmp = [p for p in root.iterdir() if p.name.startswith(".tmp-step-000002-")]
+    has = {p.name for p in tmp[0].iterdir()} if len(tmp) == 1 else set()
+    latest = (root / "latest").read_text().strip()
+    pointer = (root / "latest.tmp").read_text().strip() if (root / "latest.tmp").exists() else None
+    renamed = (root / "step-000002" / "manifest.json").is_file()
+    return {
+        "weights": "weights.safetensors" in has and "optimizer.pt" not in has,
+        "optimizer": "optimizer.pt" in has and "scheduler.pt" not in has,
+        "manifest": "manifest.json" in has and not renamed,
+        "rename": not tmp and renamed and pointer is None and latest == "step-000001",
+        "pointer": pointer == "step-000002" and latest == "step-000001",
+        "retention": pointer is None and latest == "step-000002",
+    }[stage]
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, stage):
     model, opt, sched, gen = saved_run(tmp_path)  # step 1 complete
     train(model, opt, sched, gen, 1)
     pid = os.fork()
     if pid == 0:  # child: save step 2 and die by SIGKILL at `stage`
         try:
-            ckpt._FAULT_HOOK = lambda s: os.kill(os.getpid(), signal.SIGKILL) if s == stage else None
+            die_at(stage)
             save(tmp_path, 2, model, opt, sched, gen)
         finally:
             os._exit(3)  # the stage was never reached
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+    assert on_disk_at(stage, tmp_path / "checkpoints"), sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
 
     found = find_latest(tmp_path)
     # `latest` is the commit point: before it moves, the previous checkpoint is the one
-    committed = FAULT_STAGES.index(stage) > FAULT_STAGES.index("pointer")
+    committed = STAGES.index(stage) > STAGES.index("pointer")
     assert found == tmp_path / "checkpoints" / step_dir_name(2 if committed else 1)
     m2, o2, s2 = build(False, seed=1)
     assert load(found, m2, o2, s2, torch.Generator()).step == (2 if committed else 1)
@@ -395,7 +444,7 @@ def _cfg(**over):
 def test_resume_fields_exist_in_config():
     c = _cfg()
     for f in RESUME_FIELDS:
-        assert ckpt._get(c, f) is not ckpt._UNSET, f
+        assert resume_mod._get(c, f) is not resume_mod._UNSET, f
     assert set(FATAL_FIELDS) | set(WARN_FIELDS) == set(RESUME_FIELDS)
 
 
