@@ -171,6 +171,13 @@ def test_extract_final_answer(text, expected):
         ("Answer: \\frac{1}{2}", "0.5", 1.0),  # math-verify path
         ("\\boxed{\\dfrac{3}{4}}", "3/4", 1.0),
         ("Answer: 72", 72, 1.0),  # numeric reference column
+        # a computation restated as the answer is not a value (a GRPO run learned this hack)
+        ("Answer: 12 + 18", "30", 0.0),
+        ("29 + 91 = 120. Answer: 29 + 91. You can find it by adding.", "120", 0.0),
+        ("Answer: 3 \\times 4", "12", 0.0),
+        ("Answer: 5 + 3 = 8", "8", 1.0),  # an equation is graded on what it ends with
+        ("Answer: -5", "-5", 1.0),
+        ("Answer: 3/4", "0.75", 1.0),
     ],
 )
 def test_correctness(completion, answer, expected):

@@ -40,6 +40,8 @@ _BARE_NUMBER_RE = re.compile(rf"\s*\$?\s*(?:{_NUMBER_TOKEN})\s*\.?\s*")
 _FORMAT_ANSWER_RE = re.compile(r"\banswer\s*(?:\*\*)?\s*:\s*(?:\*\*)?\s*\\?\$?\s*[-+]?\.?\d", re.IGNORECASE)
 _NUMBER_RE = re.compile(_NUMBER_TOKEN)
 _PLAIN_NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+# a binary operation between two operands: "12 + 18", "3 \times 4", "(2)*5" ("-5" and "3/4" are values)
+_OPERATION_RE = re.compile(r"[\d)}]\s*(?:[-+*×·÷^]|\\times|\\cdot|\\div)\s*[\d({\\]")
 _FRACTION_RE = re.compile(
     rf"(?P<a>{_NUMBER_TOKEN})\s*/\s*(?P<b>{_NUMBER_TOKEN})"
     r"|\\[dt]?frac\s*\{\s*(?P<c>[-+]?[\d.,]+)\s*\}\s*\{\s*(?P<d>[-+]?[\d.,]+)\s*\}"
@@ -202,7 +204,9 @@ def correctness(completion: str, answer: Any = _MISSING, **_: Any) -> float | No
     The final answer comes from :func:`extract_final_answer` (no answer: 0.0). Both
     sides are normalised (``$`` signs, thousands commas, ``**``, trailing period);
     two plain decimals are then compared exactly (``"5.00" == "5"``,
-    ``"1,234" == "1234"``), anything else (fractions, LaTeX, expressions, units) is
+    ``"1,234" == "1234"``). Against a numeric reference, an answer that is still a
+    computation (``"12 + 18"``, ``"3 \\times 4"``; after the last ``=`` of an equation) is
+    0.0: it restates the question. Anything else (fractions, LaTeX, expressions, units) is
     graded by math-verify (github.com/huggingface/Math-Verify) ``verify(parse(ref),
     parse(pred))``.
 
@@ -234,6 +238,10 @@ def correctness(completion: str, answer: Any = _MISSING, **_: Any) -> float | No
     if ref_n == pred_n:
         return 1.0
     ref_d, pred_d = _plain_decimal(ref_n), _plain_decimal(pred_n)
+    if ref_d is not None and _OPERATION_RE.search(pred_n.rpartition("=")[2]):
+        # a numeric reference needs a value: "Answer: 12 + 18" restates the question, and
+        # math-verify would evaluate it to the right number (a policy learns that in ~15 steps)
+        return 0.0
     if ref_d is not None and pred_d is not None:
         return 1.0 if ref_d == pred_d else 0.0
     return 1.0 if _math_verify_equal(ref_n, pred_n) else 0.0
