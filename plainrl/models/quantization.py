@@ -2,13 +2,14 @@
 (``model.quantization: nf4 | int8``).
 
 - ``nf4``: 4-bit NormalFloat weights with double-quantized block scales, computed in the
-  run's dtype (Dettmers et al. 2023, "QLoRA", arXiv:2305.14314). About 0.56 bytes a weight.
+  run's dtype (Dettmers et al. 2023, "QLoRA", arXiv:2305.14314). About 0.52 bytes a weight
+  (4 bits plus an 8-bit scale per 64 weights and a float32 per 256 scales).
 - ``int8``: LLM.int8() (Dettmers et al. 2022, arXiv:2208.07339): int8 weights, activations
   quantized per row, outlier features kept in 16 bit. About 1 byte a weight.
 
 transformers loads the model through :func:`bnb_config`; the embeddings, the LM head and
-the norms stay unquantized. Where bitsandbytes runs: its CUDA backend, and since 0.46
-a CPU backend (checked for real on an AVX2-only CPU with bitsandbytes 0.50.2, torch 2.13:
+the norms stay unquantized. Where bitsandbytes runs: its CUDA backend, and in recent
+releases a CPU backend (checked for real on an AVX2-only CPU with bitsandbytes 0.50.2, torch 2.13:
 nf4 and int8 forward and backward through LoRA). :func:`check_support` tries a
 quantized matmul with a backward pass on the run's device before any model loads, so an
 unsupported device fails at start with the fix in the message.
@@ -21,7 +22,8 @@ import logging
 
 import torch
 
-MIN_BITSANDBYTES = "0.46"  # the first release with a CPU backend
+# the floor of plainrl's qlora extra (the multi-backend releases; CPU is verified with 0.50.2)
+MIN_BITSANDBYTES = "0.46"
 
 
 def _error(message: str) -> Exception:
@@ -73,7 +75,7 @@ def check_support(quantization: str, device: torch.device, dtype: torch.dtype) -
     version = getattr(bnb, "__version__", "0")
     if Version(version) < Version(MIN_BITSANDBYTES):
         raise _error(f"model.quantization={quantization}: bitsandbytes {version} is older than {MIN_BITSANDBYTES}, "
-                     f"the first with a CPU backend: pip install -U 'bitsandbytes>={MIN_BITSANDBYTES}', {fix}")
+                     f"which plainrl needs: pip install -U 'bitsandbytes>={MIN_BITSANDBYTES}', {fix}")
     supported = getattr(bnb, "supported_torch_devices", {"cuda"})
     if device.type not in supported:
         raise _error(f"model.quantization={quantization}: bitsandbytes {version} has no backend for device "
@@ -84,7 +86,7 @@ def check_support(quantization: str, device: torch.device, dtype: torch.dtype) -
     except Exception as e:  # bitsandbytes raises many types for a missing kernel or library
         raise _error(f"model.quantization={quantization}: bitsandbytes {version} cannot run {quantization} on "
                      f"{device} in {str(dtype).removeprefix('torch.')} here ({type(e).__name__}: {e}); use a "
-                     f"device it supports (CUDA; CPU since {MIN_BITSANDBYTES}), {fix}") from e
+                     f"device it supports (CUDA; CPU with a recent bitsandbytes, e.g. 0.50), {fix}") from e
     return f"quantization: {quantization} by bitsandbytes {version} on {device}"
 
 
