@@ -235,10 +235,11 @@ def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, sh
     if kwargs.get("num_labels") is not None:
         # the new head stays float32: it is small, and values/rewards need the precision
         model.score.float()
+    if quantized and cfg.lora.enabled:
+        # before sharing: it casts 16-bit norms and embeddings to float32, as it did the donor's
+        model = prepare_for_training(model)
     if share_with is not None:
         share_frozen_weights(model, share_with)
-    if quantized and cfg.lora.enabled:
-        model = prepare_for_training(model)
     if cfg.adapter is not None:
         model = load_adapter(model, cfg.adapter, lora_enabled=cfg.lora.enabled)
     elif cfg.lora.enabled:
