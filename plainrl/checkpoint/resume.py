@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 FATAL_FIELDS = ("model.name", "model.lora.enabled", "model.lora.r", "model.lora.target_modules")
 # WARN: loading works, but the run is no longer the experiment that was started
 # (a different seed also makes PromptSampler.load_state_dict refuse the data position).
-WARN_FIELDS = ("seed", "rollout.group_size", "rollout.prompts_per_step", "algorithm.name")
+WARN_FIELDS = ("seed", "rollout.group_size", "rollout.prompts_per_step", "algorithm.name", "model.quantization")
 RESUME_FIELDS = FATAL_FIELDS + WARN_FIELDS
 
 
@@ -150,6 +150,8 @@ def _norm(field_name: str, value: Any) -> Any:
     # peft treats target_modules as a set: order is not a change
     if field_name == "model.lora.target_modules" and isinstance(value, (list, tuple)):
         return sorted(value)
+    if field_name == "model.quantization" and value is _UNSET:  # saved before the option existed
+        return "none"
     return value
 
 

@@ -48,6 +48,18 @@ class ModelConfig(_Section):
     # auto: eager attention on CPU (its backward is ~4x faster than the CPU SDPA kernel's
     # at RL sequence lengths), SDPA on GPU
     attn_implementation: Literal["auto", "eager", "sdpa"] = "auto"
+    # QLoRA (Dettmers et al. 2023, arXiv:2305.14314): the frozen base's linear layers stored
+    # in 4-bit NF4 or 8-bit by bitsandbytes, LoRA adapters trained on top (plainrl.models.quantization)
+    quantization: Literal["none", "nf4", "int8"] = "none"
+
+    @model_validator(mode="after")
+    def _quantization_needs_lora(self) -> "ModelConfig":
+        if self.quantization != "none" and not self.lora.enabled:
+            raise ValueError(
+                f"model.quantization={self.quantization!r} freezes the base weights in {self.quantization}, so only "
+                "LoRA adapters can train: set model.lora.enabled=true, or model.quantization=none for full fine-tuning"
+            )
+        return self
 
 
 class DataConfig(_Section):
@@ -371,6 +383,19 @@ class Config(_Section):
                 f"critic.{unused[0]}={getattr(self.critic, unused[0])!r}: the critic is only used by "
                 f"algorithm.advantage=gae (PPO), not {a.advantage!r}; remove the critic section or set "
                 "algorithm.name=ppo"
+            )
+        if self.model.quantization != "none" and self.rollout.decoder == "static":
+            raise ValueError(
+                f"rollout.decoder=static fuses the weights into its own float copies and cannot read "
+                f"{self.model.quantization}-quantized ones (model.quantization={self.model.quantization!r}); "
+                "use rollout.decoder=auto or transformers"
+            )
+        if self.model.quantization != "none" and a.advantage == "gae" and self.critic.lora is not None \
+                and not self.critic.lora.enabled:
+            raise ValueError(
+                f"critic.lora.enabled=false trains the critic's full weights, which cannot be "
+                f"{self.model.quantization}-quantized (model.quantization={self.model.quantization!r}, which the "
+                "critic shares); enable critic.lora or set model.quantization=none"
             )
         if self.critic.warmup_steps >= self.train.steps:
             raise ValueError(

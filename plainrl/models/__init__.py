@@ -30,6 +30,7 @@ from plainrl.models.loading import (
     unwrap,
 )
 from plainrl.models.precision import DTYPES, DtypeChoice, cpu_summary, model_dtype, resolve_dtype
+from plainrl.models.quantization import is_quantized
 
 __all__ = [
     "DTYPES",
@@ -40,6 +41,7 @@ __all__ = [
     "apply_lora",
     "convert_gguf",
     "cpu_summary",
+    "is_quantized",
     "load_adapter",
     "load_policy",
     "load_tokenizer",

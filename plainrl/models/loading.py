@@ -20,6 +20,7 @@ import torch
 
 from plainrl.config import LoraConfig, ModelConfig
 from plainrl.models.precision import model_dtype
+from plainrl.models.quantization import bnb_config, check_support, prepare_for_training, quiet_int8_cast
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +219,25 @@ def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, sh
     attn = cfg.attn_implementation
     if attn == "auto":
         attn = "sdpa" if device.type == "cuda" else "eager"
-    model = _from_pretrained(auto_class, path, dtype=model_dtype(cfg.dtype, device), attn_implementation=attn, **kwargs)
-    model.to(device)
+    dtype = model_dtype(cfg.dtype, device)
+    quantized = cfg.quantization != "none"
+    if quantized:
+        log.info(check_support(cfg.quantization, device, dtype))
+        if cfg.quantization == "int8":
+            quiet_int8_cast()
+        # bitsandbytes quantizes while placing the weights; a quantized model refuses .to()
+        head = ["score"] if kwargs.get("num_labels") is not None else None  # trained, so kept in float
+        kwargs.update(quantization_config=bnb_config(cfg.quantization, dtype, head), device_map={"": device})
+    model = _from_pretrained(auto_class, path, dtype=dtype, attn_implementation=attn, **kwargs)
+    if not quantized:
+        model.to(device)
     model.config.use_cache = False  # the learner never needs a cache; the engine passes its own
     if kwargs.get("num_labels") is not None:
         # the new head stays float32: it is small, and values/rewards need the precision
         model.score.float()
+    if quantized and cfg.lora.enabled:
+        # before sharing: it casts 16-bit norms and embeddings to float32, as it did the donor's
+        model = prepare_for_training(model)
     if share_with is not None:
         share_frozen_weights(model, share_with)
     if cfg.adapter is not None:
@@ -255,13 +269,16 @@ def load_adapter(model, adapter: str | Path, *, lora_enabled: bool = True):
 
 
 def load_policy(cfg: ModelConfig, device: torch.device):
-    """Load the policy (with LoRA when enabled) in ``cfg.dtype`` on ``device``.
+    """Load the policy (with LoRA when enabled) in ``cfg.dtype`` on ``device``; with
+    ``cfg.quantization`` the base's linear layers are quantized by bitsandbytes (QLoRA,
+    :mod:`plainrl.models.quantization`) and only the adapters train.
 
     Returns:
         the model (a peft ``PeftModel`` under LoRA, else the transformers model), in train mode.
 
     Raises:
-        ModelLoadError: see :func:`resolve_model_path` and :func:`apply_lora`.
+        ModelLoadError: see :func:`resolve_model_path`, :func:`apply_lora` and
+            :func:`plainrl.models.quantization.check_support`.
     """
     from transformers import AutoModelForCausalLM
 

@@ -17,7 +17,8 @@ from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint
 from plainrl.config import Config, ConfigError, dump_config
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.metrics import MetricsLogger
-from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, resolve_dtype
+from plainrl.models import load_policy, load_tokenizer, load_value_model, model_dtype, resolve_device, resolve_dtype
+from plainrl.models.quantization import check_support as check_quantization
 from plainrl.rewards import RewardFn, RewardWorkers, build_reward_fns
 from plainrl.rewards.model import RewardModel
 from plainrl.rollout import HFEngine, MultiTurn, make_env_factory, max_live_episodes, sampling_params
@@ -160,6 +161,9 @@ def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_
 def setup(cfg: Config) -> Run:
     """Everything before the first step: checks, data, model, engine, learner (and PPO's
     critic); resume or eval-before. The caller closes ``run.prep`` when done."""
+    if cfg.model.quantization != "none":  # an unsupported device fails before the run dir, data and model
+        device = resolve_device(cfg.device)
+        check_quantization(cfg.model.quantization, device, model_dtype(cfg.model.dtype, device))
     run_dir, resume_from, resume_warnings = open_run(cfg)
     prep = prepare(cfg)
     try:
@@ -175,6 +179,8 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
                            progress=cfg.log.progress)
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
     logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
+    if cfg.model.quantization != "none":
+        logger.print(check_quantization(cfg.model.quantization, device, model_dtype(cfg.model.dtype, device)))
     for w in resume_warnings:
         logger.print(f"warning: resuming with a changed setting: {w}")
     if prep.data.dropped.total:

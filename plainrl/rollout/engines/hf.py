@@ -13,7 +13,7 @@ from typing import Literal, Protocol, get_args
 import torch
 
 from plainrl.rollout.engines.static_decoder import StaticDecoder, unsupported_reason
-from plainrl.models import lora_delta, unwrap
+from plainrl.models import is_quantized, lora_delta, unwrap
 from plainrl.types import Generation, SamplingParams
 
 
@@ -74,9 +74,12 @@ def merged_lora(model: torch.nn.Module):
     original weight tensors are kept aside and put back untouched, so repeated
     merges never accumulate rounding error (unlike peft's merge/unmerge, which
     subtracts the delta again). Costs one extra copy of the targeted weights while
-    generating. A no-op for models without adapters.
+    generating. A no-op for models without adapters, and for quantized models
+    (``model.quantization``): a delta cannot be added to 4-bit or 8-bit codes, and
+    merging into a dequantized copy would undo the memory saving, so they decode
+    through peft's adapter path.
     """
-    if not hasattr(model, "disable_adapter"):
+    if not hasattr(model, "disable_adapter") or is_quantized(model):
         yield
         return
     from peft.tuners.lora import LoraLayer
@@ -163,10 +166,12 @@ class HFEngine:
             is only inspected, never re-tokenised).
         batch_size: sequences decoded together.
         merge_lora: decode with LoRA folded into the weights (see :func:`merged_lora`;
-            the static decoder always folds them into its own fused copies).
+            the static decoder always folds them into its own fused copies; ignored
+            for quantized models, which decode through the adapter path).
         decoder: ``static`` (:class:`~plainrl.rollout.engines.static_decoder.StaticDecoder`,
-            Llama-family models), ``transformers`` (the model's own forward with a
-            ``DynamicCache``, any causal LM) or ``auto`` (static where supported).
+            Llama-family models with float weights), ``transformers`` (the model's own
+            forward with a ``DynamicCache``, any causal LM, quantized too) or ``auto``
+            (static where supported).
 
     Raises:
         ValueError: ``decoder="static"`` for an unsupported model, or an unknown ``decoder``.

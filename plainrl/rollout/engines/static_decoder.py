@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plainrl.models import lora_delta, unwrap
+from plainrl.models import is_quantized, lora_delta, unwrap
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -73,6 +73,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         model: a transformers causal LM, possibly peft-wrapped.
     """
     base = unwrap(model)
+    if is_quantized(base):
+        return "its weights are quantized (model.quantization); the static decoder needs float weights"
     cfg = getattr(base, "config", None)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
