@@ -38,8 +38,8 @@ from plainrl.data.loading import _as_id_list, _check_messages, _gsm8k_row, _hand
 from plainrl.frames import pack_by_length
 from plainrl.metrics import MetricsLogger
 from plainrl.models import (
-    load_policy, load_tokenizer, load_value_model, resolve_device, save_policy, sequence_logps, sequence_scores,
-    trainable_parameters,
+    enable_gradient_checkpointing, load_policy, load_tokenizer, load_value_model, resolve_device, save_policy,
+    sequence_logps, sequence_scores, trainable_parameters,
 )
 from plainrl.run.lifecycle import Diverged, GracefulStop, Preempted, open_run
 from plainrl.train.optim import MasterAdamW
@@ -370,6 +370,8 @@ class OfflineTrainer:
         self.ref_model = None
         if cfg.algorithm.name == "dpo" and not cfg.model.lora.enabled:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if cfg.train.gradient_checkpointing:  # sft, dpo and rm all train the model under autograd
+            enable_gradient_checkpointing(model)
 
     @property
     def device(self) -> torch.device:
