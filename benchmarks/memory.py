@@ -191,8 +191,9 @@ def run_case(case: dict, threads: int | None, run_dir: Path) -> dict:
 
 def run_in_subprocess(args: list[str], what: str) -> str:
     """Runs this script with ``args`` in a fresh interpreter; its stdout, or exits naming ``what``."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's plainrl
     proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+                          env={**os.environ, "PYTHONPATH": path})
     if proc.returncode != 0:
         sys.exit(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc.stdout
@@ -246,7 +247,8 @@ def main(argv=None) -> int:
     from plainrl.models import cpu_summary
 
     print(f"cpu: {cpu_summary()}; {args.threads or torch.get_num_threads()} torch threads")
-    print(f"torch {torch.__version__}; cuda {'yes: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no'}")
+    cuda = f"yes: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no"
+    print(f"torch {torch.__version__}; cuda {cuda}")
     with tempfile.TemporaryDirectory(prefix="plainrl-memory-") as tmp:
         shapes = ["quick-small", "quick-large"] if args.quick else ["1b"]
         todo = cases(args.quick, {s: str(Path(tmp) / s) for s in shapes})
@@ -258,8 +260,8 @@ def main(argv=None) -> int:
         results = []
         for case in todo:
             print(f"case {case['name']}: {' '.join(case['overrides'])}", flush=True)
-            out = run_in_subprocess(["--child", json.dumps(case), *(["--threads", str(args.threads)] if args.threads else [])],
-                                    f"case {case['name']}")
+            threads = ["--threads", str(args.threads)] if args.threads else []
+            out = run_in_subprocess(["--child", json.dumps(case), *threads], f"case {case['name']}")
             r = json.loads(out.rsplit("RESULT ", 1)[1])
             results.append(r)
             print(f"  {r['params'] / 1e6:,.0f}M params ({r['layers']} layers, hidden {r['hidden']}), "
