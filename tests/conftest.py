@@ -45,3 +45,18 @@ def tiny_overrides(model_dir: Path, run_dir: Path) -> list[str]:
         "rollout.max_new_tokens=8", "data.eval_size=4", "log.progress=false", "log.tensorboard=true",
         "rollout.max_total_tokens=null",
     ]
+
+
+def grouped_episodes():
+    """Two groups of three sharing a prompt (lengths 5 and 3), one lone prompt, one empty completion."""
+    from plainrl.types import Episode
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [[5, 6, 7, 8, 9]] * 3 + [[10, 11, 12]] * 3 + [[13, 14, 15, 16]]
+    eps = []
+    for i, p in enumerate(prompts):
+        n = 0 if i == 4 else int(torch.randint(1, 6, (1,), generator=g))
+        c = torch.randint(20, 1000, (n,), generator=g).tolist()
+        eps.append(Episode(sample_id=str(i), group=i // 3, row={}, prompt_ids=list(p), completion_ids=c,
+                           logprobs=[0.0] * n, loss_mask=[1] * n, finish_reason="eos"))
+    return eps

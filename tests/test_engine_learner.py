@@ -4,6 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import grouped_episodes
+
 from plainrl.algorithms import policy_loss
 from plainrl.config import load_config
 from plainrl.rollout.engines.hf import HFEngine, filter_logits
@@ -207,19 +209,6 @@ def test_logps_at_selected_positions_equal_the_full_computation(model):
     assert (part[~pos] == 0).all()
 
 
-def _grouped_episodes():
-    """Two groups of three sharing a prompt (lengths 5 and 3), one lone prompt, one empty completion."""
-    g = torch.Generator().manual_seed(3)
-    prompts = [[5, 6, 7, 8, 9]] * 3 + [[10, 11, 12]] * 3 + [[13, 14, 15, 16]]
-    eps = []
-    for i, p in enumerate(prompts):
-        n = 0 if i == 4 else int(torch.randint(1, 6, (1,), generator=g))
-        c = torch.randint(20, 1000, (n,), generator=g).tolist()
-        eps.append(Episode(sample_id=str(i), group=i // 3, row={}, prompt_ids=list(p), completion_ids=c,
-                           logprobs=[0.0] * n, loss_mask=[1] * n, finish_reason="eos"))
-    return eps
-
-
 def test_shared_prompt_forward_equals_the_plain_forward(tiny_model_dir):
     """Running each distinct prompt once (keys/values repeated to its samples) gives the same
     logprobs and the same LoRA gradients as one full forward per row."""
@@ -233,7 +222,7 @@ def test_shared_prompt_forward_equals_the_plain_forward(tiny_model_dir):
         for name, p in m.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    mb = make_micro_batches(_grouped_episodes(), torch.zeros(7), pad_id=0, token_budget=10_000)[0]
+    mb = make_micro_batches(grouped_episodes(), torch.zeros(7), pad_id=0, token_budget=10_000)[0]
     weights = torch.randn(mb.loss_mask.shape, generator=torch.Generator().manual_seed(1))
     results = []
     for prompt_lens in (None, mb.prompt_lens):
@@ -254,7 +243,7 @@ def test_shared_prompt_forward_equals_the_plain_forward(tiny_model_dir):
 
 
 def test_learner_update_is_the_same_with_shared_prompts(tiny_model_dir):
-    eps = _grouped_episodes()
+    eps = grouped_episodes()
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.3])
     grads = []
     for share in ("true", "false"):
@@ -281,7 +270,7 @@ def test_critic_values_and_update_are_the_same_with_shared_prompts(tiny_model_di
     monkeypatch.setattr(plainrl.models.forward, "shared_prompt_hidden",
                         lambda *a: shared_calls.append(1) or real(*a))
 
-    eps = _grouped_episodes()
+    eps = grouped_episodes()
     for e in eps:
         e.reward = 1.0
     returns = torch.randn(7, 5, generator=torch.Generator().manual_seed(2))

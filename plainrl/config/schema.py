@@ -283,6 +283,9 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one forward/backward
     # RL: samples of one prompt in a micro-batch run the prompt once (plainrl.models.shared_prompt_hidden)
     share_prompts: bool = True
+    # recompute each decoder layer's activations in backward instead of keeping them
+    # (plainrl.models.enable_gradient_checkpointing): less memory, about one more forward
+    gradient_checkpointing: bool = False
     batch_size: int = Field(8, gt=0)  # sft/dpo/rm: rows (pairs) per optimiser step; RL uses the rollout's
     max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row
 

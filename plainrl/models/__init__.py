@@ -5,6 +5,7 @@ forward passes every stage shares (chunked float32 logprobs, values, sequence sc
     logps = sequence_logps(model, input_ids, attention_mask, positions=mask > 0)  # [B, T-1]
 """
 
+from plainrl.models.checkpointing import enable_gradient_checkpointing
 from plainrl.models.forward import (
     LOGIT_BLOCK_ELEMENTS,
     sequence_logps,
@@ -41,6 +42,7 @@ __all__ = [
     "apply_lora",
     "convert_gguf",
     "cpu_summary",
+    "enable_gradient_checkpointing",
     "is_quantized",
     "load_adapter",
     "load_policy",

@@ -17,7 +17,7 @@ import torch
 from plainrl.algorithms import value_loss
 from plainrl.config import AlgorithmConfig, TrainConfig
 from plainrl.frames import make_micro_batches, to_completion_frame
-from plainrl.models import token_values, trainable_parameters
+from plainrl.models import enable_gradient_checkpointing, token_values, trainable_parameters
 from plainrl.train.learner import mini_batch_indices
 from plainrl.train.optim import MasterAdamW
 from plainrl.types import Episode, MicroBatch
@@ -30,7 +30,8 @@ class Critic:
     Args:
         model: from ``load_value_model(..., per_token=True)``.
         algorithm: the ``algorithm`` section (``value_clip``, ``ppo_epochs``, ``mini_batches``).
-        train: the ``train`` section (optimiser, ``micro_batch_tokens``, ``share_prompts``).
+        train: the ``train`` section (optimiser, ``micro_batch_tokens``, ``share_prompts``,
+            ``gradient_checkpointing``).
         lr: ``critic.lr`` (None: ``train.lr``).
         pad_id: padding token id.
     """
@@ -39,6 +40,8 @@ class Critic:
                  lr: float | None, pad_id: int):
         self.model, self.algorithm, self.train, self.pad_id = model, algorithm, train, pad_id
         self.opt = MasterAdamW(trainable_parameters(model), train, lr=lr)
+        if train.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.optimizer, self.scheduler = self.opt.optimizer, self.opt.scheduler
 
     @property

@@ -16,7 +16,7 @@ import torch
 from plainrl.algorithms import aggregate_loss, kl_estimate, policy_loss
 from plainrl.config import AlgorithmConfig, TrainConfig
 from plainrl.frames import completion_frame, make_micro_batches, to_completion_frame
-from plainrl.models import sequence_logps, trainable_parameters
+from plainrl.models import enable_gradient_checkpointing, sequence_logps, trainable_parameters
 from plainrl.train.optim import MasterAdamW
 from plainrl.types import Episode, MicroBatch
 
@@ -80,7 +80,9 @@ class Learner:
     Args:
         model: the policy (a peft model under LoRA).
         algorithm: the ``algorithm`` section (loss, clipping, KL, entropy, epochs).
-        train: the ``train`` section (optimiser, ``micro_batch_tokens``, ``share_prompts``).
+        train: the ``train`` section (optimiser, ``micro_batch_tokens``, ``share_prompts``,
+            ``gradient_checkpointing``: the model's decoder layers are then checkpointed, the
+            reference copy's not, as it never runs under autograd).
         pad_id: padding token id.
         temperature: the sampling temperature (``rollout.temperature``; 0 = greedy counts as 1):
             logprobs are of softmax(logits / temperature), the distribution sampled from.
@@ -101,6 +103,8 @@ class Learner:
         self.temperature = temperature or 1.0
         self.completion_budget = completion_budget
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if copy_reference else None
+        if train.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
 
     @property
     def device(self) -> torch.device:

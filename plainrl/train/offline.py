@@ -19,7 +19,7 @@ from plainrl.algorithms import aggregate_loss, bradley_terry_loss, dpo_loss
 from plainrl.config import Config
 from plainrl.data.offline import Example
 from plainrl.frames import pack_by_length
-from plainrl.models import sequence_logps, sequence_scores, trainable_parameters
+from plainrl.models import enable_gradient_checkpointing, sequence_logps, sequence_scores, trainable_parameters
 from plainrl.train.optim import MasterAdamW
 
 __all__ = ["OBJECTIVES", "Batch", "OfflineTrainer", "Totals", "collate", "micro_batches"]
@@ -135,6 +135,8 @@ class OfflineTrainer:
         self.ref_model = None
         if cfg.algorithm.name == "dpo" and not cfg.model.lora.enabled:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if cfg.train.gradient_checkpointing:  # sft, dpo and rm all train the model under autograd
+            enable_gradient_checkpointing(model)
 
     @property
     def device(self) -> torch.device:
