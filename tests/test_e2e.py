@@ -38,6 +38,19 @@ def test_arithmetic_demo_config_two_steps_real_model(tmp_path, capsys):
     assert any(t.abs().max() > 0 for n, t in lora_b.items() if "lora_B" in n)  # initialised to 0, so it trained
 
 
+def test_demo_config_learns_in_twenty_steps(tmp_path):
+    """The demo's recipe moves held-out greedy pass@1 within 20 of its 40 steps (the model
+    first learns to state 'Answer: N'); a broken gradient, advantage or sync shows here.
+    (Seed 0, float32 on an AVX2 CPU: correctness reward 0.03 -> 0.47 by step 15.)"""
+    run = tmp_path / "run"
+    over = [f"run_dir={run}", "train.steps=20", "data.eval_size=32", "log.progress=false", "log.tensorboard=false"]
+    assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    before, after = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    assert after >= before + 0.15, (before, after, rewards)
+
+
 @pytest.mark.skipif(not GSM8K_TRAIN.is_file(), reason="GSM8K train split not beside the repo")
 def test_gsm8k_config_one_step_on_the_real_file(tmp_path, capsys):
     run = tmp_path / "run"
