@@ -1,7 +1,7 @@
 """plainrl vs TRL's GRPOTrainer: the same GRPO workload, one process, alternating step by step.
 
     pip install -e '.[bench]'                      # TRL, pinned
-    python benchmarks/vs_trl.py                    # bf16, 1 warm-up + 5 measured steps each
+    python benchmarks/vs_trl.py                    # dtype as model.dtype=auto picks; 1 warm-up + 5 measured steps each
     python benchmarks/vs_trl.py --dtype float32
     python benchmarks/vs_trl.py --tiny --steps 1 --max-new-tokens 8   # smoke test (seconds)
 
@@ -51,7 +51,8 @@ REWARD_FN = "plainrl.rewards.builtins:correctness"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=5, help="measured steps per framework, after 1 warm-up step each")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: what plainrl's model.dtype=auto picks on this machine (both frameworks use it)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=2)
@@ -349,6 +350,12 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dtype == "auto":  # one concrete dtype for both sides, as plainrl would choose it here
+        from plainrl.models import cpu_summary, resolve_dtype
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        args.dtype = str(resolve_dtype("auto", device_type).dtype).removeprefix("torch.")
+        print(f"dtype: {args.dtype} (auto); CPU: {cpu_summary()}", file=sys.stderr)
     tmp = tempfile.TemporaryDirectory(prefix="plainrl-vs-trl-")
     work = args.workdir or Path(tmp.name)
     work.mkdir(parents=True, exist_ok=True)

@@ -78,8 +78,10 @@ def test_rl_with_a_reward_model_shares_the_policy_weights(rm_run, tiny_model_dir
     assert len(rows) == 2 and all(math.isfinite(r["reward/rm/mean"]) for r in rows)
     assert all(r["reward/unscorable"] == 0 for r in rows)
     lines = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
-    for x in lines:  # the total is the weighted sum of the parts
-        assert x["reward"] == pytest.approx(x["reward_parts"]["rm"] + x["reward_parts"]["correctness"], abs=1e-6)
+    for x in lines:  # the total is the weighted sum of the parts (plus the demo recipe's overlong penalty)
+        parts = x["reward_parts"]
+        assert set(parts) <= {"rm", "correctness", "overlong"}
+        assert x["reward"] == pytest.approx(parts["rm"] + parts["correctness"] + parts.get("overlong", 0.0), abs=1e-6)
 
 
 def test_reward_model_errors(rm_run, tiny_model_dir, tmp_path, tokenizer):
