@@ -346,10 +346,11 @@ def main(argv=None) -> int:
     if args.threads:
         over.append(f"threads={args.threads}")
     cfg = load_config(args.config, over + list(args.overrides))
-    dtype = cfg.model.dtype
-
     p = plainrl_part(args, cfg)
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    from plainrl.models import resolve_dtype
+
+    dtype = str(resolve_dtype(cfg.model.dtype, device.type).dtype).removeprefix("torch.")  # model.dtype may be auto
 
     peaks = {name: matmul_peak(dt, args.matmul_sizes, args.matmul_repeats, device) for name, dt in DTYPES.items()}
     peak = {name: max(v.values()) for name, v in peaks.items()}
