@@ -64,18 +64,24 @@ class MatmulSpeed:
         return self.bfloat16 / self.float32
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on
-    ARM); empty where the file does not exist (macOS, Windows)."""
+def _cpuinfo(key: str) -> str | None:
+    """The first ``key : value`` line of ``/proc/cpuinfo``; None where there is none
+    (macOS, Windows) or the key is absent."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return None
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
+        name, _, value = line.partition(":")
+        if name.strip() == key:
+            return value.strip()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on
+    ARM); empty where the file does not exist (macOS, Windows)."""
+    return set((_cpuinfo("flags") or _cpuinfo("Features") or "").split())
 
 
 def cpu_summary() -> str:
@@ -83,14 +89,7 @@ def cpu_summary() -> str:
     torch's kernel capability, oneDNN's bf16 support and the relevant flags."""
     flags = cpu_flags()
     shown = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("bf16", "sve", "sve2", "fma"))
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.partition(":")[2].strip()
-                break
-    except OSError:
-        pass
+    name = _cpuinfo("model name") or platform.processor() or platform.machine()
     return (f"{name}; torch capability {torch.backends.cpu.get_cpu_capability()}; "
             f"oneDNN bf16 {'yes' if _onednn_bf16() else 'no'}; flags: {' '.join(shown) or 'none'}")
 
