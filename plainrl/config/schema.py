@@ -309,10 +309,26 @@ class CheckpointConfig(_Section):
     resume: str = "auto"  # auto (latest complete checkpoint in run_dir, if any) | never | PATH
 
 
+class WandbConfig(_Section):
+    """Weights & Biases logging (``pip install 'plainrl[wandb]'``): the resolved config, every
+    metric, each step's sampled rollouts as a ``wandb.Table`` and optionally ``final/`` as an
+    artifact (plainrl.tracking). ``mode: offline`` writes ``run_dir/wandb/`` without network
+    (``wandb sync`` uploads it later)."""
+
+    project: str = "plainrl"
+    name: str | None = None  # default: the run directory's name
+    entity: str | None = None  # default: the API key's default entity
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] = "online"
+    artifact: bool = False  # log final/ (the adapter or weights) as a "model" artifact at run end
+
+
 class LogConfig(_Section):
     tensorboard: bool = True
     rollouts_per_step: int = Field(4, ge=0)  # sampled episodes written to rollouts.jsonl
     progress: bool = True
+    report: bool = True  # write run_dir/report.html at run end (plainrl.report, as `plainrl report RUN_DIR`)
+    wandb: WandbConfig | None = None  # a section (even {}) turns W&B logging on
 
 
 class Config(_Section):
