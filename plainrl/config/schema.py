@@ -286,6 +286,9 @@ class TrainConfig(_Section):
     # recompute each decoder layer's activations in backward instead of keeping them
     # (plainrl.models.enable_gradient_checkpointing): less memory, about one more forward
     gradient_checkpointing: bool = False
+    # RL: pack a micro-batch's episodes end to end (position ids restart, attention kept within
+    # each episode) so no compute is spent on padding (plainrl.models.packing)
+    packing: bool = False
     batch_size: int = Field(8, gt=0)  # sft/dpo/rm: rows (pairs) per optimiser step; RL uses the rollout's
     max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row
 
