@@ -90,10 +90,43 @@ class DataConfig(_Section):
 BUILTIN_ENVS = ("calculator", "python")  # rollout.env names built into plainrl.rollout.make_env_factory
 
 
+class VLLMConfig(_Section):
+    """``rollout.engine: vllm``: vLLM's ``LLM`` in the trainer's process, and ``plainrl serve``."""
+
+    # CUDA: the share of GPU memory vLLM takes for weights and KV cache; the learner gets the rest
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
+    # CUDA: offload vLLM's weights and drop its KV cache while the learner trains (vLLM sleep mode)
+    sleep: bool = True
+    cpu_kv_cache_gb: float = Field(1.0, gt=0)  # CPU: KV cache size (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    enforce_eager: bool = False  # CUDA: skip CUDA graph capture (faster start, slower decode)
+    extra_args: dict[str, Any] = Field(default_factory=dict)  # passed to vllm.LLM / `vllm serve` as they are
+
+
+class RemoteConfig(_Section):
+    """``rollout.engine: remote``: inference servers started by ``plainrl serve`` (vLLM)."""
+
+    urls: list[str] = Field(default_factory=list)
+    timeout_s: float = Field(600.0, gt=0)  # per request: a server silent this long counts as dead
+    connect_timeout_s: float = Field(10.0, gt=0)
+    # full-weight sync: "http" sends the tensors in the request (safetensors bytes), "path" writes
+    # them to shared_dir and sends the path; auto: http up to 1 GiB of changed tensors, else path
+    weights_via: Literal["auto", "http", "path"] = "auto"
+    # a directory the trainer and every server can read (LoRA adapters, weights_via=path);
+    # default: a temporary directory on this machine, which suits servers on this machine
+    shared_dir: str | None = None
+
+
 class RolloutConfig(_Section):
     """Sampling settings for the rollout engine."""
 
-    engine: Literal["hf"] = "hf"
+    # hf: the embedded engine (the learner's own model); vllm: vLLM's LLM in this process;
+    # remote: servers started by `plainrl serve` at rollout.remote.urls
+    engine: Literal["hf", "vllm", "remote"] = "hf"
+    # weight sync to a vllm/remote engine after each update: lora pushes the adapter, full the
+    # changed tensors (merged with the adapter under LoRA); auto: lora under LoRA, else full
+    sync: Literal["auto", "lora", "full"] = "auto"
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
     group_size: int = Field(8, gt=0)
     prompts_per_step: int = Field(4, gt=0)
     max_new_tokens: int = Field(64, gt=0)
@@ -133,6 +166,13 @@ class RolloutConfig(_Section):
             raise ValueError(f"rollout.env={v!r}: use a built-in ({', '.join(BUILTIN_ENVS)}) "
                              "or a factory 'module:fn' / 'path/to/file.py:fn'")
         return v
+
+    @model_validator(mode="after")
+    def _engine_settings(self) -> "RolloutConfig":
+        if self.engine == "remote" and not self.remote.urls:
+            raise ValueError("rollout.engine=remote needs rollout.remote.urls, e.g. "
+                             "rollout.remote.urls='[http://127.0.0.1:8000]' (start one with `plainrl serve CONFIG.yaml`)")
+        return self
 
     @property
     def completion_budget(self) -> int:
@@ -218,6 +258,10 @@ class AlgorithmConfig(_Section):
     clip_low: float = Field(0.2, ge=0.0, le=1.0)
     clip_high: float = Field(0.2, ge=0.0)
     dual_clip: float | None = Field(None, gt=1.0)
+    # truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
+    # you off-policy RL training"): the policy loss weighted by min(pi_learner / pi_engine, tis_cap)
+    # per token, correcting for an engine whose logprobs differ from the learner's (None: off)
+    tis_cap: float | None = Field(None, gt=0.0)
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: float = Field(0.0, ge=0.0)
