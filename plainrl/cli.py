@@ -1,5 +1,6 @@
 """Command line: ``plainrl train CONFIG [key=value ...]`` (RL, or SFT/DPO/RM when
-``algorithm.name`` is sft, dpo or rm) and ``plainrl eval CONFIG_OR_RUN_DIR [key=value ...]``."""
+``algorithm.name`` is sft, dpo or rm), ``plainrl eval CONFIG_OR_RUN_DIR [key=value ...]`` and
+``plainrl report RUN_DIR [RUN_DIR ...] [-o OUT.html]``."""
 
 from __future__ import annotations
 
@@ -78,6 +79,18 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    from plainrl.report import RunDirError, write_report
+
+    try:
+        path = write_report(args.run_dirs, args.out)
+    except RunDirError as e:
+        print(f"plainrl: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plainrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("target", help="a YAML config or a run directory")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_eval)
+    p = sub.add_parser("report", help="a self-contained HTML report of one or several runs (curves overlaid, "
+                                      "eval, config diff, rollout browser, errors)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("-o", "--out", help="the HTML file to write (default: RUN_DIR/report.html for one run, "
+                                       "./report.html for several)")
+    p.set_defaults(func=_cmd_report)
     args = parser.parse_args(argv)
     from plainrl.checkpoint import CheckpointError
     from plainrl.data import DataError

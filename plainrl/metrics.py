@@ -1,6 +1,8 @@
 """Metric sinks: ``metrics.jsonl`` (one object per step), TensorBoard scalars, sampled
-rollouts and unscorable samples' errors as JSON Lines, and a live progress line on
-the terminal (rich)."""
+rollouts and unscorable samples' errors as JSON Lines, further sinks such as Weights &
+Biases (:class:`MetricsSink`, :mod:`plainrl.tracking`), and a live progress line on the
+terminal (rich): each step's headline metrics, its phase split and the ETA, and a
+spinner with the elapsed time for long phases between steps (:meth:`MetricsLogger.phase`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from rich.console import Console
 
@@ -20,8 +22,50 @@ from plainrl.types import Episode, SampleError
 # (metric, label, format) of the per-step progress line; absent metrics are left out
 _PROGRESS = (
     ("reward/mean", "reward", ".3f"), ("kl", "kl", ".4f"), ("response_length/mean", "len", ".1f"),
-    ("accuracy", "acc", ".3f"), ("loss", "loss", "+.4f"), ("time/step", "step", ".1f"),
+    ("accuracy", "acc", ".3f"), ("loss", "loss", "+.4f"),
 )
+# short names of StepTimer phases on the progress line; others are shown as named
+_PHASES = {"generate": "gen", "reward": "rew", "update": "upd"}
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``5m07s``, ``2h05m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_line(step: int, total_steps: int, metrics: dict[str, Any], eta_s: float | None) -> str:
+    """One step's status line: headline metrics, the step time split by phase, the ETA.
+
+        step 3/40 reward 0.125 kl 0.0012 len 31.2 | 9.1s: gen 5.2 rew 0.3 upd 3.6 | eta 5m33s
+    """
+    parts = [f"step {step + 1}/{total_steps}"]
+    parts += [f"{label} {metrics[k]:{fmt}}" for k, label, fmt in _PROGRESS if isinstance(metrics.get(k), (int, float))]
+    line = " ".join(parts)
+    if isinstance(metrics.get("time/step"), (int, float)):
+        phases = [f"{_PHASES.get(k[5:], k[5:])} {v:.1f}" for k, v in metrics.items()
+                  if k.startswith("time/") and k != "time/step" and isinstance(v, (int, float))]
+        line += f" | {metrics['time/step']:.1f}s" + (": " + " ".join(phases) if phases else "")
+    if eta_s is not None:
+        line += f" | eta {_duration(eta_s)}"
+    return line
+
+
+class MetricsSink(Protocol):
+    """Another destination for what :class:`MetricsLogger` logs (e.g.
+    :class:`plainrl.tracking.WandbSink`). Rows are ``metrics.jsonl``'s: train steps and
+    ``eval/`` rows, in order, non-finite values as floats."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def log_rollouts(self, step: int, records: list[dict[str, Any]]) -> None: ...
+
+    def close(self, final_dir: Path | None = None) -> None:
+        """The run ended; ``final_dir``: the saved policy when it finished (None when it stopped early)."""
 
 
 class StepTimer:
@@ -100,6 +144,38 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def completion_segments(ep: Episode, tokenizer) -> list[dict[str, Any]]:
+    """The completion as runs of policy and environment tokens, for the rollout browser:
+    ``[{"text": ..., "policy": True}, {"text": <tool output>, "policy": False}, ...]``
+    (``policy``: the loss mask was 1 there). Single-turn episodes, and episodes whose whole
+    mask is 0 (``algorithm.overlong_filter``), are one policy segment: nothing there came
+    from an environment."""
+    if ep.env is None or not any(ep.loss_mask):
+        return [{"text": ep.completion_text or tokenizer.decode(ep.completion_ids), "policy": True}]
+    segments: list[dict[str, Any]] = []
+    start = 0
+    for i in range(1, len(ep.completion_ids) + 1):
+        if i == len(ep.completion_ids) or ep.loss_mask[i] != ep.loss_mask[start]:
+            segments.append({"text": tokenizer.decode(ep.completion_ids[start:i]), "policy": bool(ep.loss_mask[start])})
+            start = i
+    return segments
+
+
+def rollout_record(step: int, ep: Episode, tokenizer) -> dict[str, Any]:
+    """One line of ``rollouts.jsonl``: prompt, completion and its policy/environment segments,
+    the reward and its parts, the advantage (the mean over loss tokens for token-level
+    estimators), finish reason, answer, completion tokens, whether any token was trained,
+    and the environment's outcome (``env``: reward, error, info such as ``tool_calls``)."""
+    env = None if ep.env is None else {"reward": ep.env.reward, "error": ep.env.error, "info": ep.env.info}
+    return {
+        "step": step, "sample_id": ep.sample_id, "group": ep.group, "prompt": tokenizer.decode(ep.prompt_ids),
+        "completion": ep.completion_text, "segments": completion_segments(ep, tokenizer),
+        "reward": ep.reward, "reward_parts": ep.reward_parts, "advantage": ep.advantage,
+        "finish_reason": ep.finish_reason, "answer": ep.row.get("answer"), "tokens": len(ep.completion_ids),
+        "trained": any(ep.loss_mask), "env": env,
+    }
+
+
 class MetricsLogger:
     """Writes every step's metrics to all sinks.
 
@@ -125,6 +201,39 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(self.run_dir / "tb"))
         self.started = time.monotonic()
         self.steps_done = 0
+        self.step_times: list[float] = []  # time/step of this session's steps, for the ETA
+        self.sinks: list[MetricsSink] = []
+        self.closed = False
+
+    def add_sink(self, sink: MetricsSink) -> None:
+        """Send everything logged from now on to ``sink`` too, after replaying the rows
+        ``metrics.jsonl`` already holds (earlier sessions of a resumed run, eval-before)."""
+        self.metrics_f.flush()
+        for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
+            row = {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in json.loads(line).items()}
+            sink.log(row.pop("step"), row)
+        self.sinks.append(sink)
+
+    @contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        """A long phase between steps (a checkpoint save, the report): a spinner with the
+        elapsed time on a terminal while it runs, then ``<what>: 2.3s``."""
+        t = time.perf_counter()
+        if self.progress and self.console.is_terminal:
+            with self.console.status(f"{what} ..."):
+                yield
+        else:
+            yield
+        if self.progress:
+            self.console.print(f"{what}: {time.perf_counter() - t:.1f}s", highlight=False, markup=False)
+
+    def eta_s(self, step: int) -> float | None:
+        """Seconds left after step ``step`` (0-based): the mean of the last 10 steps' times
+        (this session) times the steps to go; None before a step was timed."""
+        if not self.step_times:
+            return None
+        recent = self.step_times[-10:]
+        return sum(recent) / len(recent) * max(0, self.total_steps - step - 1)
 
     def resume_at(self, step: int) -> None:
         """Drop rows of steps >= ``step`` (logged after the checkpoint, before a crash),
@@ -155,15 +264,14 @@ class MetricsLogger:
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        for sink in self.sinks:
+            sink.log(step, metrics)
         self.steps_done += 1
+        if isinstance(metrics.get("time/step"), (int, float)):
+            self.step_times.append(float(metrics["time/step"]))
         if self.progress:
-            elapsed = time.monotonic() - self.started
-            eta = elapsed / self.steps_done * max(0, self.total_steps - step - 1)
-            shown = " ".join(f"{label} {metrics[k]:{fmt}}" for k, label, fmt in _PROGRESS
-                             if isinstance(metrics.get(k), (int, float)))
-            self.console.print(
-                f"[bold]step {step + 1}/{self.total_steps}[/] {shown} eta {eta / 60:.1f}min", highlight=False,
-            )
+            self.console.print(progress_line(step, self.total_steps, metrics, self.eta_s(step)),
+                               highlight=False, markup=False, soft_wrap=True)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Eval results go to the same files, under ``eval/`` keys."""
@@ -173,22 +281,21 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
+        for sink in self.sinks:
+            sink.log(step, metrics)
         if self.progress:
             self.console.print(" ".join(f"{k} {v:.3f}" for k, v in metrics.items()), highlight=False)
 
     def log_rollouts(self, step: int, episodes: list[Episode], count: int, tokenizer) -> None:
-        """Write ``count`` episodes spread over the step's groups (prompt, completion, reward parts)."""
+        """Write ``count`` episodes spread over the step's groups (:func:`rollout_record`)."""
         if count <= 0:
             return
-        for ep in episodes[:: max(1, len(episodes) // count)][:count]:
-            prompt = tokenizer.decode(ep.prompt_ids)
-            rec = {
-                "step": step, "sample_id": ep.sample_id, "prompt": prompt, "completion": ep.completion_text,
-                "reward": ep.reward, "reward_parts": ep.reward_parts, "advantage": ep.advantage,
-                "finish_reason": ep.finish_reason, "answer": ep.row.get("answer"),
-            }
+        records = [rollout_record(step, ep, tokenizer) for ep in episodes[:: max(1, len(episodes) // count)][:count]]
+        for rec in records:
             self.rollouts_f.write(json.dumps(rec, default=str) + "\n")
         self.rollouts_f.flush()
+        for sink in self.sinks:
+            sink.log_rollouts(step, records)
 
     def log_errors(self, step: int, errors: list[SampleError]) -> None:
         """Append why samples were unscorable to ``errors.jsonl`` (``step``, ``sample_id``,
@@ -207,8 +314,15 @@ class MetricsLogger:
         """Notes and warnings: always shown (``progress`` only silences the per-step lines)."""
         self.console.print(msg, highlight=False)
 
-    def close(self) -> None:
+    def close(self, final_dir: Path | None = None) -> None:
+        """Close the files and every sink (once; later calls do nothing). ``final_dir``:
+        the saved policy, when the run finished (sinks may upload it)."""
+        if self.closed:
+            return
+        self.closed = True
         self.metrics_f.close()
         self.rollouts_f.close()
         if self.tb is not None:
             self.tb.close()
+        for sink in self.sinks:
+            sink.close(final_dir)

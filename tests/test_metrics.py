@@ -35,3 +35,25 @@ def test_step_timer_sums_phases_entered_twice():
             pass
     m = timer.metrics()
     assert set(m) == {"time/reward", "time/step"} and 0 <= m["time/reward"] <= m["time/step"]
+
+
+def test_progress_line_shows_the_phase_split_and_eta():
+    from plainrl.metrics import progress_line
+
+    m = {"reward/mean": 0.125, "kl": 0.0012, "time/generate": 5.21, "time/reward": 0.3, "time/update": 3.6,
+         "time/step": 9.1}
+    assert progress_line(2, 40, m, 337.0) == (
+        "step 3/40 reward 0.125 kl 0.0012 | 9.1s: gen 5.2 rew 0.3 upd 3.6 | eta 5m37s")
+    assert progress_line(0, 2, {"loss": 0.5}, None) == "step 1/2 loss +0.5000"
+
+
+def test_eta_is_the_mean_of_recent_step_times(tmp_path):
+    from plainrl.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, total_steps=10, tensorboard=False, progress=False)
+    assert logger.eta_s(0) is None
+    for step, t in enumerate([2.0, 4.0]):
+        logger.log(step, {"time/step": t})
+    assert logger.eta_s(1) == 3.0 * 8
+    logger.close()
+    logger.close()  # a second close does nothing

@@ -130,7 +130,33 @@ class StepBoundary:
             logger.log_eval(done, evaluate())
         every = self.checkpoint_every
         if stop.signum is not None or (every and (done % every == 0 or done == self.total_steps)):
-            path = save(done)
+            with logger.phase(f"checkpoint after step {done}"):
+                path = save(done)
             if stop.signum is not None:
                 logger.close()
                 raise Preempted(done, stop.signum, path)
+
+
+def attach_trackers(cfg: Config, run_dir: Path, logger: MetricsLogger) -> None:
+    """Send the run's metrics and rollouts to the trackers of ``log`` too (``log.wandb``);
+    rows already in ``metrics.jsonl`` (eval-before, earlier sessions) are replayed to them.
+
+    Raises:
+        ConfigError: a tracker's library is not installed.
+    """
+    if cfg.log.wandb is not None:
+        from plainrl.tracking import WandbSink
+
+        logger.add_sink(WandbSink(cfg.log.wandb, cfg.model_dump(mode="json"), run_dir))
+
+
+def finish_run(cfg: Config, run_dir: Path, logger: MetricsLogger) -> None:
+    """After the final save: close the logger and trackers (which may upload ``final/``),
+    then with ``log.report`` write ``run_dir/report.html`` and print its path."""
+    logger.close(final_dir=run_dir / "final")
+    if cfg.log.report:
+        from plainrl.report import write_report
+
+        with logger.phase("writing the report"):
+            path = write_report([run_dir], run_dir / "report.html")
+        logger.print(f"report: {path}")

@@ -15,7 +15,7 @@ from plainrl.models import save_policy
 from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
 from plainrl.run.collect import dynamic_sampling, shape_overlong
-from plainrl.run.lifecycle import GracefulStop, StepBoundary
+from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
 from plainrl.run.setup import Run, setup
 from plainrl.train import UpdateStats
 from plainrl.types import Episode, RewardOutput
@@ -110,10 +110,16 @@ def train(cfg: Config) -> Path:
         Preempted: SIGTERM/SIGINT; a checkpoint of the last finished step was written.
         Diverged: ``train.max_bad_steps`` non-finite steps in a row (no weights were changed by them).
     """
+    if cfg.log.wandb is not None:  # a missing library fails before the model loads
+        from plainrl.tracking import require_wandb
+
+        require_wandb()
     run = setup(cfg)
     try:
+        attach_trackers(cfg, run.run_dir, run.logger)
         return _train(run)
     finally:
+        run.logger.close()  # (once: a finished run closed it already) a failed run's trackers finish too
         run.prep.close()
 
 
@@ -144,9 +150,9 @@ def _train(run: Run) -> Path:
 
     if cfg.eval.after and prep.data.eval:
         logger.log_eval(cfg.train.steps, run.evaluate())
-    save_policy(run.model, prep.tokenizer, run.run_dir / "final")
-    if run.critic is not None:
-        save_policy(run.critic.model, prep.tokenizer, run.run_dir / "critic" / "final")
-    logger.print(f"saved the final policy to {run.run_dir / 'final'}")
-    logger.close()
+    with logger.phase(f"saving the final policy to {run.run_dir / 'final'}"):
+        save_policy(run.model, prep.tokenizer, run.run_dir / "final")
+        if run.critic is not None:
+            save_policy(run.critic.model, prep.tokenizer, run.run_dir / "critic" / "final")
+    finish_run(cfg, run.run_dir, logger)  # trackers get final/; log.report: report.html
     return run.run_dir

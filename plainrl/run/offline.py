@@ -18,7 +18,7 @@ from plainrl.data import PromptSampler
 from plainrl.data.offline import load_offline_data
 from plainrl.metrics import MetricsLogger, StepTimer
 from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, resolve_dtype, save_policy
-from plainrl.run.lifecycle import GracefulStop, StepBoundary, open_run
+from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run, open_run
 from plainrl.train.offline import OfflineTrainer
 
 __all__ = ["train_offline"]
@@ -45,6 +45,15 @@ def train_offline(cfg: Config) -> Path:
     data = load_offline_data(cfg, tokenizer)
     logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
                            progress=cfg.log.progress)
+    try:
+        return _train_offline(cfg, run_dir, resume_from, resume_warnings, tokenizer, data, logger)
+    finally:
+        logger.close()  # (once) a failed run's trackers finish too
+
+
+def _train_offline(cfg: Config, run_dir: Path, resume_from: Path | None, resume_warnings: list[str], tokenizer,
+                   data, logger: MetricsLogger) -> Path:
+    attach_trackers(cfg, run_dir, logger)
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
     for note in [*resume_warnings, *data.notes] + ([data.dropped.summary()] if data.dropped.total else []):
         logger.print(f"note: {note}")
@@ -83,7 +92,7 @@ def train_offline(cfg: Config) -> Path:
                      evaluate=(lambda: trainer.evaluate(data.eval)) if data.eval else None, save=save)
     if cfg.eval.after and data.eval:
         logger.log_eval(cfg.train.steps, trainer.evaluate(data.eval))
-    save_policy(model, tokenizer, run_dir / "final")
-    logger.print(f"saved the final {cfg.algorithm.name} model to {run_dir / 'final'}")
-    logger.close()
+    with logger.phase(f"saving the final {cfg.algorithm.name} model to {run_dir / 'final'}"):
+        save_policy(model, tokenizer, run_dir / "final")
+    finish_run(cfg, run_dir, logger)  # trackers get final/; log.report: report.html
     return run_dir
