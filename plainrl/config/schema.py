@@ -98,7 +98,7 @@ class VLLMConfig(_Section):
     # CUDA: offload vLLM's weights and drop its KV cache while the learner trains (vLLM sleep mode)
     sleep: bool = True
     cpu_kv_cache_gb: float = Field(1.0, gt=0)  # CPU: KV cache size (vLLM's VLLM_CPU_KVCACHE_SPACE)
-    enforce_eager: bool = False  # CUDA: skip CUDA graph capture (faster start, slower decode)
+    enforce_eager: bool = False  # skip graph compilation/capture: a faster start, a slower decode
     extra_args: dict[str, Any] = Field(default_factory=dict)  # passed to vllm.LLM / `vllm serve` as they are
 
 

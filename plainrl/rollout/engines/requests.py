@@ -1,0 +1,96 @@
+"""What the vLLM engines (in process and remote) share: prompts grouped into requests
+with ``n`` samples, plainrl's :class:`SamplingParams` mapped onto vLLM's, seeds drawn from
+the run's generator, and vLLM's finish reasons mapped back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from plainrl.types import FinishReason, SamplingParams
+
+# vLLM's allowed --max-lora-rank values (vllm.config.lora.MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class EngineError(RuntimeError):
+    """A rollout engine failed (server unreachable or dead, wrong model, vLLM missing); the
+    message names the engine or URL and what to do."""
+
+
+@dataclass
+class Request:
+    """One engine request: a distinct prompt and the positions it fills in the output.
+
+    prompt_ids: [P] token ids.
+    rows:       indices into the caller's prompt list, one per sample (``n = len(rows)``).
+    seed:       vLLM's per-request seed, drawn from the run's generator.
+    """
+
+    prompt_ids: list[int]
+    rows: list[int]
+    seed: int
+
+
+def make_requests(prompts: list[list[int]], generator: torch.Generator | None) -> list[Request]:
+    """Group identical prompts (a GRPO group) into one request with ``n`` samples, so the
+    engine prefills the prompt once, and give each request a seed from ``generator``:
+    resuming a run restores the generator and so the seeds.
+    """
+    index: dict[tuple[int, ...], Request] = {}
+    for row, p in enumerate(prompts):
+        key = tuple(p)
+        if key not in index:
+            index[key] = Request(list(p), [], 0)
+        index[key].rows.append(row)
+    requests = list(index.values())
+    device = generator.device if generator is not None else "cpu"
+    seeds = torch.randint(0, 2**31 - 1, (len(requests),), generator=generator, device=device).tolist()
+    for r, s in zip(requests, seeds):
+        r.seed = int(s)
+    return requests
+
+
+def sampling_kwargs(params: SamplingParams, *, n: int, seed: int) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` keyword arguments (also the JSON fields of its completions API).
+
+    ``logprobs=0`` returns the sampled token's logprob alone; with the engine's
+    ``logprobs_mode="processed_logprobs"`` that is log softmax(z / T) after vLLM's top-k/top-p
+    filtering (the distribution it sampled from; equal to plainrl's convention, tempered and
+    unfiltered, when both filters are off). Greedy (T = 0) logprobs are of softmax(z), as
+    the embedded engine's. The stop string's tokens stay in ``token_ids`` as in the embedded
+    engine; ``include_stop_str_in_output`` keeps the text consistent with them.
+    """
+    return dict(
+        n=n, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1, seed=seed, stop=list(params.stop),
+        include_stop_str_in_output=True, logprobs=0,
+    )
+
+
+def finish_reason(reason: str | None, stop_reason: int | str | None, url: str = "vllm") -> FinishReason:
+    """vLLM's (finish_reason, stop_reason) as plainrl's: a stop string -> ``stop``, the
+    EOS token -> ``eos``, the token budget -> ``length``.
+
+    Raises:
+        EngineError: the request was aborted or failed inside the engine.
+    """
+    if reason == "length":
+        return "length"
+    if reason == "stop":
+        return "stop" if isinstance(stop_reason, str) else "eos"
+    raise EngineError(f"{url}: a request ended with finish_reason={reason!r} (aborted or failed in the engine)")
+
+
+def lora_rank_slots(r: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of rank ``r``: the smallest allowed value >= r.
+
+    Raises:
+        EngineError: r above vLLM's largest rank.
+    """
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= r:
+            return allowed
+    raise EngineError(f"model.lora.r={r} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")

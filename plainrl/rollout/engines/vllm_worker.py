@@ -1,0 +1,71 @@
+"""The side of weight sync that runs inside vLLM's worker processes.
+
+vLLM loads this class into every worker (``worker_extension_cls``, vLLM's mechanism
+for RL weight updates, as TRL and verl use it) and calls its methods through
+``collective_rpc``: in process by ``LLM.collective_rpc``, over HTTP by the server's
+``POST /collective_rpc`` (``plainrl serve`` starts vLLM with it). Methods are prefixed
+``plainrl_`` because vLLM refuses an extension whose names clash with the worker's.
+
+Tensors travel as safetensors (a file path, or the bytes themselves, base64 over
+HTTP): vLLM's RPC passes strings and bytes between processes, and safetensors
+carries names, dtypes and shapes without pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import torch
+
+WORKER_EXTENSION = "plainrl.rollout.engines.vllm_worker.WeightSyncExtension"
+
+
+def decode_payload(payload: str | bytes) -> dict[str, torch.Tensor]:
+    """Named tensors from a sync payload.
+
+    Args:
+        payload: safetensors bytes, or a JSON string ``{"path": file}`` or
+            ``{"safetensors_b64": text}``.
+    Returns:
+        name -> tensor, Hugging Face parameter names (``model.layers.0.mlp.up_proj.weight``).
+    Raises:
+        ValueError: a payload of neither form.
+    """
+    from safetensors.torch import load, load_file
+
+    if isinstance(payload, bytes):
+        return load(payload)
+    spec = json.loads(payload)
+    if "path" in spec:
+        return load_file(Path(spec["path"]))
+    if "safetensors_b64" in spec:
+        return load(base64.b64decode(spec["safetensors_b64"]))
+    raise ValueError(f"weight payload needs 'path' or 'safetensors_b64', got keys {sorted(spec)}")
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; ``self.model_runner`` is the worker's."""
+
+    def plainrl_load_weights(self, payload: str | bytes) -> int:
+        """Load named tensors (Hugging Face names) into the served model in place.
+
+        Goes through vLLM's in-place reload (``model_runner.reload_weights``), which maps
+        Hugging Face names onto vLLM's fused layers (q/k/v into qkv_proj, gate/up into
+        gate_up_proj) and redoes the processing vLLM applies after loading (the CPU
+        backend repacks weights), then drops the LoRA state derived from the old weights.
+        A layer receives all of its tensors or none (a partly loaded fused layer would
+        be wrong), which is why the trainer sends whole state dicts.
+        Returns the number of tensors received.
+        """
+        named = decode_payload(payload)
+        self.model_runner.reload_weights(weights_iterator=iter(named.items()))
+        return len(named)
+
+    def plainrl_weight_sum(self, name: str) -> float:
+        """The float64 sum of one of vLLM's own parameters (tests check that a sync landed)."""
+        params = dict(self.model_runner.model.named_parameters())
+        if name not in params:
+            raise KeyError(f"no parameter {name!r}; some are {sorted(params)[:8]}")
+        return float(params[name].double().sum())
