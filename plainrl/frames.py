@@ -62,6 +62,39 @@ def pack_by_length(widths: list[int], token_budget: int, rows: list[int] | None 
     return groups
 
 
+def pack_by_tokens(prompts: list[tuple[int, ...]], completion_lens: list[int], token_budget: int, *,
+                   share_prompts: bool) -> list[list[int]]:
+    """Indices grouped so each group's *real* tokens stay within ``token_budget`` (a single
+    item may exceed it): the micro-batches of a packed forward, which spends nothing on padding.
+
+    Episodes of one prompt are kept together (in order of the prompt's first appearance), so
+    with ``share_prompts`` a group's prompt counts once per micro-batch, as the packed forward
+    runs it (:func:`plainrl.models.packing.pack_sequences`).
+
+    Args:
+        prompts: [N] each episode's prompt token ids.
+        completion_lens: [N] completion tokens of each episode.
+        share_prompts: count a prompt once per micro-batch, not once per episode.
+    Returns:
+        groups of indices covering 0..N-1 exactly once.
+    """
+    first: dict[tuple[int, ...], int] = {}
+    order = sorted(range(len(prompts)), key=lambda i: (first.setdefault(prompts[i], i), i))
+    groups: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    used = 0
+    for i in order:
+        cost = completion_lens[i] + (0 if share_prompts and prompts[i] in seen else len(prompts[i]))
+        if not groups or used + cost > token_budget:
+            groups.append([])
+            seen, used = set(), 0
+            cost = completion_lens[i] + len(prompts[i])
+        groups[-1].append(i)
+        seen.add(prompts[i])
+        used += cost
+    return groups
+
+
 def make_micro_batches(
     episodes: list[Episode],
     advantages: torch.Tensor,
@@ -71,11 +104,16 @@ def make_micro_batches(
     old_logps: torch.Tensor | None = None,
     old_values: torch.Tensor | None = None,
     returns: torch.Tensor | None = None,
+    packing: bool = False,
+    share_prompts: bool = False,
 ) -> list[MicroBatch]:
-    """Group episodes into padded micro-batches of at most ``token_budget`` padded tokens.
+    """Group episodes into padded micro-batches of at most ``token_budget`` padded tokens,
+    or, with ``packing``, of at most ``token_budget`` real tokens (:func:`pack_by_tokens`).
 
-    Episodes are sorted by length first so each micro-batch pads to a similar
-    length (less wasted compute than padding everything to the longest).
+    Without packing, episodes are sorted by length first so each micro-batch pads to a
+    similar length (less wasted compute than padding everything to the longest). With it,
+    the micro-batch is still handed over padded ([B, T], the same layout for the loss), and
+    the forward packs it (``sequence_logps(..., packing=True)``).
 
     Args:
         episodes: N episodes.
@@ -83,10 +121,16 @@ def make_micro_batches(
         old_logps: [N, L] logprobs to use as pi_old instead of the engine's.
         old_values, returns: [N, L] critic values at rollout time and critic targets (GAE).
             (All [N, L] tensors are in the completion frame of :func:`completion_tensor`.)
+        packing: budget by real tokens (the packed forward's cost), not padded ones.
+        share_prompts: with ``packing``, a prompt shared by several episodes counts once.
     Returns:
         micro-batches covering every episode exactly once.
     """
-    groups = pack_by_length([_len(e) for e in episodes], token_budget)
+    if packing:
+        groups = pack_by_tokens([tuple(e.prompt_ids) for e in episodes], [len(e.completion_ids) for e in episodes],
+                                token_budget, share_prompts=share_prompts)
+    else:
+        groups = pack_by_length([_len(e) for e in episodes], token_budget)
     frames = {"advantages": advantages, "old_logps": old_logps, "old_values": old_values, "returns": returns}
     return [_collate(episodes, g, pad_id, {k: v for k, v in frames.items() if v is not None}) for g in groups]
 

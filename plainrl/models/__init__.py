@@ -1,5 +1,6 @@
 """Models: loading (embedded default, directories, hub ids, GGUF; dtype; LoRA) and the
-forward passes every stage shares (chunked float32 logprobs, values, sequence scores).
+forward passes every stage shares (chunked float32 logprobs, values, sequence scores;
+shared prompts, sequence packing, gradient checkpointing).
 
     model = load_policy(cfg.model, device)
     logps = sequence_logps(model, input_ids, attention_mask, positions=mask > 0)  # [B, T-1]
@@ -30,6 +31,7 @@ from plainrl.models.loading import (
     trainable_parameters,
     unwrap,
 )
+from plainrl.models.packing import pack_sequences, packed_hidden
 from plainrl.models.precision import DTYPES, DtypeChoice, cpu_summary, model_dtype, resolve_dtype
 from plainrl.models.quantization import is_quantized
 
@@ -50,6 +52,8 @@ __all__ = [
     "load_value_model",
     "lora_delta",
     "model_dtype",
+    "pack_sequences",
+    "packed_hidden",
     "resolve_device",
     "resolve_dtype",
     "resolve_model_path",

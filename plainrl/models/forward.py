@@ -1,6 +1,7 @@
 """The model's forward passes that every stage shares: float32 logprobs of chosen tokens
 in chunks (policy, reference, learner), a value head per token (PPO's critic) and a
-score per sequence (reward models), each able to run a group's shared prompt once.
+score per sequence (reward models), each able to run a group's shared prompt once and
+to run packed, without padding (:mod:`plainrl.models.packing`).
 
 Shapes: B sequences, T padded tokens, H hidden size, V vocabulary.
 """
@@ -12,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plainrl.algorithms import entropy_from_logits
 from plainrl.models.loading import unwrap
+from plainrl.models.packing import packed_hidden
 
 # Largest [B, chunk, V] float32 block of logits held at once (elements): 2^26 = 256 MiB.
 LOGIT_BLOCK_ELEMENTS = 1 << 26
@@ -98,6 +100,7 @@ def sequence_logps(
     positions: torch.Tensor | None = None,
     with_entropy: bool = False,
     prompt_lens: torch.Tensor | None = None,
+    packing: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi_T(x_{t+1} | x_{<=t}) for every position, in float32, where
     pi_T = softmax(logits / temperature) is the policy the engine sampled from;
@@ -115,17 +118,15 @@ def sequence_logps(
             (the completion tokens: prompts are most of a sequence and need no logits).
         with_entropy: also return the entropy of pi_T (:func:`entropy_from_logits`).
         prompt_lens: optional [B] prompt lengths; rows with identical prompts then run
-            their prompt once (:func:`shared_prompt_hidden`).
+            their prompt once (:func:`shared_prompt_hidden`, or within a packed row).
+        packing: run the decoder on the episodes packed end to end without padding
+            (:func:`plainrl.models.packing.packed_hidden`); the result is the same.
     Returns:
         [B, T-1] float32 logprobs of ``input_ids[:, 1:]`` (0 where ``positions`` is False);
         with ``with_entropy``, ``(logps, entropy)``, both [B, T-1].
     """
     base = unwrap(model)
-    hidden = None
-    if prompt_lens is not None:
-        hidden = shared_prompt_hidden(base, input_ids, attention_mask, prompt_lens)
-    if hidden is None:
-        hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    hidden = _hidden(model, input_ids, attention_mask, prompt_lens, packing)  # [B, T, H]
     b, t = input_ids.shape
     # flatten to 2-D rows so every chunk is contiguous: a strided 3-D slice makes
     # F.linear fall back to a batched matmul that copies the whole LM head per row
@@ -157,8 +158,11 @@ def sequence_logps(
 
 
 def _hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+            prompt_lens: torch.Tensor | None = None, packing: bool = False) -> torch.Tensor:
+    """The decoder's last hidden states [B, T, H]: packed, or with shared prompts, or plain."""
     base = unwrap(model)
+    if packing:
+        return packed_hidden(base, input_ids, attention_mask, prompt_lens)
     if prompt_lens is not None:
         hidden = shared_prompt_hidden(base, input_ids, attention_mask, prompt_lens)
         if hidden is not None:
@@ -167,7 +171,7 @@ def _hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
 
 
 def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+                 prompt_lens: torch.Tensor | None = None, *, packing: bool = False) -> torch.Tensor:
     """V(s_t) for every target position of a value model (``per_token=True``).
 
     The state before token t+1 is the prefix through token t, so the value at
@@ -179,16 +183,17 @@ def token_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         attention_mask: [B, T] 1 on real tokens.
         prompt_lens: [B] prompt tokens per row; rows with the same prompt then run it
             once (:func:`shared_prompt_hidden`).
+        packing: run the decoder packed (:func:`plainrl.models.packing.packed_hidden`).
     Returns:
         [B, T-1] float32 values (differentiable when grad is enabled).
     """
-    hidden = _hidden(model, input_ids, attention_mask, prompt_lens)[:, :-1]  # [B, T-1, H]
+    hidden = _hidden(model, input_ids, attention_mask, prompt_lens, packing)[:, :-1]  # [B, T-1, H]
     return unwrap(model).score(hidden.float()).squeeze(-1)
 
 
 def sequence_scores(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: torch.Tensor,
-    prompt_lens: torch.Tensor | None = None,
+    prompt_lens: torch.Tensor | None = None, *, packing: bool = False,
 ) -> torch.Tensor:
     """A reward model's score of each sequence, read at the position ``last``.
 
@@ -199,9 +204,10 @@ def sequence_scores(
             use the last token of the response: the EOS that closes the final assistant turn).
         prompt_lens: [B] prompt tokens per row; rows with the same prompt then run it
             once (:func:`shared_prompt_hidden`).
+        packing: run the decoder packed (:func:`plainrl.models.packing.packed_hidden`).
     Returns:
         [B] float32 scores (differentiable when grad is enabled).
     """
-    hidden = _hidden(model, input_ids, attention_mask, prompt_lens)  # [B, T, H]
+    hidden = _hidden(model, input_ids, attention_mask, prompt_lens, packing)  # [B, T, H]
     picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last.to(hidden.device)]  # [B, H]
     return unwrap(model).score(picked.float()).squeeze(-1)

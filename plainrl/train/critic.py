@@ -31,7 +31,7 @@ class Critic:
         model: from ``load_value_model(..., per_token=True)``.
         algorithm: the ``algorithm`` section (``value_clip``, ``ppo_epochs``, ``mini_batches``).
         train: the ``train`` section (optimiser, ``micro_batch_tokens``, ``share_prompts``,
-            ``gradient_checkpointing``).
+            ``gradient_checkpointing``, ``packing``).
         lr: ``critic.lr`` (None: ``train.lr``).
         pad_id: padding token id.
     """
@@ -50,7 +50,8 @@ class Critic:
 
     def _batches(self, episodes: list[Episode], **frames: torch.Tensor):
         return make_micro_batches(episodes, torch.zeros(len(episodes)), pad_id=self.pad_id,
-                                  token_budget=self.train.micro_batch_tokens, **frames)
+                                  token_budget=self.train.micro_batch_tokens, packing=self.train.packing,
+                                  share_prompts=self.train.share_prompts, **frames)
 
     @torch.no_grad()
     def values(self, episodes: list[Episode]) -> torch.Tensor:
@@ -67,7 +68,8 @@ class Critic:
     def _values(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.device
         lens = mb.prompt_lens.to(dev) if self.train.share_prompts and mb.prompt_lens is not None else None
-        return token_values(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), lens)  # [B, T-1]
+        return token_values(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), lens,
+                            packing=self.train.packing)  # [B, T-1]
 
     def update(self, episodes: list[Episode], returns: torch.Tensor, old_values: torch.Tensor,
                mask: torch.Tensor) -> dict[str, float]:

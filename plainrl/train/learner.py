@@ -82,7 +82,8 @@ class Learner:
         algorithm: the ``algorithm`` section (loss, clipping, KL, entropy, epochs).
         train: the ``train`` section (optimiser, ``micro_batch_tokens``, ``share_prompts``,
             ``gradient_checkpointing``: the model's decoder layers are then checkpointed, the
-            reference copy's not, as it never runs under autograd).
+            reference copy's not, as it never runs under autograd; ``packing``: micro-batches
+            by real tokens, each forward packed without padding, :mod:`plainrl.models.packing`).
         pad_id: padding token id.
         temperature: the sampling temperature (``rollout.temperature``; 0 = greedy counts as 1):
             logprobs are of softmax(logits / temperature), the distribution sampled from.
@@ -118,13 +119,19 @@ class Learner:
     def _prompt_lens(self, mb: MicroBatch) -> torch.Tensor | None:
         return mb.prompt_lens if self.train.share_prompts else None
 
+    def _micro_batches(self, episodes: list[Episode], advantages: torch.Tensor,
+                       old_logps: torch.Tensor | None = None) -> list[MicroBatch]:
+        t = self.train
+        return make_micro_batches(episodes, advantages, pad_id=self.pad_id, token_budget=t.micro_batch_tokens,
+                                  old_logps=old_logps, packing=t.packing, share_prompts=t.share_prompts)
+
     @torch.no_grad()
     def _ref_logps(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.device
         with self._ref_context():
             return sequence_logps(self.ref_model or self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev),
                                   temperature=self.temperature, positions=mb.loss_mask.to(dev) > 0,
-                                  prompt_lens=self._prompt_lens(mb))
+                                  prompt_lens=self._prompt_lens(mb), packing=self.train.packing)
 
     @torch.no_grad()
     def completion_logps(self, episodes: list[Episode], *, reference: bool = False) -> torch.Tensor:
@@ -135,8 +142,7 @@ class Learner:
             [N, L] float32 in the completion frame (:mod:`plainrl.frames`), 0 off the loss mask.
         """
         out = torch.zeros(len(episodes), max((len(e.completion_ids) for e in episodes), default=0))
-        mbs = make_micro_batches(episodes, torch.zeros(len(episodes)), pad_id=self.pad_id,
-                                 token_budget=self.train.micro_batch_tokens)
+        mbs = self._micro_batches(episodes, torch.zeros(len(episodes)))
         dev = self.device
         for mb in mbs:
             if reference:
@@ -144,7 +150,7 @@ class Learner:
             else:
                 lp = sequence_logps(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev),
                                     temperature=self.temperature, positions=mb.loss_mask.to(dev) > 0,
-                                    prompt_lens=self._prompt_lens(mb))
+                                    prompt_lens=self._prompt_lens(mb), packing=self.train.packing)
             to_completion_frame(lp, mb, out)
         return out
 
@@ -185,8 +191,7 @@ class Learner:
     def _step(self, episodes: list[Episode], advantages: torch.Tensor, old_logps: torch.Tensor | None) -> UpdateStats:
         """One optimiser step on a mini-batch, its loss normalised over the whole mini-batch."""
         a, dev = self.algorithm, self.device
-        mbs = make_micro_batches(episodes, advantages, pad_id=self.pad_id,
-                                 token_budget=self.train.micro_batch_tokens, old_logps=old_logps)
+        mbs = self._micro_batches(episodes, advantages, old_logps)
         num_tokens = int(sum(mb.loss_mask.sum().item() for mb in mbs))
         agg = dict(num_tokens=num_tokens, num_seqs=len(episodes), normalizer=self.completion_budget)
         loss_sum = kl_sum = ent_sum = clip_sum = approx_kl_sum = diff_sum = 0.0
@@ -195,7 +200,8 @@ class Learner:
             ids, attn = mb.input_ids.to(dev), mb.attention_mask.to(dev)
             mask, adv = mb.loss_mask.to(dev), mb.advantages.to(dev)
             out = sequence_logps(self.model, ids, attn, temperature=self.temperature, positions=mask > 0,
-                                 with_entropy=a.entropy_coef > 0, prompt_lens=self._prompt_lens(mb))
+                                 with_entropy=a.entropy_coef > 0, prompt_lens=self._prompt_lens(mb),
+                                 packing=self.train.packing)
             logps, entropy = out if a.entropy_coef > 0 else (out, None)  # [B, T-1]
             if old_logps is None:  # on-policy: mb.old_logps are the engine's, logps the same policy's
                 diff_sum += float(((logps.detach() - mb.old_logps.to(dev)).abs() * mask).sum())
