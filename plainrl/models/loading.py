@@ -14,9 +14,11 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from plainrl.config import LoraConfig, ModelConfig
 from plainrl.models.precision import model_dtype
@@ -78,8 +80,6 @@ def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
     Raises:
         ModelLoadError: the file is not a GGUF transformers can read.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     st = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     target = _cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
@@ -87,6 +87,19 @@ def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("dequantising %s once into %s", gguf_path, target)
+    # a first run spends tens of seconds here: say so (a spinner on a terminal), then how long it took
+    console, t = Console(stderr=True), time.perf_counter()
+    with console.status(f"converting {gguf_path.name} to a transformers checkpoint (once; cached in {target}) ..."):
+        _dequantise(gguf_path, target)
+    console.print(f"converted {gguf_path.name} in {time.perf_counter() - t:.1f}s (cached in {target})",
+                  highlight=False, markup=False, soft_wrap=True)
+    return target
+
+
+def _dequantise(gguf_path: Path, target: Path) -> None:
+    """:func:`convert_gguf`'s work: read the GGUF dequantised, write a plain checkpoint to ``target``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
     d, f = str(gguf_path.parent), gguf_path.name
     try:
         tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
@@ -110,7 +123,6 @@ def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").is_file():  # another process may have won the race
             raise
-    return target
 
 
 def resolve_model_path(name: str, cache_dir: str | None = None) -> str:
