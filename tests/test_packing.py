@@ -85,16 +85,34 @@ def test_packed_layout_round_trips_and_restarts_positions(share):
     assert torch.equal(lay.input_ids.reshape(-1)[lay.source][real], mb.input_ids[real])
     positions = torch.arange(mb.input_ids.shape[1]).expand_as(mb.input_ids)
     assert torch.equal(lay.position_ids.reshape(-1)[lay.source][real], positions[real])
-    # rows are as wide as the widest block; no compute on padding beyond the rows' ends
+    # packed tokens = the needed ones (each shared prompt once) + the ends of the rows, nothing else
     lens, p = mb.attention_mask.sum(1), mb.prompt_lens
     distinct = {tuple(r[: int(n)].tolist()) for r, n in zip(mb.input_ids, p)}
     needed = int((lens - p).sum()) + (sum(map(len, distinct)) if share else int(p.sum()))
-    assert lay.input_ids.numel() < mb.input_ids.numel()
-    unused = sum(int((lay.segments[r] == lay.segments[r, -1]).sum()) for r in range(lay.segments.shape[0])
-                 if lay.segments[r, -1] != lay.segments[r, -2] or lay.context[r, -1] == lay.segments[r, -1])
-    assert needed <= lay.input_ids.numel() and lay.input_ids.numel() - needed <= unused
+    used = torch.zeros(lay.input_ids.numel(), dtype=torch.bool)
+    used[lay.source[real]] = True
+    assert int(used.sum()) == needed < mb.input_ids.numel()
+    used = used.view(lay.input_ids.shape)
+    assert torch.equal(used, used.cummin(dim=1).values)  # the unused tokens end each row
     # a completion reads its prompt's segment only with shared prompts
     assert bool((lay.context != lay.segments).any()) == share
+
+
+def test_a_group_over_the_block_cap_is_split_and_its_prompt_repeated(monkeypatch):
+    import plainrl.models.packing as packing
+
+    mb = _batch(_varied_episodes())
+    whole = pack_sequences(mb.input_ids, mb.attention_mask, mb.prompt_lens, max_block=10_000)
+    split = pack_sequences(mb.input_ids, mb.attention_mask, mb.prompt_lens, max_block=12)
+    assert split.input_ids.shape[1] < whole.input_ids.shape[1]  # narrower rows
+    real = mb.attention_mask.bool()
+    assert torch.equal(split.input_ids.reshape(-1)[split.source][real], mb.input_ids[real])
+    model = _tiny("llama", "eager")
+    plain = sequence_logps(model, mb.input_ids, mb.attention_mask, positions=mb.loss_mask > 0)
+    monkeypatch.setattr(packing, "MAX_BLOCK_TOKENS", 12)
+    packed = sequence_logps(model, mb.input_ids, mb.attention_mask, positions=mb.loss_mask > 0,
+                            prompt_lens=mb.prompt_lens, packing=True)
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
 
 
 def test_block_causal_mask_never_leaves_a_query_without_keys():

@@ -26,11 +26,19 @@ Two routes, chosen by :func:`packing_route` from the model's attention implement
   per-sequence attention (and the varlen ``cu_seqlens``; flash needs everything in one row).
   Shared prompts do not apply: a varlen kernel cannot let several sequences read one prefix.
 
-Dense masked attention costs W^2 per row of width W whatever the mask, so blocks are kept
-to :data:`MAX_BLOCK_TOKENS` (a group with more completions is split and its prompt
-repeated) and rows are as narrow as the widest block. Tokens not covered by any episode
-(the end of a row) form their own segment and attend among themselves only, so no query
-row of the mask is empty (an empty row gives NaN under softmax, and NaN in backward).
+Dense masked attention computes all W^2 scores of a row of width W whatever the mask, so
+rows are as narrow as the widest block, and blocks are kept to :data:`MAX_BLOCK_TOKENS`
+(a group with more completions is split, its prompt repeated in each part). Without
+shared prompts a row is then never wider than the longest episode, as in the padded
+batch, and packing gains where several episodes fit in that width (short prompts, spread
+completion lengths); with shared prompts the gain is the padding of the completions and
+the prompts' own padding. Tokens left at the end of a row form a segment of their own
+that attends only to itself, so no query row of the mask is empty (an all-masked row
+gives NaN under softmax, and NaN in backward).
+
+plainrl's ``model.attn_implementation`` is eager (CPU default) or sdpa (GPU default), both
+the ``"mask"`` route; ``"positions"`` serves sliding-window models (tested on Qwen2 with a
+window) and models loaded with flash attention by other code (not tested here: no GPU).
 
 Shapes: B episodes (rows of the padded micro-batch), T padded length, R packed rows,
 W packed width, H hidden size.
@@ -43,10 +51,13 @@ from typing import Literal
 
 import torch
 
-# Largest block (prompt + completions sharing it) in a packed row under the "mask" route.
-# Beyond ~1k tokens the quadratic attention of a dense row starts to outweigh the saved
-# prompt recomputation on small models; an episode longer than this is one block by itself.
-MAX_BLOCK_TOKENS = 1024
+# Largest block (a prompt + completions sharing it) under the "mask" route; an episode longer
+# than this is a block by itself. A dense row of width W costs W^2 attention scores where
+# an unpacked completion token needs only p + n: on the embedded 135M model one score costs
+# ~1/2000 of a token's linear layers (and eager attention keeps [heads, W, W] probabilities
+# for backward), so beyond a few hundred tokens a wider block costs more in attention than
+# it saves by not repeating the prompt.
+MAX_BLOCK_TOKENS = 512
 
 PackingRoute = Literal["mask", "positions"]
 
@@ -254,7 +265,7 @@ def packed_hidden(base: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     impl = getattr(config, "_attn_implementation", "eager")
     decoder = base.get_decoder()
     if route == "mask":
-        layout = pack_sequences(input_ids, attention_mask, prompt_lens)
+        layout = pack_sequences(input_ids, attention_mask, prompt_lens, max_block=MAX_BLOCK_TOKENS)
         dtype = decoder.get_input_embeddings().weight.dtype  # the hidden states' (eager adds the mask to scores)
         mask = block_causal_mask(layout, impl, dtype)
     else:
