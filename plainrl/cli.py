@@ -30,7 +30,7 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
     import torch
 
-    from plainrl.rollout.engines.hf import HFEngine
+    from plainrl.run.engines import make_engine
     from plainrl.run.evaluate import evaluate
     from plainrl.run.lifecycle import seed_everything
     from plainrl.run.setup import prepare
@@ -63,9 +63,10 @@ def _cmd_eval(args) -> int:
         model = load_policy(cfg.model.model_copy(update={"name": str(final)}), device)
     else:
         model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
-    engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
-                      decoder=cfg.rollout.decoder)
+    engine = make_engine(cfg, model, prep.tokenizer, device)
     try:
+        if cfg.rollout.engine != "hf":
+            engine.load_weights(model)
         result = evaluate(
             engine, rows, prep.tokenizer,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
@@ -75,8 +76,16 @@ def _cmd_eval(args) -> int:
         )
     finally:
         prep.close()
+        engine.close()
     print(json.dumps({"model": str(final or cfg.model.name), **result}, indent=2))
     return 0
+
+
+def _cmd_serve(args) -> int:
+    from plainrl.run.engines import serve
+
+    serve(load_config(args.config, args.overrides), host=args.host, port=args.port)
+    return 0  # (serve replaces this process)
 
 
 def _cmd_report(args) -> int:
@@ -102,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("target", help="a YAML config or a run directory")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_eval)
+    p = sub.add_parser("serve", help="a vLLM server for the config's model that runs with rollout.engine=remote "
+                                     "sample from and push weights to (needs vLLM: see docs/engines.md)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: the weight-sync "
+                                                       "endpoints let any client change the weights)")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=_cmd_serve)
     p = sub.add_parser("report", help="a self-contained HTML report of one or several runs (curves overlaid, "
                                       "eval, config diff, rollout browser, errors)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -114,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     from plainrl.rollout.envs import EnvError
     from plainrl.models import ModelLoadError
     from plainrl.rewards import RewardError, RewardLoadError
+    from plainrl.rollout.engines.requests import EngineError
 
     try:
         return args.func(args)
@@ -121,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         # the user's input is wrong: say what and how to fix it, without a traceback
         print(f"plainrl: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except EngineError as e:  # vLLM missing, a server unreachable, dead or serving another model
+        print(f"plainrl: EngineError: {e}", file=sys.stderr)
+        return 1
     except (RewardError, EnvError) as e:  # rollout.fail_fast: a sample could not be scored
         print(f"plainrl: {e}", file=sys.stderr)
         return 1

@@ -166,6 +166,12 @@ def load_tokenizer(name: str, cache_dir: str | None = None):
     return tok
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else its EOS (padding is
+    always masked out, so any id would do; these keep decoded batches readable)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def apply_lora(model, lora: LoraConfig, *, task_type: str = "CAUSAL_LM"):
     """Wrap ``model`` with LoRA adapters (peft). Only adapter weights stay trainable,
     plus, for ``task_type`` ``TOKEN_CLS``/``SEQ_CLS``, the model's new ``score`` head

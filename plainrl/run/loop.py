@@ -121,6 +121,7 @@ def train(cfg: Config) -> Path:
     finally:
         run.logger.close()  # (once: a finished run closed it already) a failed run's trackers finish too
         run.prep.close()
+        run.engine.close()
 
 
 def _train(run: Run) -> Path:
@@ -141,6 +142,7 @@ def _train(run: Run) -> Path:
                 # during PPO's critic warm-up the policy waits until the values mean something
                 warm = step >= cfg.critic.warmup_steps
                 stats = run.learner.update(episodes, adv.advantages) if warm else run.learner.skip()
+            with timer("sync"):  # a no-op for the embedded engine, which samples with the learner's model
                 run.engine.load_weights(run.model)
             logger.log(step, step_metrics(episodes, names, rewards_out, stats, timer.metrics(), extra))
             logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)

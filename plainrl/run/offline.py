@@ -17,7 +17,15 @@ from plainrl.config import Config, dump_config
 from plainrl.data import PromptSampler
 from plainrl.data.offline import load_offline_data
 from plainrl.metrics import MetricsLogger, StepTimer
-from plainrl.models import load_policy, load_tokenizer, load_value_model, resolve_device, resolve_dtype, save_policy
+from plainrl.models import (
+    load_policy,
+    load_tokenizer,
+    load_value_model,
+    pad_token_id,
+    resolve_device,
+    resolve_dtype,
+    save_policy,
+)
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run, open_run
 from plainrl.train.offline import OfflineTrainer
 
@@ -63,8 +71,7 @@ def _train_offline(cfg: Config, run_dir: Path, resume_from: Path | None, resume_
         model = load_value_model(cfg.model, device, per_token=False)
     else:
         model = load_policy(cfg.model, device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer = OfflineTrainer(model, cfg, pad_id=pad_id)
+    trainer = OfflineTrainer(model, cfg, pad_id=pad_token_id(tokenizer))
     sampler = PromptSampler(data.train, cfg.train.batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
     start = 0
     if resume_from is not None:

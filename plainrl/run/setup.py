@@ -17,12 +17,22 @@ from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint
 from plainrl.config import Config, ConfigError, dump_config
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.metrics import MetricsLogger
-from plainrl.models import load_policy, load_tokenizer, load_value_model, model_dtype, resolve_device, resolve_dtype
+from plainrl.models import (
+    load_policy,
+    load_tokenizer,
+    load_value_model,
+    model_dtype,
+    pad_token_id,
+    resolve_device,
+    resolve_dtype,
+)
 from plainrl.models.quantization import check_support as check_quantization
 from plainrl.rewards import RewardFn, RewardWorkers, build_reward_fns
 from plainrl.rewards.model import RewardModel
-from plainrl.rollout import HFEngine, MultiTurn, make_env_factory, max_live_episodes, sampling_params
+from plainrl.rollout import MultiTurn, make_env_factory, max_live_episodes, sampling_params
+from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs import Environment, EnvWorkers
+from plainrl.run.engines import make_engine
 from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
 from plainrl.train import Critic, Learner
@@ -100,7 +110,7 @@ class Run:
     prep: Prepared
     logger: MetricsLogger
     model: torch.nn.Module
-    engine: HFEngine
+    engine: Engine
     learner: Learner
     sampler: PromptSampler
     generator: torch.Generator
@@ -189,16 +199,15 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         logger.print(f"data: {note}")
     prep.prestart()
     model = load_policy(cfg.model, device)
-    engine = HFEngine(model, prep.tokenizer, batch_size=cfg.rollout.batch_size, merge_lora=cfg.rollout.merge_lora,
-                      decoder=cfg.rollout.decoder)
+    engine = make_engine(cfg, model, prep.tokenizer, device)
     run = Run(
-        cfg, run_dir, prep, logger, model, engine, make_learner(cfg, model, engine.pad_id),
+        cfg, run_dir, prep, logger, model, engine, make_learner(cfg, model, pad_token_id(prep.tokenizer)),
         PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),
         torch.Generator(device=device).manual_seed(cfg.seed), sampling_params(cfg.rollout), advantage_params(cfg),
         start=0,
     )
     if cfg.algorithm.advantage == "gae":
-        run.critic = load_critic(cfg, model, device, engine.pad_id)
+        run.critic = load_critic(cfg, model, device, pad_token_id(prep.tokenizer))
     run.reward_models = [
         RewardModel.load(spec, cfg.model, prep.tokenizer, device, share_with=model if cfg.model.lora.enabled else None)
         for spec in cfg.rewards if spec.model is not None
@@ -216,6 +225,9 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
                             scheduler=run.critic.scheduler, restore_rng=False)
         logger.resume_at(run.start)
         logger.print(f"resumed from {resume_from} at step {run.start}")
-    elif cfg.eval.before and prep.data.eval:  # (on resume it ran already; re-running would shift the RNG)
+    if cfg.rollout.engine != "hf":
+        with logger.phase(f"pushing the policy's weights to the {cfg.rollout.engine} engine"):
+            engine.load_weights(model)
+    if resume_from is None and cfg.eval.before and prep.data.eval:  # (on resume it ran already: the RNG would shift)
         logger.log_eval(0, run.evaluate())
     return run

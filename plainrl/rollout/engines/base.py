@@ -15,7 +15,12 @@ class Engine(Protocol):
     ``generate`` receives prompt token ids and returns, for each, the exact ids
     sampled and their logprobs under the current policy weights. ``load_weights``
     makes the engine sample from the learner's latest weights (a no-op for
-    engines that share the learner's model).
+    engines that share the learner's model). ``close`` releases processes and
+    connections (a no-op for the embedded engine).
+
+    Implementations: :class:`~plainrl.rollout.engines.hf.HFEngine` (embedded),
+    :class:`~plainrl.rollout.engines.vllm_local.VLLMEngine` (vLLM in process),
+    :class:`~plainrl.rollout.engines.remote.RemoteEngine` (``plainrl serve`` servers).
     """
 
     def generate(
@@ -27,3 +32,5 @@ class Engine(Protocol):
     ) -> list[Generation]: ...
 
     def load_weights(self, model: torch.nn.Module) -> None: ...
+
+    def close(self) -> None: ...

@@ -13,7 +13,7 @@ from typing import Literal, Protocol, get_args
 import torch
 
 from plainrl.rollout.engines.static_decoder import StaticDecoder, unsupported_reason
-from plainrl.models import is_quantized, lora_delta, unwrap
+from plainrl.models import is_quantized, lora_delta, pad_token_id, unwrap
 from plainrl.types import Generation, SamplingParams
 
 
@@ -198,11 +198,14 @@ class HFEngine:
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_ids = torch.tensor(sorted(eos_ids), dtype=torch.long)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_token_id(tokenizer)
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """No-op: the engine samples with the learner's module itself."""
         assert model is self.model, "HFEngine shares the learner's model; nothing to load"
+
+    def close(self) -> None:
+        """No-op: nothing runs outside the learner's process."""
 
     @property
     def device(self) -> torch.device:

@@ -63,9 +63,19 @@ class WeightSyncExtension:
         self.model_runner.reload_weights(weights_iterator=iter(named.items()))
         return len(named)
 
+    def plainrl_ping(self) -> str:
+        """The plainrl version this worker runs (the trainer's start-up check that the
+        extension is loaded and the RPC endpoint open)."""
+        from importlib.metadata import version
+
+        return version("plainrl")
+
     def plainrl_weight_sum(self, name: str) -> float:
-        """The float64 sum of one of vLLM's own parameters (tests check that a sync landed)."""
+        """The float64 sum of one of vLLM's own parameters (tests check that a sync landed);
+        ``x.weight`` also finds ``x.base_layer.weight`` when vLLM serves with LoRA."""
         params = dict(self.model_runner.model.named_parameters())
+        if name not in params and name.endswith(".weight"):
+            name = name.removesuffix(".weight") + ".base_layer.weight"
         if name not in params:
             raise KeyError(f"no parameter {name!r}; some are {sorted(params)[:8]}")
         return float(params[name].double().sum())

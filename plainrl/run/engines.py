@@ -1,0 +1,98 @@
+"""Which rollout engine a run samples with (``rollout.engine``), and the vLLM server
+``plainrl serve`` starts for a config: the one place that turns the config's model,
+rollout and vLLM sections into engine arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from plainrl.config import Config, ConfigError
+from plainrl.models import model_dtype, resolve_device, resolve_model_path
+from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.engines.hf import HFEngine
+from plainrl.rollout.engines.sync import resolve_sync
+
+
+def vllm_args(cfg: Config, device: torch.device, lora_rank: int | None) -> dict[str, Any]:
+    """vLLM engine arguments for the config's model, in the learner's dtype."""
+    from plainrl.rollout.engines.vllm_local import engine_args
+
+    v = cfg.rollout.vllm
+    return engine_args(resolve_model_path(cfg.model.name, cfg.model.cache_dir),
+                       dtype=str(model_dtype(cfg.model.dtype, device)).removeprefix("torch."),
+                       max_model_len=cfg.model.max_context, seed=cfg.seed, lora_rank=lora_rank, device=device.type,
+                       gpu_memory_utilization=v.gpu_memory_utilization, sleep=v.sleep, enforce_eager=v.enforce_eager,
+                       extra=v.extra_args)
+
+
+def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                device: torch.device) -> Engine:
+    """The rollout engine of ``rollout.engine``.
+
+    ``hf`` samples with ``model`` itself. ``vllm`` and ``remote`` hold their own copy of the
+    weights: the caller pushes ``model``'s with ``engine.load_weights(model)`` before the
+    first rollout (an adapter to start from, or a resumed checkpoint, already differs
+    from the base the engine loaded).
+
+    Raises:
+        ConfigError: ``rollout.sync`` does not fit the model.
+        EngineError: vLLM missing, or a server unreachable or serving another model.
+    """
+    r = cfg.rollout
+    if r.engine == "hf":
+        return HFEngine(model, tokenizer, batch_size=r.batch_size, merge_lora=r.merge_lora, decoder=r.decoder)
+    try:
+        sync = resolve_sync(r.sync, model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if r.engine == "remote":
+        from plainrl.rollout.engines.remote import RemoteEngine
+
+        return RemoteEngine(r.remote.urls, tokenizer, sync=sync, timeout_s=r.remote.timeout_s,
+                            connect_timeout_s=r.remote.connect_timeout_s, weights_via=r.remote.weights_via,
+                            shared_dir=r.remote.shared_dir, max_model_len=cfg.model.max_context)
+    from plainrl.rollout.engines.vllm_local import VLLMEngine
+
+    lora_rank = max(c.r for c in model.peft_config.values()) if sync == "lora" else None
+    return VLLMEngine(vllm_args(cfg, device, lora_rank), sync=sync, cpu_kv_cache_gb=r.vllm.cpu_kv_cache_gb)
+
+
+def serve_command(cfg: Config, *, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of a vLLM server for ``cfg``'s model that a run with
+    ``rollout.engine=remote`` and the same model can sample from and sync weights to.
+
+    LoRA is enabled when the run would sync adapters (``model.lora.enabled`` and
+    ``rollout.sync`` not ``full``), with the adapter's rank (``model.adapter``'s own).
+    """
+    from plainrl.rollout.engines.server import server_argv, server_env
+
+    lora_rank = None
+    if cfg.model.lora.enabled and cfg.rollout.sync != "full":
+        lora_rank = cfg.model.lora.r
+        if cfg.model.adapter is not None:
+            adapter_cfg = Path(cfg.model.adapter) / "adapter_config.json"
+            if adapter_cfg.is_file():
+                lora_rank = int(json.loads(adapter_cfg.read_text())["r"])
+    args = vllm_args(cfg, resolve_device(cfg.device), lora_rank)
+    return (server_argv(args, served_name=cfg.model.name, host=host, port=port),
+            server_env(cfg.rollout.vllm.cpu_kv_cache_gb))
+
+
+def serve(cfg: Config, *, host: str, port: int) -> NoReturn:
+    """Replace this process with the vLLM server of :func:`serve_command`.
+
+    Raises:
+        EngineError: vLLM is not installed.
+    """
+    from plainrl.rollout.engines.vllm_local import import_vllm
+
+    import_vllm()
+    argv, env = serve_command(cfg, host=host, port=port)
+    print("plainrl serve: " + " ".join(argv[1:]), flush=True)
+    os.execvpe(argv[0], argv, env)

