@@ -168,6 +168,7 @@ def _collate(episodes: list[Episode], index: list[int], pad_id: int, frames: dic
             continue
         fields[name] = torch.where(pos >= 0, rows.gather(1, pos.clamp(0, rows.shape[1] - 1)), 0.0)
     fields.setdefault("old_logps", old)
+    fields["engine_logps"] = old
     prompt_lens = torch.tensor([len(e.prompt_ids) for e in eps])
     return MicroBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, index=idx, completion_pos=pos,
                       prompt_lens=prompt_lens, **fields)

@@ -153,6 +153,8 @@ class MicroBatch:
     returns:        [B, T-1] the critic's targets (GAE's lambda-returns).
     prompt_lens:    [B] prompt tokens of each row (rows with equal prompts share their
                     computation in :func:`plainrl.models.sequence_logps`).
+    engine_logps:   [B, T-1] the engine's logprobs of the targets, whatever ``old_logps``
+                    holds (truncated importance sampling, ``algorithm.tis_cap``).
     """
 
     input_ids: torch.Tensor
@@ -165,3 +167,4 @@ class MicroBatch:
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     prompt_lens: torch.Tensor | None = None
+    engine_logps: torch.Tensor | None = None

@@ -19,6 +19,7 @@ from plainrl.algorithms import (
     grpo_advantages,
     kl_estimate,
     policy_loss,
+    truncated_is_weights,
     reinforce_pp_advantages,
     whiten_advantages,
     rloo_advantages,
@@ -629,3 +630,23 @@ def test_bradley_terry_loss_hand_computed():
     close(loss, [0.313262, 0.693147])
     loss.sum().backward()
     close(chosen.grad, [-0.268941, -0.5])
+
+
+def test_truncated_is_weights_hand_computed():
+    # learner pi_old = [0.5, 0.2, 0.9, 0.3], engine = [0.25, 0.4, 0.1, 0.3]; the last token is masked.
+    # ratios pi_old / pi_engine = [2, 0.5, 9, 1]; with C = 3: [2, 0.5, 3, (masked) 0]; one of three truncated
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9, 0.3]]))
+    engine = torch.log(torch.tensor([[0.25, 0.4, 0.1, 0.3]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w, frac = truncated_is_weights(old, engine, mask, cap=3.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 3.0, 0.0]]))
+    assert float(frac) == pytest.approx(1 / 3)
+    # on-policy (ratio 1), A = 1, token-mean: the loss is -mean_t(w_t) = -(2 + 0.5 + 3) / 3,
+    # and the gradient of each token's logprob is -w_t / 3
+    logps = old.clone().requires_grad_(True)
+    loss, _ = policy_loss(logps, old, torch.tensor([1.0]), mask, is_weights=w)
+    assert float(loss) == pytest.approx(-5.5 / 3)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-2 / 3, -0.5 / 3, -1.0, 0.0]]))
+    with pytest.raises(ValueError, match="tis_cap"):
+        truncated_is_weights(old, engine, mask, cap=0.0)

@@ -1,5 +1,7 @@
 """The hf engine and the learner on a tiny random Llama (float32, so numbers match exactly)."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -318,3 +320,27 @@ def test_logprob_diff_measures_engine_learner_disagreement(tiny_model_dir, token
         diffs.append(learner.update(eps, torch.tensor([1.0, -1.0, 0.5])).logprob_diff)
     assert diffs[0] < 1e-4
     assert diffs[1] == pytest.approx(0.25, abs=1e-4)
+
+
+def test_tis_weights_the_policy_gradient_by_the_truncated_engine_ratio(tiny_model_dir):
+    """An engine that gave every sampled token half the learner's probability (ratio 2) with
+    tis_cap=1.5: every token is truncated and the gradient is 1.5x the uncorrected one."""
+    eps = _episodes(4)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    grads, fracs = [], []
+    for cap in (None, 1.5):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        over = ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                "model.lora.enabled=false", "train.max_grad_norm=null"] + ([f"algorithm.tis_cap={cap}"] if cap else [])
+        learner = make_learner(load_config(None, over), m, pad_id=0)
+        learner_lp = learner.completion_logps(eps)  # [N, L]
+        for i, e in enumerate(eps):
+            e.logprobs = (learner_lp[i, : len(e.completion_ids)] - math.log(2)).tolist()
+        learner.optimizer.step = lambda: None  # keep the gradient for inspection
+        learner.optimizer.zero_grad = lambda set_to_none=True: None
+        stats = learner.update(eps, adv)
+        grads.append(torch.cat([p.grad.flatten() for p in learner.master]))
+        fracs.append(stats.tis_clip_frac)
+    assert fracs == [0.0, 1.0]
+    torch.testing.assert_close(grads[1], 1.5 * grads[0], atol=1e-6, rtol=1e-4)

@@ -20,6 +20,7 @@ from plainrl.algorithms.losses import (
     aggregate_loss,
     entropy_from_logits,
     policy_loss,
+    truncated_is_weights,
     value_loss,
 )
 from plainrl.algorithms.preference import bradley_terry_loss, dpo_loss
@@ -43,6 +44,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "rloo_advantages",
     "token_rewards",
+    "truncated_is_weights",
     "value_loss",
     "whiten_advantages",
 ]

@@ -157,6 +157,44 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp(min=1)
 
 
+def truncated_is_weights(
+    logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance-sampling weights for an engine that is not the learner.
+
+    The tokens were sampled by the engine (pi_engine: vLLM, another precision or kernel),
+    while the loss is written for the learner's pi_old. Since
+    E_{y ~ pi_engine}[w(y) f(y)] = E_{y ~ pi_old}[f(y)] with w = pi_old / pi_engine,
+    weighting each token's loss by w removes the mismatch; truncating, w = min(w, C),
+    bounds the variance a near-zero pi_engine would cause, at the cost of a bias on the
+    truncated tokens only:
+
+        w_t = min(exp(log pi_old(y_t) - log pi_engine(y_t)), C)      (detached)
+
+    Args:
+        logps:        [B, T] log pi_old of the sampled tokens as the learner computes them.
+        engine_logps: [B, T] the engine's logprobs of the same tokens.
+        mask:         [B, T] 1 on loss tokens.
+        cap:          C > 0 (``algorithm.tis_cap``; the paper uses 2).
+    Returns:
+        (weights [B, T] float32, 0 off the mask; fraction of loss tokens truncated, 0-dim).
+    Raises:
+        ValueError: ``cap <= 0`` or shapes that differ.
+
+    Source: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
+    RL Training" (fengyao.notion.site/off-policy-rl), the truncated IS correction of
+    the policy gradient; truncated IS after Ionides 2008 (J. Comput. Graph. Stat. 17:295).
+    """
+    if cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {cap}")
+    _check_bt(logps=logps, engine_logps=engine_logps, mask=mask)
+    m = mask.bool()
+    log_w = (logps.detach().float() - engine_logps.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    raw = torch.exp(log_w)
+    weights = torch.where(m, raw.clamp(max=cap), torch.zeros_like(raw))
+    return weights, _masked_mean((raw > cap).float(), m)
+
+
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -171,6 +209,7 @@ def policy_loss(
     num_tokens: Count | None = None,
     num_seqs: Count | None = None,
     normalizer: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss with clip-higher, dual-clip and GSPO sequence ratios.
 
@@ -197,6 +236,8 @@ def policy_loss(
         dual_clip:  c > 1 bounding the loss of negative-advantage tokens by c * |A|; None: off.
         ratio_level: ``"token"`` (PPO/GRPO/DAPO) or ``"sequence"`` (GSPO).
         agg, num_tokens, num_seqs, normalizer: reduction, see :func:`aggregate_loss`.
+        is_weights: [B, T] detached per-token weights of the surrogate (truncated importance
+                    sampling against the engine, :func:`truncated_is_weights`); None: 1.
 
     Returns:
         (loss, stats). ``loss`` is a 0-dim float32 tensor. ``stats`` holds 0-dim detached
@@ -245,6 +286,9 @@ def policy_loss(
     per_token = torch.maximum(-adv * ratio, -adv * clipped)
     if dual_clip is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
+    if is_weights is not None:
+        _check_bt(logps=logps, is_weights=is_weights)
+        per_token = per_token * is_weights.detach().float()
     loss = aggregate_loss(
         per_token, m, agg, normalizer=normalizer, num_tokens=num_tokens, num_seqs=num_seqs
     )

@@ -34,6 +34,7 @@ def step_metrics(
     m.update({
         "loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm, "clip_frac": stats.clip_frac,
         "lr": stats.lr, "skipped_step": float(stats.skipped), "rollout/logprob_diff": stats.logprob_diff,
+        "rollout/tis_clip_frac": stats.tis_clip_frac,
         "response_length/mean": statistics.fmean(lengths), "response_length/max": max(lengths),
         "response_length/clipped_frac": statistics.fmean(e.finish_reason == "length" for e in episodes),
         "tokens/completion": sum(lengths), **times,

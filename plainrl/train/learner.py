@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plainrl.algorithms import aggregate_loss, kl_estimate, policy_loss
+from plainrl.algorithms import aggregate_loss, kl_estimate, policy_loss, truncated_is_weights
 from plainrl.config import AlgorithmConfig, TrainConfig
 from plainrl.frames import completion_frame, make_micro_batches, to_completion_frame
 from plainrl.models import enable_gradient_checkpointing, sequence_logps, trainable_parameters
@@ -54,6 +54,7 @@ class UpdateStats:
     approx_kl: float = 0.0
     optimizer_steps: int = 1
     logprob_diff: float = 0.0
+    tis_clip_frac: float = 0.0  # loss tokens whose importance weight was truncated (algorithm.tis_cap)
 
     @staticmethod
     def merge(steps: list["UpdateStats"]) -> "UpdateStats":
@@ -67,6 +68,7 @@ class UpdateStats:
             micro_batches=sum(s.micro_batches for s in steps), skipped=any(s.skipped for s in steps),
             entropy=mean("entropy"), approx_kl=per_token("approx_kl"), optimizer_steps=len(steps),
             logprob_diff=steps[0].logprob_diff,  # the first step's forward is the rollout policy's
+            tis_clip_frac=per_token("tis_clip_frac"),
         )
 
 
@@ -194,7 +196,7 @@ class Learner:
         mbs = self._micro_batches(episodes, advantages, old_logps)
         num_tokens = int(sum(mb.loss_mask.sum().item() for mb in mbs))
         agg = dict(num_tokens=num_tokens, num_seqs=len(episodes), normalizer=self.completion_budget)
-        loss_sum = kl_sum = ent_sum = clip_sum = approx_kl_sum = diff_sum = 0.0
+        loss_sum = kl_sum = ent_sum = clip_sum = approx_kl_sum = diff_sum = tis_sum = 0.0
         self.model.train()
         for mb in mbs:
             ids, attn = mb.input_ids.to(dev), mb.attention_mask.to(dev)
@@ -203,12 +205,19 @@ class Learner:
                                  with_entropy=a.entropy_coef > 0, prompt_lens=self._prompt_lens(mb),
                                  packing=self.train.packing)
             logps, entropy = out if a.entropy_coef > 0 else (out, None)  # [B, T-1]
-            if old_logps is None:  # on-policy: mb.old_logps are the engine's, logps the same policy's
-                diff_sum += float(((logps.detach() - mb.old_logps.to(dev)).abs() * mask).sum())
+            engine = mb.engine_logps.to(dev)
+            if old_logps is None:  # on-policy: logps are the rollout policy's, as the learner computes it
+                diff_sum += float(((logps.detach() - engine).abs() * mask).sum())
+            # pi_old is always the learner's own (detached, or recomputed before several passes), never
+            # the engine's: an engine computes the same policy with other kernels or precision
             old = logps.detach() if old_logps is None else mb.old_logps.to(dev)
+            is_weights = None
+            if a.tis_cap is not None:
+                is_weights, truncated = truncated_is_weights(old, engine, mask, a.tis_cap)
+                tis_sum += float(truncated) * float(mask.sum())
             loss, stats = policy_loss(
                 logps, old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                dual_clip=a.dual_clip, ratio_level=a.ratio_level, agg=a.loss_agg, **agg,
+                dual_clip=a.dual_clip, ratio_level=a.ratio_level, agg=a.loss_agg, is_weights=is_weights, **agg,
             )
             if a.kl_coef > 0 and a.kl_placement == "loss":
                 kl = kl_estimate(logps, self._ref_logps(mb), a.kl_estimator)  # [B, T-1]
@@ -231,4 +240,5 @@ class Learner:
             loss=loss_sum, grad_norm=grad_norm, kl=kl_sum, clip_frac=clip_sum / max(1, num_tokens),
             lr=lr, num_tokens=num_tokens, micro_batches=len(mbs), skipped=skipped, entropy=ent_sum,
             approx_kl=approx_kl_sum / max(1, num_tokens), logprob_diff=diff_sum / max(1, num_tokens),
+            tis_clip_frac=tis_sum / max(1, num_tokens),
         )
