@@ -15,7 +15,9 @@ import re
 from dataclasses import dataclass
 
 import matplotlib
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from plainrl.report.data import RunData
@@ -26,7 +28,7 @@ _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e
 _STYLES = ("-", "--", ":", "-.")
 _SIZE = (4.6, 2.7)  # inches
 _GENERIC_ID = re.compile(r' id="(?:figure|axes|patch|matplotlib\.axis|xtick|ytick|line2d|text|legend|PolyCollection|'
-                         r'LineCollection|errorbar|line2d)_\d+"')
+                         r'LineCollection|errorbar)_\d+"')
 _METADATA = re.compile(r"<metadata>.*?</metadata>\s*", re.S)
 
 
@@ -62,7 +64,7 @@ def _svg(fig: Figure, chart_id: str) -> str:
     return _GENERIC_ID.sub("", _METADATA.sub("", text))
 
 
-def _figure(title: str, xlabel: str) -> tuple[Figure, object]:
+def _figure(title: str, xlabel: str) -> tuple[Figure, Axes]:
     fig = Figure(figsize=_SIZE)
     fig.subplots_adjust(left=0.13, right=0.97, bottom=0.16, top=0.88)
     ax = fig.add_subplot()
@@ -94,6 +96,9 @@ def curve_chart(chart_id: str, title: str, runs: list[RunData], keys: list[str])
     """Training curves of ``keys`` for every run, against steps done (a row's ``step`` + 1);
     None when no run has any of them. One key: a colour per run. Several keys: a colour per
     key and a line style per run."""
+    keys = [k for k in keys if any(run.series(k)[1] for run in runs)]  # legends name only what is drawn
+    if not keys:
+        return None
     fig, ax = _figure(title, "step")
     drawn, i = [], 0
     short = short_labels(keys)
@@ -105,10 +110,12 @@ def curve_chart(chart_id: str, title: str, runs: list[RunData], keys: list[str])
             x = [s + 1 for s in steps]
             color = _COLORS[(k_idx if len(keys) > 1 else r_idx) % len(_COLORS)]
             style = _STYLES[r_idx % len(_STYLES)] if len(keys) > 1 else "-"
-            label = " · ".join(p for p in (run.name if len(runs) > 1 else "", short[key] if len(keys) > 1 else "") if p)
+            # several runs and keys: the legend names keys by colour and runs by line style (below)
+            label = (None if len(runs) > 1 and len(keys) > 1 else
+                     run.name if len(runs) > 1 else short[key] if len(keys) > 1 else None)
             marker = "o" if len(x) < 12 else None  # a few steps: dots, so a single step shows
             raw, = ax.plot(x, values, color=color, linestyle=style, linewidth=1.0, marker=marker, markersize=3,
-                           label=label or None)
+                           label=label)
             raw.set_gid(f"{chart_id}-{i}-raw")
             sm, = ax.plot(x, smooth(values), color=color, linestyle=style, linewidth=1.8)
             sm.set_gid(f"{chart_id}-{i}-smooth")
@@ -116,7 +123,12 @@ def curve_chart(chart_id: str, title: str, runs: list[RunData], keys: list[str])
             i += 1
     if not drawn:
         return None
-    if any(line.get_label() and not line.get_label().startswith("_") for line in ax.get_lines()):
+    if len(runs) > 1 and len(keys) > 1:
+        handles = [Line2D([], [], color=_COLORS[k % len(_COLORS)], label=short[key]) for k, key in enumerate(keys)]
+        handles += [Line2D([], [], color="#555", linestyle=_STYLES[r % len(_STYLES)], label=run.name)
+                    for r, run in enumerate(runs)]
+        ax.legend(handles=handles, fontsize=6.5, frameon=False, ncol=2)
+    elif len(runs) > 1 or len(keys) > 1:
         ax.legend(fontsize=7, frameon=False)
     return Chart(chart_id, title, _svg(fig, chart_id), sorted(set(drawn)))
 

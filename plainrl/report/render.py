@@ -56,9 +56,12 @@ def _episode(run_idx: int, rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summary(run: RunData, metric: str) -> dict[str, Any]:
-    steps, values = run.series(metric)
-    head, tail = values[:5], values[-5:]
-    return {"first": sum(head) / len(head) if head else None, "last": sum(tail) / len(tail) if tail else None}
+    """Mean of the first and of the last ``n`` steps' values (n = 5, or half the steps when fewer than 10)."""
+    values = run.series(metric)[1]
+    n = min(5, len(values) // 2)
+    if n == 0:
+        return {"first": None, "last": None, "n": 0}
+    return {"first": sum(values[:n]) / n, "last": sum(values[-n:]) / n, "n": n}
 
 
 def _overview(idx: int, run: RunData) -> dict[str, Any]:
