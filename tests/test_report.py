@@ -6,7 +6,6 @@ filters working."""
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
