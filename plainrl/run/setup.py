@@ -171,6 +171,10 @@ def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_
 def setup(cfg: Config) -> Run:
     """Everything before the first step: checks, data, model, engine, learner (and PPO's
     critic); resume or eval-before. The caller closes ``run.prep`` when done."""
+    if cfg.rollout.engine == "vllm":  # a missing vLLM fails before the run dir, data and model
+        from plainrl.rollout.engines.vllm_local import import_vllm
+
+        import_vllm()
     if cfg.model.quantization != "none":  # an unsupported device fails before the run dir, data and model
         device = resolve_device(cfg.device)
         check_quantization(cfg.model.quantization, device, model_dtype(cfg.model.dtype, device))

