@@ -61,3 +61,29 @@ def grouped_episodes():
         eps.append(Episode(sample_id=str(i), group=i // 3, row={}, prompt_ids=list(p), completion_ids=c,
                            logprobs=[0.0] * n, loss_mask=[1] * n, finish_reason="eos"))
     return eps
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for servers started by a test)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def learner_logps(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """[len(completion)] the model's logprobs of ``completion`` after ``prompt`` (the learner's forward)."""
+    from plainrl.models import sequence_logps
+
+    ids = torch.tensor([prompt + completion])
+    mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
+    mask[0, len(prompt) - 1:] = True
+    return sequence_logps(model, ids, torch.ones_like(ids), positions=mask)[0, len(prompt) - 1:]
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """A one-turn chat prompt's ids with the generation prompt, as plainrl renders prompts."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]

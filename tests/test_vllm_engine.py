@@ -9,8 +9,10 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
+from conftest import chat_prompt_ids, learner_logps  # noqa: E402
+
 from plainrl.config import ModelConfig  # noqa: E402
-from plainrl.models import load_policy, load_tokenizer, resolve_model_path, sequence_logps  # noqa: E402
+from plainrl.models import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
 from plainrl.rollout.engines.hf import HFEngine  # noqa: E402
 from plainrl.rollout.engines.vllm_local import VLLMEngine, engine_args  # noqa: E402
 from plainrl.types import SamplingParams  # noqa: E402
@@ -33,17 +35,9 @@ def tok():
 
 def _prompts(tok):
     chats = ["What is 12 + 7? Answer with a number.", "Name three colours.", "Write one sentence about the sea."]
-    texts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
-             for c in chats]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [chat_prompt_ids(tok, c) for c in chats]
 
 
-def _learner_logps(model, prompt, completion):
-    ids = torch.tensor([prompt + completion])
-    mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
-    mask[0, len(prompt) - 1:] = True
-    lp = sequence_logps(model, ids, torch.ones_like(ids), positions=mask)  # [1, T-1]
-    return lp[0, len(prompt) - 1:]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +69,7 @@ def test_sampled_logprobs_agree_with_the_learner_and_groups_differ(full_engine, 
     gens = full_engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0),
                                 generator=torch.Generator().manual_seed(1))
     assert len({tuple(g.token_ids) for g in gens[:4]}) > 1  # n samples of one request are not copies
-    diffs = torch.cat([(_learner_logps(policy, p, g.token_ids) - torch.tensor(g.logprobs)).abs()
+    diffs = torch.cat([(learner_logps(policy, p, g.token_ids) - torch.tensor(g.logprobs)).abs()
                        for p, g in zip(prompts, gens)])
     assert float(diffs.mean()) < LOGPROB_TOL
     again = full_engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0),
@@ -101,14 +95,14 @@ def test_full_sync_makes_the_engine_follow_new_weights(full_engine, policy, tok)
         for layer in policy.model.layers:
             layer.mlp.down_proj.weight.mul_(1.5)
     stale = full_engine.generate([prompt], params)[0]
-    stale_diff = (_learner_logps(policy, prompt, stale.token_ids) - torch.tensor(stale.logprobs)).abs().mean()
+    stale_diff = (learner_logps(policy, prompt, stale.token_ids) - torch.tensor(stale.logprobs)).abs().mean()
     assert stale_diff > 10 * LOGPROB_TOL  # without a sync the engine samples the old policy
     before = full_engine.weight_sum("model.layers.0.mlp.down_proj.weight")
     full_engine.load_weights(policy)
     after = full_engine.weight_sum("model.layers.0.mlp.down_proj.weight")
     assert after == pytest.approx(1.5 * before, rel=1e-4)
     fresh = full_engine.generate([prompt], params)[0]
-    diff = (_learner_logps(policy, prompt, fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
+    diff = (learner_logps(policy, prompt, fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
     assert diff < LOGPROB_TOL
 
 
@@ -124,12 +118,12 @@ def test_lora_sync_makes_the_engine_follow_the_adapter(tok):
                 if "lora_B" in name:
                     p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
         stale = engine.generate([prompt], params)[0]
-        stale_diff = (_learner_logps(model, prompt, stale.token_ids) - torch.tensor(stale.logprobs)).abs().mean()
+        stale_diff = (learner_logps(model, prompt, stale.token_ids) - torch.tensor(stale.logprobs)).abs().mean()
         assert stale_diff > 10 * LOGPROB_TOL
         engine.load_weights(model)
         engine.load_weights(model)  # a second version replaces the first
         fresh = engine.generate([prompt], params)[0]
-        diff = (_learner_logps(model, prompt, fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
+        diff = (learner_logps(model, prompt, fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
         assert diff < LOGPROB_TOL
     finally:
         engine.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,9 +18,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
+from conftest import chat_prompt_ids, free_port, learner_logps  # noqa: E402
+
 from plainrl.cli import main  # noqa: E402
 from plainrl.config import ModelConfig  # noqa: E402
-from plainrl.models import load_policy, load_tokenizer, sequence_logps  # noqa: E402
+from plainrl.models import load_policy, load_tokenizer  # noqa: E402
 from plainrl.rollout.engines.hf import HFEngine  # noqa: E402
 from plainrl.rollout.engines.remote import RemoteEngine  # noqa: E402
 from plainrl.rollout.engines.requests import EngineError  # noqa: E402
@@ -35,16 +36,12 @@ LOGPROB_TOL = 2e-3
 START_TIMEOUT_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`plainrl serve` of the demo config (LoRA on) in float32, eager, on a free port."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "plainrl.cli", "serve", CONFIG, "model.dtype=float32", "model.max_context=512",
            "rollout.vllm.enforce_eager=true", "--port", str(port)]
@@ -75,15 +72,9 @@ def tok():
 
 
 def _prompt(tok, text="What is 12 + 7?"):
-    t = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tok(t, add_special_tokens=False)["input_ids"]
+    return chat_prompt_ids(tok, text)
 
 
-def _learner_logps(model, prompt, completion):
-    ids = torch.tensor([prompt + completion])
-    mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
-    mask[0, len(prompt) - 1:] = True
-    return sequence_logps(model, ids, torch.ones_like(ids), positions=mask)[0, len(prompt) - 1:]
 
 
 def test_remote_greedy_equals_embedded_and_full_sync_lands(server, tok):
@@ -106,7 +97,7 @@ def test_remote_greedy_equals_embedded_and_full_sync_lands(server, tok):
         engine.load_weights(policy)
         assert engine.weight_sum("model.layers.0.mlp.down_proj.weight") == pytest.approx(1.5 * before, rel=1e-4)
         fresh = engine.generate(prompts[:1], params)[0]
-        diff = (_learner_logps(policy, prompts[0], fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
+        diff = (learner_logps(policy, prompts[0], fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
         assert diff < LOGPROB_TOL
         with torch.no_grad():  # put the served weights back for the tests that follow
             for layer in policy.model.layers:
@@ -134,7 +125,7 @@ def test_a_server_with_another_tokenizer_is_refused(server):
 
 
 def test_an_unreachable_server_is_named(tok):
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(EngineError, match=url.replace(".", r"\.")):
         RemoteEngine([url], tok, sync="full", connect_timeout_s=2)
 
