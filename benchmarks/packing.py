@@ -15,7 +15,9 @@ micro-batch carries is that of a typical step. Advantages are random, fixed per 
 Each case gets a fresh copy of the policy and its own learner and runs one warm-up update;
 then ``--repeats`` rounds time one ``learner.update`` (forward, backward, optimiser step)
 of every case in turn, so a change in the machine's load falls on all cases alike; the
-median per case is reported. The first update's loss of every case is printed too: packing changes
+median per case is reported, in wall time and in the process's CPU time (``time.process_time``,
+all threads): on a machine shared with other work the CPU time is the steadier figure, and
+``--threads 1`` steadier still (no threads waiting on each other at a barrier). The first update's loss of every case is printed too: packing changes
 the layout, not the mathematics, so the losses agree to float rounding.
 """
 
@@ -95,7 +97,8 @@ def main(argv=None) -> int:
           f"attention {base.config._attn_implementation}")
     print(f"batch: {len(eps)} episodes, {real} real tokens, completions {args.lengths[0]}..{args.lengths[1]}")
     cases = [(share, packing) for share in (True, False) for packing in (False, True)]
-    learners, first, times = {}, {}, {c: [] for c in cases}
+    learners, first = {}, {}
+    times, cpu = {c: [] for c in cases}, {c: [] for c in cases}
     for share, packing in cases:  # build, and one warm-up update each (its stats are the first update's)
         c = cfg.model_copy(deep=True)
         c.train.share_prompts, c.train.packing = share, packing
@@ -104,21 +107,26 @@ def main(argv=None) -> int:
     for _ in range(args.repeats):  # round robin, so a change in the machine's load hits every case alike
         for case in cases:
             sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             learners[case].update(eps, adv)
             sync(device)
             times[case].append(time.perf_counter() - t0)
+            cpu[case].append(time.process_time() - c0)
     results = []
     for share, packing in cases:
         f = first[share, packing]
-        results.append(dict(share_prompts=share, packing=packing, update_s=statistics.median(times[share, packing]),
-                            all_s=times[share, packing], loss=f.loss, micro_batches=f.micro_batches))
-        print(f"share_prompts={share!s:5} packing={packing!s:5}  update {results[-1]['update_s']:7.3f} s  "
-              f"(runs {' '.join(f'{t:.2f}' for t in times[share, packing])})  loss {f.loss:+.6f}  "
+        w, c = times[share, packing], cpu[share, packing]
+        results.append(dict(share_prompts=share, packing=packing, update_s=statistics.median(w),
+                            cpu_s=statistics.median(c), all_s=w, all_cpu_s=c, loss=f.loss,
+                            micro_batches=f.micro_batches))
+        print(f"share_prompts={share!s:5} packing={packing!s:5}  update {statistics.median(w):7.3f} s wall "
+              f"{statistics.median(c):7.3f} s CPU  (wall {' '.join(f'{t:.2f}' for t in w)})  loss {f.loss:+.6f}  "
               f"micro-batches {f.micro_batches}", flush=True)
-    by = {(r["share_prompts"], r["packing"]): r["update_s"] for r in results}
-    for share in (True, False):
-        print(f"share_prompts={share}: packing speed-up x{by[(share, False)] / by[(share, True)]:.2f}")
+    for key in ("update_s", "cpu_s"):
+        by = {(r["share_prompts"], r["packing"]): r[key] for r in results}
+        for share in (True, False):
+            print(f"share_prompts={share}: packing speed-up x{by[(share, False)] / by[(share, True)]:.2f} "
+                  f"({'wall' if key == 'update_s' else 'CPU'} time)")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_summary(), "threads": torch.get_num_threads(),
                                          "lengths": list(args.lengths), "results": results}, indent=1))

@@ -26,9 +26,11 @@ ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.3])
 
 
 def _config(tiny_model_dir, *overrides):
+    # the padded forward, whose shared-prompt KV cache checkpointing must restore;
+    # packing (one pass, no cache) under checkpointing is tested in tests/test_packing.py
     return load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
                               f"model.name={tiny_model_dir}", "model.dtype=float32", "train.max_grad_norm=null",
-                              *overrides])
+                              "train.packing=false", *overrides])
 
 
 def _randomise_lora(model):

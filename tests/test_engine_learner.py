@@ -252,7 +252,8 @@ def test_learner_update_is_the_same_with_shared_prompts(tiny_model_dir):
         m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
                                  f"train.share_prompts={share}", "model.lora.enabled=false",
-                                 "train.max_grad_norm=null", "algorithm.kl_coef=0.1"])
+                                 "train.max_grad_norm=null", "algorithm.kl_coef=0.1",
+                                 "train.packing=false"])  # the padded shared-prompt path; packed: test_packing.py
         learner = make_learner(cfg, m, pad_id=0)
         learner.optimizer.step = lambda: None  # keep the gradient for inspection
         learner.optimizer.zero_grad = lambda set_to_none=True: None
@@ -280,7 +281,8 @@ def test_critic_values_and_update_are_the_same_with_shared_prompts(tiny_model_di
     for share in ("true", "false"):
         cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
                                  "algorithm.name=ppo", f"train.share_prompts={share}", "train.max_grad_norm=null",
-                                 f"model.name={tiny_model_dir}", "model.dtype=float32"])
+                                 f"model.name={tiny_model_dir}", "model.dtype=float32",
+                                 "train.packing=false"])  # the padded shared-prompt path; packed: test_packing.py
         torch.manual_seed(0)  # the same new value head in both
         critic = Critic(load_value_model(cfg.model, torch.device("cpu"), per_token=True), cfg.algorithm, cfg.train,
                         lr=cfg.critic.lr, pad_id=0)

@@ -331,8 +331,9 @@ class TrainConfig(_Section):
     # (plainrl.models.enable_gradient_checkpointing): less memory, about one more forward
     gradient_checkpointing: bool = False
     # RL: pack a micro-batch's episodes end to end (position ids restart, attention kept within
-    # each episode) so no compute is spent on padding (plainrl.models.packing)
-    packing: bool = False
+    # each episode) so no compute is spent on padding (plainrl.models.packing); on by default:
+    # faster on the demo batch (benchmarks/packing.py; figures in docs/benchmarks.md)
+    packing: bool = True
     batch_size: int = Field(8, gt=0)  # sft/dpo/rm: rows (pairs) per optimiser step; RL uses the rollout's
     max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row
 
