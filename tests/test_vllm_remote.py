@@ -145,8 +145,12 @@ def test_a_training_run_samples_through_the_server_then_it_shuts_down(server, tm
     assert all(r["rollout/logprob_diff"] < LOGPROB_TOL for r in steps)
     assert (run_dir / "final" / "adapter_config.json").is_file()
 
+    engine = RemoteEngine([url], tok, sync="full", connect_timeout_s=2, max_model_len=512)
     proc.send_signal(signal.SIGTERM)  # vLLM's server shuts down on SIGTERM
     assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
-    engine_error = pytest.raises(EngineError, match=url.replace(".", r"\."))
-    with engine_error:
+    # a server gone between steps: the request is retried once, then the step fails naming the URL
+    with pytest.raises(EngineError, match=url.replace(".", r"\.") + ".*after 2 attempt"):
+        engine.generate([_prompt(tok)], SamplingParams(max_new_tokens=4))
+    engine.close()
+    with pytest.raises(EngineError, match=url.replace(".", r"\.")):
         RemoteEngine([url], tok, sync="full", connect_timeout_s=2)
