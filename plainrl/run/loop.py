@@ -137,6 +137,7 @@ def _train(run: Run) -> Path:
             with timer("reward"):
                 adv, values, kl_metrics = estimate(run, episodes, frame)  # per algorithm.advantage
             extra.update(kl_metrics)
+            run.engine.offload()  # vLLM's sleep mode on CUDA: the learner gets its GPU memory
             with timer("update"):
                 if run.critic is not None:
                     extra.update(run.critic.update(episodes, adv.returns, values, frame.mask))

@@ -15,8 +15,9 @@ class Engine(Protocol):
     ``generate`` receives prompt token ids and returns, for each, the exact ids
     sampled and their logprobs under the current policy weights. ``load_weights``
     makes the engine sample from the learner's latest weights (a no-op for
-    engines that share the learner's model). ``close`` releases processes and
-    connections (a no-op for the embedded engine).
+    engines that share the learner's model). ``offload`` frees the engine's
+    accelerator memory while the learner trains (vLLM's sleep mode; a no-op
+    elsewhere). ``close`` releases processes and connections.
 
     Implementations: :class:`~plainrl.rollout.engines.hf.HFEngine` (embedded),
     :class:`~plainrl.rollout.engines.vllm_local.VLLMEngine` (vLLM in process),
@@ -32,5 +33,7 @@ class Engine(Protocol):
     ) -> list[Generation]: ...
 
     def load_weights(self, model: torch.nn.Module) -> None: ...
+
+    def offload(self) -> None: ...
 
     def close(self) -> None: ...

@@ -204,6 +204,9 @@ class HFEngine:
         """No-op: the engine samples with the learner's module itself."""
         assert model is self.model, "HFEngine shares the learner's model; nothing to load"
 
+    def offload(self) -> None:
+        """No-op: the engine is the learner's model."""
+
     def close(self) -> None:
         """No-op: nothing runs outside the learner's process."""
 

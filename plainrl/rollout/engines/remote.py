@@ -179,6 +179,9 @@ class RemoteEngine:
             if file is not None:
                 Path(file).unlink(missing_ok=True)
 
+    def offload(self) -> None:
+        """No-op: the servers' memory is their own."""
+
     def weight_sum(self, name: str, server: int = 0) -> float:
         """Sum of one of a server's vLLM parameters (tests check a sync landed)."""
         body = {"method": "plainrl_weight_sum", "args": [name]}

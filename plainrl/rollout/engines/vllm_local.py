@@ -108,17 +108,22 @@ class VLLMEngine:
             [VSamplingParams(**sampling_kwargs(params, n=len(r.rows), seed=r.seed)) for r in requests],
             lora_request=self._lora, use_tqdm=False,
         )
-        if self.sleeps:
-            self.llm.sleep(level=1)
-            self._asleep = True
         out: list[Generation | None] = [None] * len(prompts)
         for req, res in zip(requests, outputs):
             for row, c in zip(req.rows, res.outputs):
-                lps = [next(iter(d.values())).logprob if tok not in d else d[tok].logprob
-                       for tok, d in zip(c.token_ids, c.logprobs)]
-                out[row] = Generation(token_ids=list(c.token_ids), logprobs=[float(x) for x in lps],
+                # logprobs=0: each position's dict holds the sampled token alone
+                lps = [float(d[tok].logprob) for tok, d in zip(c.token_ids, c.logprobs)]
+                out[row] = Generation(token_ids=list(c.token_ids), logprobs=lps,
                                       finish_reason=finish_reason(c.finish_reason, c.stop_reason))
         return out  # type: ignore[return-value]
+
+    def offload(self) -> None:
+        """With sleep mode (CUDA, ``rollout.vllm.sleep``): offload vLLM's weights to CPU memory
+        and free its KV cache while the learner trains (level 1); the next sync or rollout
+        wakes it. Otherwise a no-op."""
+        if self.sleeps and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Push the learner's weights: the adapter as a new LoRA request, or the whole
