@@ -52,8 +52,10 @@ def test_load_by_file_path_absolute_and_relative(monkeypatch):
 def test_no_colon_error():
     with pytest.raises(RewardLoadError, match=r"has no ':'.*package\.module:function"):
         load_reward_fn("mymodule.fn")
-    with pytest.raises(RewardLoadError, match=r"write 'plainrl\.rewards:correctness'"):
-        load_reward_fn("correctness")
+    with pytest.raises(RewardLoadError, match=r"Did you mean the built-in 'correctness'.*Built-in rewards by name: "
+                                              r"correctness, format_reward"):
+        load_reward_fn("corectness")
+    assert load_reward_fn("correctness") is correctness  # a built-in by short name
 
 
 def test_module_not_found_error():

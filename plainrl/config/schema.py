@@ -390,6 +390,9 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     rewards: list[RewardSpec] = Field(default_factory=list)
+    # module:fn or path/to/file.py:fn, fn(scores: {name: [N]}, **columns) -> [N] rewards, replacing the
+    # weighted sum of rewards (plainrl.rewards.combine); None: the weighted sum
+    reward_combine: str | None = None
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

@@ -1,7 +1,9 @@
 """Built-in reward functions: ``fn(completion: str, **columns) -> float | None``.
 
-Reference them in a config as ``plainrl.rewards:correctness`` (or
-``plainrl.rewards.builtins:correctness``). They read the ``answer`` column;
+Reference them in a config by short name (``fn: correctness``; the names are
+:data:`plainrl.rewards.loading.BUILTIN_REWARDS`) or as ``plainrl.rewards:correctness`` (or
+``plainrl.rewards.builtins:correctness``). ``length`` and ``think_format`` live in
+:mod:`plainrl.rewards.formats` and are re-exported here. They read the ``answer`` column;
 GSM8K-style references ("... #### 72") are reduced to the part after ``####``.
 """
 
@@ -14,8 +16,11 @@ from decimal import Decimal, InvalidOperation
 from collections.abc import Mapping
 from typing import Any
 
+from plainrl.rewards.formats import length, think_format
+
 __all__ = [
-    "correctness", "extract_final_answer", "format_reward", "last_number_correct", "numeric_closeness", "tool_success",
+    "correctness", "extract_final_answer", "format_reward", "last_number_correct", "length", "numeric_closeness",
+    "think_format", "tool_success",
 ]
 
 _MISSING: Any = object()

@@ -24,12 +24,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable
 
+from plainrl.rewards.forms import is_batched
+
 if TYPE_CHECKING:
     from plainrl.config import RewardSpec
 
-__all__ = ["RewardFn", "RewardLoadError", "build_reward_fns", "load_reward_fn"]
+__all__ = ["BUILTIN_REWARDS", "RewardFn", "RewardLoadError", "build_reward_fns", "load_reward_fn"]
 
-_BUILTIN_NAMES = ("correctness", "format_reward", "numeric_closeness")
+# Built-in rewards by short name (``fn: correctness``): name -> reference.
+BUILTIN_REWARDS: dict[str, str] = {
+    name: f"plainrl.rewards.builtins:{name}"
+    for name in ("correctness", "format_reward", "last_number_correct", "length", "numeric_closeness",
+                 "think_format", "tool_success")
+}
 
 
 class RewardLoadError(ValueError):
@@ -41,13 +48,15 @@ class RewardFn:
     """One reward function ready to be scored.
 
     name:   metric name (``reward/<name>/mean``) and key of ``RewardOutput.parts``.
-    fn:     ``fn(completion, **columns, **kwargs) -> float | None``.
+    fn:     ``fn(completion, **columns, **kwargs) -> float | None``, or when ``batched``
+            ``fn(completions, **columns_as_lists, **kwargs) -> list[float | None]``.
     weight: multiplier in the weighted total; weight 0 logs the reward without using it.
     kwargs: extra keyword arguments from the config; they win over dataset columns
             of the same name.
     params: keyword names ``fn`` declares (after the completion), or None when it
             takes ``**kwargs`` (or its signature cannot be read): then every column
             is passed. Computed once here so the scoring loop does not re-inspect.
+    batched: ``fn`` was marked with :func:`plainrl.rewards.batched` (computed here).
     """
 
     name: str
@@ -55,10 +64,12 @@ class RewardFn:
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
     params: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+    batched: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kwargs", dict(self.kwargs))
         object.__setattr__(self, "params", _keyword_params(self.fn))
+        object.__setattr__(self, "batched", is_batched(self.fn))
 
 
 def _keyword_params(fn: Callable[..., Any]) -> frozenset[str] | None:
@@ -86,7 +97,8 @@ def load_reward_fn(ref: str, *, what: str = "reward") -> Callable[..., Any]:
     """Import the callable named by ``ref``.
 
     Args:
-        ref: ``package.module:fn`` or ``path/to/file.py:fn``. A target ending in
+        ref: ``package.module:fn`` or ``path/to/file.py:fn``; for ``what="reward"`` also a
+            built-in's short name (:data:`BUILTIN_REWARDS`, e.g. ``correctness``). A target ending in
             ``.py`` or containing a path separator is a file; it is imported under a
             unique module name derived from its absolute path (so two files both
             called ``rewards.py`` do not collide, and loading the same file twice
@@ -99,14 +111,19 @@ def load_reward_fn(ref: str, *, what: str = "reward") -> Callable[..., Any]:
         The callable (not yet checked for its signature; see :func:`build_reward_fns`).
 
     Raises:
-        RewardLoadError: no colon; module or file not found; the module raised while
+        RewardLoadError: no colon (and, for a reward, not a built-in name: the message
+            lists them and the closest); module or file not found; the module raised while
             importing; attribute missing (the message lists the module's callables);
             the attribute is not callable.
     """
+    if what == "reward" and isinstance(ref, str) and ref.strip() in BUILTIN_REWARDS:
+        ref = BUILTIN_REWARDS[ref.strip()]
     if not isinstance(ref, str) or ":" not in ref:
         hint = ""
-        if isinstance(ref, str) and ref.strip() in _BUILTIN_NAMES:
-            hint = f" For the built-in, write 'plainrl.rewards:{ref.strip()}'."
+        if what == "reward" and isinstance(ref, str):
+            close = difflib.get_close_matches(ref.strip(), list(BUILTIN_REWARDS), n=1)
+            hint = (f" Did you mean the built-in {close[0]!r}?" if close else "") + \
+                f" Built-in rewards by name: {', '.join(sorted(BUILTIN_REWARDS))}."
         raise RewardLoadError(
             f"{what} reference {ref!r} has no ':'; write 'package.module:function' or "
             f"'path/to/file.py:function'.{hint}"
@@ -284,9 +301,10 @@ def _check_signature(fn: Callable[..., Any], kwargs: dict[str, Any], where: str)
         p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params
     )
     if not takes_positional:
+        form = "fn(completions, **columns) (batched)" if is_batched(fn) else "fn(completion, **columns)"
         raise RewardLoadError(
-            f"{where}: {sig} cannot take the completion as its first positional argument; "
-            "define it as fn(completion, **columns)"
+            f"{where}: {sig} cannot take the completion{'s' if is_batched(fn) else ''} as its first "
+            f"positional argument; define it as {form}"
         )
     accepted = _keyword_params(fn)
     if accepted is not None:

@@ -9,6 +9,11 @@ Each call is ``fn(completion, **columns)`` where columns are the dataset row plu
 spec's ``kwargs`` (kwargs win on a name clash; a row column called ``completion`` is
 dropped because the generated completion takes that slot). A function without
 ``**kwargs`` receives only the parameters it declares.
+
+A function marked with :func:`plainrl.rewards.batched` is called once per chunk instead:
+``fn(completions, **columns)`` with each column a list aligned with ``completions``
+(kwargs as given). In this process the chunk is the whole batch; with workers the
+batch is split into one chunk per worker, and ``timeout_s`` bounds each chunk's call.
 """
 
 from __future__ import annotations
@@ -50,6 +55,33 @@ def _call(rf: RewardFn, completion: str, row: Mapping[str, Any]) -> _Result:
     return _check_value(value)
 
 
+def _call_batched(rf: RewardFn, completions: list[str], rows: list[Mapping[str, Any]]) -> list[_Result] | str:
+    """Per-sample results of one batched call, or a message (str) when the function broke
+    its contract (wrong length, not a list): the caller raises :class:`RewardError` with it."""
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update(dict.fromkeys(row))
+    names.pop("completion", None)
+    if rf.params is not None:
+        names = {k: None for k in names if k in rf.params}
+    columns: dict[str, Any] = {k: [row.get(k) for row in rows] for k in names}
+    columns.update(rf.kwargs)
+    if rf.params is not None:
+        columns = {k: v for k, v in columns.items() if k in rf.params}
+    try:
+        values = rf.fn(list(completions), **columns)
+    except Exception as e:
+        problem = f"batched call on {len(completions)} completions raised {describe_exception(e)}"
+        return [(None, problem, True, e)] * len(completions)
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        return (f"batched reward {rf.name!r} returned {type(values).__name__} {_short_repr(values)}; "
+                f"expected a list of {len(completions)} floats or None, one per completion")
+    if len(values) != len(completions):
+        return (f"batched reward {rf.name!r} returned {len(values)} values for {len(completions)} "
+                "completions; return exactly one float or None per completion, in order")
+    return [_check_value(v) for v in values]
+
+
 def _check_value(value: Any) -> _Result:
     if value is None:
         return None, "returned None (unscorable)", False, None
@@ -80,6 +112,7 @@ def score(
     fail_fast: bool = False,
     workers: int = 1,
     pool: RewardWorkers | None = None,
+    combine: Any = None,
 ) -> RewardOutput:
     """Call every reward function on every completion and combine the results.
 
@@ -107,14 +140,20 @@ def score(
         pool: a :class:`RewardWorkers` built for this same ``fns`` list, whose workers
             are reused across calls (what the trainer does).
 
+        combine: a :class:`plainrl.rewards.RewardCombine` (``reward_combine``) that turns the
+            parts into the totals instead of the weighted sum.
+
     Returns:
         ``RewardOutput``: ``total[i] = sum(weight * part)``, or None when a part with
-        non-zero weight is None; ``parts[name]`` the raw values; ``errors``.
+        non-zero weight is None (or what ``combine`` returned); ``parts[name]`` the raw
+        values; ``errors``.
 
     Raises:
         ValueError: lengths differ, duplicate names, ``timeout_s``/``workers`` not positive,
             or ``pool`` was built for other functions.
-        RewardError: with ``fail_fast=True``, on the first failing call.
+        RewardError: with ``fail_fast=True``, on the first failing call; always, when a
+            batched function returns the wrong number of values or a ``combine`` breaks
+            its contract (both name the function).
     """
     n = len(completions)
     if len(rows) != n or len(sample_ids) != n:
@@ -143,18 +182,31 @@ def score(
                 raise RewardError(str(err)) from exc
             errors.append(err)
 
+    def record_chunk(k: int, idxs: list[int], results: list[_Result] | str) -> None:
+        if isinstance(results, str):
+            raise RewardError(results)
+        for i, result in zip(idxs, results):
+            record(k, i, result)
+
     if timeout_s is None:
         for k, rf in enumerate(fns):
+            if rf.batched:
+                if n:
+                    record_chunk(k, list(range(n)), _call_batched(rf, completions, rows))
+                continue
             for i in range(n):
                 record(k, i, _call(rf, completions[i], rows[i]))
     elif pool is not None:
-        _score_in_workers(pool, completions, rows, timeout_s, record)
+        _score_in_workers(pool, completions, rows, timeout_s, record_chunk)
     else:
         with RewardWorkers(fns, workers) as own:
-            _score_in_workers(own, completions, rows, timeout_s, record)
+            _score_in_workers(own, completions, rows, timeout_s, record_chunk)
 
-    return RewardOutput(total=weighted_total(parts, {rf.name: rf.weight for rf in fns}, n), parts=parts,
-                        errors=errors)
+    if combine is not None:
+        total = combine(parts, rows)
+    else:
+        total = weighted_total(parts, {rf.name: rf.weight for rf in fns}, n)
+    return RewardOutput(total=total, parts=parts, errors=errors)
 
 
 def weighted_total(parts: Mapping[str, list[float | None]], weights: Mapping[str, float],
@@ -205,10 +257,15 @@ class RewardWorkers(WorkerPool):
         super().__init__(self._handle, name="plainrl-reward")
         self.fns, self.size = fns, size
 
-    def _handle(self, task: tuple[int, str, dict[str, Any]]) -> _Result:
+    def _handle(self, task: tuple[int, Any, Any]) -> list[_Result] | str:
+        # per-sample: (k, completion, row); batched: (k, completions, rows). Always answers
+        # a list of results (or a batched contract message); exceptions may not pickle.
         k, completion, row = task
+        if self.fns[k].batched:
+            got = _call_batched(self.fns[k], completion, row)
+            return got if isinstance(got, str) else [r[:3] + (None,) for r in got]
         value, problem, is_error, _ = _call(self.fns[k], completion, row)
-        return value, problem, is_error, None  # the exception object may not pickle
+        return [(value, problem, is_error, None)]
 
     def prestart(self, n: int | None = None) -> None:
         """Fork workers until ``n`` (default ``size``) are idle."""
@@ -220,11 +277,21 @@ def _score_in_workers(
     completions: list[str],
     rows: list[dict[str, Any]],
     timeout_s: float,
-    record: Any,
+    record_chunk: Any,
 ) -> None:
-    pending = deque((k, i) for k in range(len(pool.fns)) for i in range(len(completions)))
+    n = len(completions)
+    size = -(-n // pool.size) if n else 1  # a batched function's chunk: one per worker
+    pending: deque[tuple[int, list[int]]] = deque()
+    for k, rf in enumerate(pool.fns):
+        if rf.batched:
+            pending.extend((k, list(range(a, min(n, a + size)))) for a in range(0, n, size))
+        else:
+            pending.extend((k, [i]) for i in range(n))
     mine: list[Worker] = []  # taken from the pool for this call
-    tasks: dict[Worker, tuple[int, int, float]] = {}  # busy worker -> (function, sample, deadline)
+    tasks: dict[Worker, tuple[int, list[int], float]] = {}  # busy worker -> (function, samples, deadline)
+
+    def fail(k: int, idxs: list[int], problem: str) -> None:
+        record_chunk(k, idxs, [(None, problem, True, None)] * len(idxs))
     try:
         while pending or tasks:
             # hand out work (taking workers as needed, up to the pool's size)
@@ -235,38 +302,45 @@ def _score_in_workers(
                         break
                     idle = pool.take()
                     mine.append(idle)
-                k, i = pending.popleft()
+                k, idxs = pending.popleft()
+                if pool.fns[k].batched:
+                    task = (k, [completions[i] for i in idxs], [rows[i] for i in idxs])
+                else:
+                    task = (k, completions[idxs[0]], rows[idxs[0]])
                 try:
-                    idle.send((k, completions[i], rows[i]))
+                    idle.send(task)
                 except WorkerDied as e:
                     mine.remove(idle)
-                    record(k, i, (None, str(e), True, None))
+                    fail(k, idxs, str(e))
                     continue
                 except Exception as e:
-                    record(k, i, (None, f"could not send the row to the worker: {describe_exception(e)}", True, None))
+                    fail(k, idxs, f"could not send the row to the worker: {describe_exception(e)}")
                     continue
-                tasks[idle] = (k, i, time.monotonic() + timeout_s)
+                tasks[idle] = (k, idxs, time.monotonic() + timeout_s)
 
             if not tasks:
                 continue
             wait_s = max(0.0, min(d for _, _, d in tasks.values()) - time.monotonic())
             ready = set(wait([w.conn for w in tasks], timeout=wait_s))
             now = time.monotonic()
-            for w, (k, i, deadline) in list(tasks.items()):
+            for w, (k, idxs, deadline) in list(tasks.items()):
                 if w.conn in ready:
                     del tasks[w]
                     try:
                         status, value = w.recv()
                     except WorkerDied as e:
                         mine.remove(w)
-                        record(k, i, (None, str(e), True, None))
+                        fail(k, idxs, str(e))
                         continue
-                    record(k, i, value if status == "ok" else (None, value, True, None))
+                    if status == "ok":
+                        record_chunk(k, idxs, value)
+                    else:
+                        fail(k, idxs, value)
                 elif now >= deadline:
                     del tasks[w]
                     w.kill()
                     mine.remove(w)
-                    record(k, i, (None, f"timed out after {timeout_s:g}s", True, None))
+                    fail(k, idxs, f"timed out after {timeout_s:g}s")
     finally:
         for w in mine:
             if w in tasks:  # interrupted mid-call (fail_fast, Ctrl-C): its state is unknown
