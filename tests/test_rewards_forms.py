@@ -274,3 +274,41 @@ def test_length_errors():
 def test_think_format(text, kw, expected):
     assert think_format(text, **kw) == expected
     assert not math.isnan(expected)
+
+
+# ----------------------------------------------------------------------------- code_tests
+
+SOLUTION = "Here you go:\n```python\ndef add(a, b):\n    return a - b\n```\nFixed:\n```python\ndef add(a, b):\n    return a + b\n```\n"
+ECHO = "```py\nimport sys\nn = int(sys.stdin.read())\nprint(n * 2)\n```"
+
+
+def test_code_tests_extract_and_parse():
+    from plainrl.rewards.code import extract_code, parse_tests
+
+    assert extract_code(SOLUTION) == "def add(a, b):\n    return a + b\n"  # the last block
+    assert extract_code("```js\nx\n```") is None and extract_code("no code") is None
+    assert parse_tests("assert f(1)\n\nassert f(2)") == ["assert f(1)", "assert f(2)"]
+    assert parse_tests('[{"input": "1", "output": "2"}]') == [("1", "2")]
+    assert parse_tests({"inputs": ["1", "2"], "outputs": ["2", "4"]}) == [("1", "2"), ("2", "4")]
+    with pytest.raises(ValueError, match="test 0 is int"):
+        parse_tests([3])
+
+
+def test_code_tests_asserts_fraction_and_timeout():
+    from plainrl.rewards import code_tests
+
+    tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "while True: pass", "assert add(0, 0) == 0"]
+    assert code_tests(SOLUTION, tests, timeout_s=1) == 0.5  # 2 of 4: a wrong assert and a timeout fail
+    assert code_tests("no code here", tests) == 0.0
+    assert code_tests(SOLUTION, None) is None and code_tests(SOLUTION, []) is None
+    early_exit = "```python\nimport sys\nsys.exit(0)\n```"
+    assert code_tests(early_exit, ["assert False"]) == 0.0  # exiting before the tests does not pass them
+    with pytest.raises(TypeError, match="'tests' column"):
+        code_tests(SOLUTION)
+
+
+def test_code_tests_stdin_stdout_by_short_name():
+    fns = build_reward_fns([RewardSpec(fn="code_tests", kwargs={"timeout_s": 2})])
+    rows = [{"tests": {"inputs": ["2\n", "5\n", "x\n"], "outputs": ["4\n", "10", "0"]}}]
+    out = score(fns, [ECHO], rows, ["s0"])
+    assert out.parts["code_tests"] == [pytest.approx(2 / 3)]  # "x" raises: that test fails

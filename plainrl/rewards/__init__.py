@@ -11,6 +11,7 @@ Forms (docs/rewards.md): per-sample ``fn(completion, **columns)``; ``@batched``
 """
 
 from plainrl.rewards.builtins import (
+    code_tests,
     correctness,
     extract_final_answer,
     format_reward,
@@ -35,6 +36,7 @@ __all__ = [
     "RewardLoadError",
     "batched",
     "build_reward_fns",
+    "code_tests",
     "correctness",
     "extract_final_answer",
     "format_reward",
