@@ -6,7 +6,7 @@ The schema (one pydantic model per section) is in :mod:`plainrl.config.schema`; 
 and writing YAML in :mod:`plainrl.config.loading`.
 """
 
-from plainrl.config.loading import dump_config, load_config, parse_overrides
+from plainrl.config.loading import build_config, dump_config, load_config, nest_overrides, parse_overrides
 from plainrl.config.schema import (
     BUILTIN_ENVS, OFFLINE_ALGORITHMS, PRESETS, AdvantageEstimator, AlgorithmConfig, AlgorithmName, CheckpointConfig,
     Config, ConfigError, CriticConfig, DataConfig, EvalConfig, KLPlacement, LogConfig, LoraConfig, ModelConfig,
@@ -16,6 +16,6 @@ from plainrl.config.schema import (
 __all__ = [
     "BUILTIN_ENVS", "OFFLINE_ALGORITHMS", "PRESETS", "AdvantageEstimator", "AlgorithmConfig", "AlgorithmName",
     "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "EvalConfig", "KLPlacement",
-    "LogConfig", "LoraConfig", "ModelConfig", "RewardSpec", "RolloutConfig", "TrainConfig", "dump_config",
-    "load_config", "parse_overrides",
+    "LogConfig", "LoraConfig", "ModelConfig", "RewardSpec", "RolloutConfig", "TrainConfig", "build_config",
+    "dump_config", "load_config", "nest_overrides", "parse_overrides",
 ]

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,25 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from plainrl.config.schema import Config, ConfigError
+
+
+def _dotted(key: Any) -> bool:
+    return isinstance(key, str) and bool(key.strip()) and all(key.strip().split("."))
+
+
+def _nest(items: list[tuple[str, Any, str]]) -> dict[str, Any]:
+    """``[(dotted key, value, as the user wrote it)]`` -> a nested dict (later keys win; dict values merge)."""
+    nested: dict[str, Any] = {}
+    for key, value, item in items:
+        node = nested
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
+        last = parts[-1]
+        node[last] = _merge(node[last], value) if isinstance(value, dict) and isinstance(node.get(last), dict) else value
+    return nested
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -21,10 +42,10 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     Raises:
         ConfigError: an override without ``=`` or with an empty key.
     """
-    nested: dict[str, Any] = {}
+    items = []
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip() or any(not p for p in key.split(".")):
+        if not sep or not _dotted(key):
             raise ConfigError(
                 f"override {item!r} is not of the form dotted.key=value (e.g. train.lr=1e-5)"
             )
@@ -38,14 +59,25 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
                 value = float(value) if any(c in value.lower() for c in ".e") else int(value)
             except ValueError:
                 pass
-        node = nested
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
-        node[parts[-1]] = value
-    return nested
+        items.append((key, value, item))
+    return _nest(items)
+
+
+def nest_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn ``{"train.lr": 1e-5, "model.lora.enabled": False}`` into a nested dict.
+
+    Values are Python values, used as given (not parsed as YAML); a dict value overrides
+    the keys it names (``{"train": {"lr": 1e-5}}`` is ``{"train.lr": 1e-5}``).
+
+    Raises:
+        ConfigError: a key that is not a dotted config path.
+    """
+    items = []
+    for key, value in overrides.items():
+        if not _dotted(key):
+            raise ConfigError(f"override key {key!r} is not a dotted config key (e.g. train.lr)")
+        items.append((key, copy.deepcopy(value), f"{key}={value!r}"))
+    return _nest(items)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -94,12 +126,13 @@ def _format_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, Any] | None = None) -> Config:
     """Load a YAML config, apply dotted overrides, validate.
 
     Args:
         path: YAML file, or None for all defaults (overrides still apply).
-        overrides: ``["section.key=value", ...]``.
+        overrides: ``["section.key=value", ...]`` (values parsed as YAML), or a mapping
+            ``{"section.key": value}`` of Python values (see :func:`build_config`).
 
     Raises:
         ConfigError: missing file, bad YAML, unknown key, wrong type or impossible
@@ -118,9 +151,32 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level, got {type(raw).__name__}")
         source = str(p)
+    return build_config(raw, overrides, source)
+
+
+def build_config(raw: Mapping[str, Any], overrides: list[str] | Mapping[str, Any] | None = None,
+                 source: str = "a dict") -> Config:
+    """Validate a config mapping (what a YAML file holds) with overrides applied.
+
+    Args:
+        raw: the config as nested dicts, e.g. ``{"train": {"lr": 1e-5}}``.
+        overrides: CLI strings ``["train.lr=1e-5"]`` (values parsed as YAML), or a mapping
+            of dotted keys to Python values ``{"train.lr": 1e-5}`` (:func:`nest_overrides`).
+        source: where ``raw`` came from, for error messages.
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    raw = dict(raw)
     if overrides:
-        raw = _merge(raw, parse_overrides(overrides))
-        source += " + overrides " + " ".join(overrides)
+        if isinstance(overrides, Mapping):
+            raw = _merge(raw, nest_overrides(overrides))
+            source += " + overrides " + " ".join(f"{k}={v!r}" for k, v in overrides.items())
+        else:
+            raw = _merge(raw, parse_overrides(list(overrides)))
+            source += " + overrides " + " ".join(overrides)
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
