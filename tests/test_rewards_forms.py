@@ -312,3 +312,21 @@ def test_code_tests_stdin_stdout_by_short_name():
     rows = [{"tests": {"inputs": ["2\n", "5\n", "x\n"], "outputs": ["4\n", "10", "0"]}}]
     out = score(fns, [ECHO], rows, ["s0"])
     assert out.parts["code_tests"] == [pytest.approx(2 / 3)]  # "x" raises: that test fails
+
+
+def test_reward_combine_is_what_a_run_trains_on(tmp_path, tiny_model_dir):
+    import json
+
+    from conftest import tiny_overrides
+
+    from plainrl.cli import main
+
+    f = tmp_path / "quarter.py"
+    f.write_text("def quarter(scores, **columns):\n    return [0.25] * len(next(iter(scores.values())))\n")
+    run_dir = tmp_path / "run"
+    over = tiny_overrides(tiny_model_dir, run_dir) + [f"reward_combine={f}:quarter", "eval.before=false"]
+    assert main(["train", "examples/arithmetic_grpo.yaml", *over]) == 0
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "reward/mean" in r]
+    assert steps and all(r["reward/mean"] == 0.25 for r in steps)
+    assert all("reward/correctness/mean" in r for r in steps)  # per-function metrics still logged

@@ -69,7 +69,7 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
         with timer("reward"):
             return score_episodes(episodes, prep.reward_fns, models=run.reward_models,
                                   timeout_s=cfg.rollout.reward_timeout_s, pool=prep.reward_workers,
-                                  fail_fast=cfg.rollout.fail_fast)
+                                  fail_fast=cfg.rollout.fail_fast, combine=prep.reward_combine)
 
     if cfg.algorithm.dynamic_sampling:
         episodes, rewards_out, metrics = dynamic_sampling(

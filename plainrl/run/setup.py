@@ -28,6 +28,7 @@ from plainrl.models import (
 )
 from plainrl.models.quantization import check_support as check_quantization
 from plainrl.rewards import RewardFn, RewardWorkers, build_reward_fns
+from plainrl.rewards.combine import RewardCombine, load_reward_combine
 from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
@@ -48,6 +49,7 @@ class Prepared:
     reward_fns: list[RewardFn]
     multi_turn: MultiTurn | None  # rollout.env: episodes run in an environment
     reward_workers: RewardWorkers | None = None  # rollout.reward_timeout_s: reward calls in worker processes
+    reward_combine: RewardCombine | None = None  # reward_combine: replaces the weighted sum
 
     @property
     def env_factory(self) -> Callable[[], Environment] | None:
@@ -91,7 +93,8 @@ def prepare(cfg: Config) -> Prepared:
     if factory is not None:
         multi_turn = MultiTurn(factory, cfg.rollout.max_turns, cfg.rollout.completion_budget, cfg.data.system_prompt,
                                cfg.data.prompt_template, max_live=max_live_episodes(cfg.rollout))
-    return Prepared(tokenizer, data, reward_fns, multi_turn, workers)
+    combine = load_reward_combine(cfg.reward_combine) if cfg.reward_combine else None
+    return Prepared(tokenizer, data, reward_fns, multi_turn, workers, combine)
 
 
 def advantage_params(cfg: Config) -> AdvantageParams:
