@@ -76,6 +76,7 @@ class Episode:
     reward:         weighted total, or None when any weighted reward function
                     could not score it (unscorable: excluded from group stats).
     env:            the environment's outcome (multi-turn), None for single-turn episodes.
+    messages:       the multi-turn episode as chat messages (None for single-turn episodes).
     """
 
     sample_id: str
@@ -91,6 +92,9 @@ class Episode:
     reward_parts: dict[str, float | None] = field(default_factory=dict)
     advantage: float = 0.0
     env: EnvOutcome | None = None
+    # multi-turn: the episode as chat messages (prompt, assistant turns, tool/environment turns),
+    # what rewards naming a ``messages`` parameter receive; None for single-turn episodes
+    messages: list[dict[str, Any]] | None = None
 
     def columns(self) -> dict[str, Any]:
         """The columns reward functions receive as keyword arguments: the data row, plus

@@ -238,6 +238,10 @@ def test_calculator_rollout_resumes_after_plain_equals(tokenizer):
     assert info["tool_calls"] == 1 and info["turns"] == 2 and info["generate_calls"] == 3
     assert info["end_reason"] == "eos"
     assert engine.params[0].stop == ("=",)
+    # the episode as chat messages, for rewards that take `messages`: the prompt, then one assistant
+    # turn holding the model's text with the calculator's insertion
+    assert e.messages[-1] == {"role": "assistant", "content": "Half is 48/2 = <<48/2=24>> so 24."}
+    assert e.messages[-2]["role"] == "user" and "Half of 48?" in e.messages[-2]["content"]
 
 
 # ------------------------------------------------------------------------ calculator

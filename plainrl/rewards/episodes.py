@@ -44,7 +44,7 @@ def score_episodes(episodes: list[Episode], fns: list[RewardFn], *, models: Sequ
     ok = [e for e in episodes if e.env is None or e.env.error is None]
     wanted = {c for f in [*fns, combine] if f is not None and f.params is not None
               for c in f.params if c in EPISODE_COLUMNS}
-    rows = [episode_columns(e.columns(), e.completion_text, wanted=wanted, transcript=getattr(e, "messages", None),
+    rows = [episode_columns(e.columns(), e.completion_text, wanted=wanted, transcript=e.messages,
                             completion_tokens=sum(e.loss_mask) if e.loss_mask else len(e.completion_ids))
             if wanted else e.columns() for e in ok]
     scored = score(fns, [e.completion_text for e in ok], rows, [e.sample_id for e in ok],

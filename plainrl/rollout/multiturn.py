@@ -348,6 +348,7 @@ def _episode(r: _Run, tokenizer) -> Episode:
         logprobs=r.logprobs, loss_mask=r.mask, finish_reason=r.finish,
         completion_text=tokenizer.decode(r.ids, skip_special_tokens=True),
         env=EnvOutcome(reward=sum(r.rewards) if r.rewards else None, error=r.error, info=info),
+        messages=[dict(m) for m in r.state.messages],
     )
 
 
