@@ -87,3 +87,18 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def demo_steps_with_engine(run_dir: Path, engine_overrides: list[str]) -> list[dict]:
+    """A 2-step run of examples/arithmetic_grpo.yaml (float32, tiny batch) with the given engine
+    overrides; returns the metrics rows of its training steps."""
+    import json
+
+    from plainrl.cli import main
+
+    over = [f"run_dir={run_dir}", "model.dtype=float32", "model.max_context=512", "train.steps=2",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "data.eval_size=2",
+            "log.progress=false", "log.report=false", *engine_overrides]
+    assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "time/sync" in r]

@@ -4,7 +4,9 @@ a user sees without vLLM. The engines themselves run in tests/test_vllm_*.py (ma
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -71,7 +73,7 @@ def test_sync_modes_and_payloads(tiny_model_dir):
     k = lora.base_model.model.model.layers[0].self_attn.k_proj  # not adapted: sent as it is
     torch.testing.assert_close(weights["model.layers.0.self_attn.k_proj.weight"], k.weight)
     blob = to_safetensors(weights)
-    for payload in (blob, '{"safetensors_b64": "%s"}' % __import__("base64").b64encode(blob).decode()):
+    for payload in (blob, json.dumps({"safetensors_b64": base64.b64encode(blob).decode()})):
         torch.testing.assert_close(decode_payload(payload)["model.norm.weight"], weights["model.norm.weight"])
     assert set(load(blob)) == set(weights)
     with pytest.raises(ValueError, match="path"):

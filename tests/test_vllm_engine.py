@@ -9,7 +9,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import chat_prompt_ids, learner_logps  # noqa: E402
+from conftest import chat_prompt_ids, demo_steps_with_engine, learner_logps  # noqa: E402
 
 from plainrl.config import ModelConfig  # noqa: E402
 from plainrl.models import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
@@ -130,20 +130,8 @@ def test_lora_sync_makes_the_engine_follow_the_adapter(tok):
 
 
 def test_a_training_run_with_the_colocated_engine(tmp_path):
-    import json
-    from pathlib import Path
-
-    from plainrl.cli import main
-
-    run_dir = tmp_path / "run"
-    config = str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic_grpo.yaml")
-    over = [f"run_dir={run_dir}", "model.dtype=float32", "model.max_context=512", "rollout.engine=vllm",
-            "rollout.vllm.enforce_eager=true", "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
-            "rollout.max_new_tokens=16", "data.eval_size=2", "log.progress=false", "log.report=false",
-            "algorithm.tis_cap=2.0"]
-    assert main(["train", config, *over]) == 0
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if "time/sync" in r]
+    steps = demo_steps_with_engine(tmp_path / "run", ["rollout.engine=vllm", "rollout.vllm.enforce_eager=true",
+                                                      "algorithm.tis_cap=2.0"])
     assert len(steps) == 2
     # after each LoRA sync vLLM samples the learner's policy: logprobs agree, no weight is truncated
     assert all(r["rollout/logprob_diff"] < LOGPROB_TOL and r["rollout/tis_clip_frac"] == 0.0 for r in steps)

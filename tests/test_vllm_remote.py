@@ -4,7 +4,6 @@ and a clean shutdown. Runs under `make test-vllm`; skipped where vLLM is not ins
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,9 +17,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import chat_prompt_ids, free_port, learner_logps  # noqa: E402
+from conftest import chat_prompt_ids, demo_steps_with_engine, free_port, learner_logps  # noqa: E402
 
-from plainrl.cli import main  # noqa: E402
 from plainrl.config import ModelConfig  # noqa: E402
 from plainrl.models import load_policy, load_tokenizer  # noqa: E402
 from plainrl.rollout.engines.hf import HFEngine  # noqa: E402
@@ -133,13 +131,8 @@ def test_an_unreachable_server_is_named(tok):
 def test_a_training_run_samples_through_the_server_then_it_shuts_down(server, tmp_path, tok):
     url, proc = server
     run_dir = tmp_path / "run"
-    over = [f"run_dir={run_dir}", "model.dtype=float32", "model.max_context=512", "rollout.engine=remote",
-            f"rollout.remote.urls=[{url}]", "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
-            "rollout.max_new_tokens=16", "data.eval_size=2", "log.progress=false", "eval.before=false",
-            "log.report=false"]
-    assert main(["train", CONFIG, *over]) == 0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "time/sync" in r]
+    steps = demo_steps_with_engine(run_dir, ["rollout.engine=remote", f"rollout.remote.urls=[{url}]",
+                                             "eval.before=false"])
     assert len(steps) == 2
     # LoRA sync: the server samples the learner's adapter, so its logprobs match the learner's
     assert all(r["rollout/logprob_diff"] < LOGPROB_TOL for r in steps)

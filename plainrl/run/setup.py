@@ -5,6 +5,7 @@ stage its explicit values."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -206,11 +207,10 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         logger.print(f"data: {note}")
     prep.prestart()
     model = load_policy(cfg.model, device)
-    if cfg.rollout.engine == "hf":
+    # vLLM's start (loading, compiling) or the servers' checks take a while: not in silence
+    hf = cfg.rollout.engine == "hf"
+    with nullcontext() if hf else logger.phase(f"starting the {cfg.rollout.engine} engine"):
         engine = make_engine(cfg, model, prep.tokenizer, device)
-    else:  # vLLM's start (loading, compiling) or the servers' checks take a while: not in silence
-        with logger.phase(f"starting the {cfg.rollout.engine} engine"):
-            engine = make_engine(cfg, model, prep.tokenizer, device)
     run = Run(
         cfg, run_dir, prep, logger, model, engine, make_learner(cfg, model, pad_token_id(prep.tokenizer)),
         PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),

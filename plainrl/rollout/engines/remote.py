@@ -96,20 +96,21 @@ class RemoteEngine:
         ids = self._call("POST", url, "/tokenize", json={"model": served["id"], "prompt": TOKENIZER_PROBE,
                                                            "add_special_tokens": False}).json()["tokens"]
         ours = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
-        if ids != ours or len(tokenizer) > served.get("vocab_size", len(tokenizer)):
+        if ids != ours:
             raise EngineError(f"inference server {url} serves {served['id']!r}, whose tokenizer differs from the "
                               f"trainer's ({tokenizer.name_or_path}): a probe text gave {ids[:12]}... there, "
                               f"{ours[:12]}... here; serve the trainer's model ({START_HINT})")
+        # asked directly, not through _call: the answer's status tells what the server lacks
         try:
-            self._call("POST", url, "/collective_rpc", retries=0,
-                       json={"method": "plainrl_ping"})
-        except EngineError as e:
-            if "404" in str(e) or "Not Found" in str(e):
-                raise EngineError(f"inference server {url} has no weight-sync endpoints (/collective_rpc): it was "
-                                  f"not started by `plainrl serve`, so the trainer cannot push weights; {START_HINT}") from e
-            if "plainrl_ping" in str(e) or "attribute" in str(e):
-                raise EngineError(f"inference server {url} runs without plainrl's worker extension; {START_HINT}") from e
-            raise
+            ping = self.client.post(url + "/collective_rpc", json={"method": "plainrl_ping"})
+        except httpx.HTTPError as e:
+            raise EngineError(f"inference server {url}: POST /collective_rpc failed: {type(e).__name__}: {e}") from e
+        if ping.status_code == 404:
+            raise EngineError(f"inference server {url} has no weight-sync endpoints (/collective_rpc): it was "
+                              f"not started by `plainrl serve`, so the trainer cannot push weights; {START_HINT}")
+        if ping.status_code >= 400:
+            raise EngineError(f"inference server {url} runs without plainrl's worker extension (POST /collective_rpc "
+                              f"plainrl_ping answered {ping.status_code}: {ping.text[:300]}); {START_HINT}")
         return served["id"]
 
     # -- sampling -----------------------------------------------------------------------
