@@ -97,6 +97,14 @@ def test_remote_without_urls_is_a_config_error():
         load_config(None, ["data.task=arithmetic", "rollout.engine=remote"])
 
 
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_async_steps_needs_servers(engine):
+    with pytest.raises(ConfigError, match="rollout.async_steps=1 .* needs rollout.engine=remote"):
+        load_config(None, ["data.task=arithmetic", f"rollout.engine={engine}", "rollout.async_steps=1"])
+    with pytest.raises(ConfigError, match="async_steps"):
+        load_config(None, ["data.task=arithmetic", "rollout.async_steps=2"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this venv")
 def test_without_vllm_the_run_stops_with_the_install_command(tmp_path, capsys):
     code = main(["train", "examples/arithmetic_grpo.yaml", f"run_dir={tmp_path / 'run'}", "rollout.engine=vllm"])

@@ -12,7 +12,7 @@ import torch
 
 from plainrl.checkpoint.files import torch_load, verify
 from plainrl.checkpoint.layout import (
-    ALIASES_KEY, CONFIG, MASTER, OPTIMIZER, RNG, SCHEDULER, STATE, WEIGHTS, CheckpointError,
+    ALIASES_KEY, CONFIG, MASTER, OPTIMIZER, REQUIRED_FILES, RNG, SCHEDULER, STATE, WEIGHTS, CheckpointError,
 )
 from plainrl.checkpoint.rng import set_rng_state
 from plainrl.checkpoint.weights import is_peft, master_pairs
@@ -34,6 +34,7 @@ class CheckpointState:
     step: int
     sampler_state: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
+    blobs: dict[str, bytes] = field(default_factory=dict)  # save_checkpoint's ``blobs``
     config_yaml: str = ""
 
     @property
@@ -180,4 +181,5 @@ def load_checkpoint(
     return CheckpointState(
         path=ckpt_dir, step=step, sampler_state=state.get("sampler") or {}, extra=state.get("extra") or {},
         config_yaml=(ckpt_dir / CONFIG).read_text(),
+        blobs={n: (ckpt_dir / n).read_bytes() for n in manifest["files"] if n not in (*REQUIRED_FILES, MASTER)},
     )

@@ -77,6 +77,7 @@ def save_checkpoint(
     generator: torch.Generator | None,
     config_yaml: str,
     extra: dict[str, Any] | None = None,
+    blobs: dict[str, bytes] | None = None,
     keep_last: int | None = 3,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-<step>/`` atomically and point ``latest`` at it.
@@ -104,6 +105,8 @@ def save_checkpoint(
         generator: the sampling generator, or None.
         config_yaml: ``dump_config(cfg)``.
         extra: anything else JSON-serialisable to get back on resume.
+        blobs: file name -> bytes, files of the run's own to get back on resume
+            (``CheckpointState.blobs``), e.g. the next step's batch under ``rollout.async_steps``.
         keep_last: complete checkpoints to keep (>= 1), None keeps all.
     Returns:
         the checkpoint directory.
@@ -123,7 +126,12 @@ def save_checkpoint(
     check_finite(tensors)
     masters = {n: m.detach().to("cpu").contiguous() for n, _, m in master_pairs(model, optimizer)}
     check_finite(masters)
-    files = REQUIRED_FILES + ((MASTER,) if masters else ())
+    blobs = blobs or {}
+    reserved = set(REQUIRED_FILES) | {MASTER, MANIFEST}
+    bad = [n for n in blobs if n in reserved or "/" in n or n.startswith(".")]
+    if bad:
+        raise ValueError(f"blob names {bad} clash with the checkpoint's own files or are not plain names")
+    files = REQUIRED_FILES + ((MASTER,) if masters else ()) + tuple(blobs)
     try:
         state_json = json.dumps({
             "format_version": FORMAT_VERSION, "step": step, "weights": kind,
@@ -151,6 +159,8 @@ def save_checkpoint(
         torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
         torch_save(scheduler.state_dict(), tmp / SCHEDULER)
         torch_save(get_rng_state(generator), tmp / RNG)
+        for blob_name, data in blobs.items():
+            write_bytes(tmp / blob_name, data)
         write_bytes(tmp / STATE, state_json.encode())
         write_bytes(tmp / CONFIG, config_yaml.encode())
         manifest = {"format_version": FORMAT_VERSION, "step": step,

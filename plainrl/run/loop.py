@@ -16,6 +16,7 @@ from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
 from plainrl.run.collect import dynamic_sampling, shape_overlong
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
+from plainrl.run.overlap import Rollouts
 from plainrl.run.setup import Run, setup
 from plainrl.train import UpdateStats
 from plainrl.types import Episode, RewardOutput
@@ -129,28 +130,40 @@ def _train(run: Run) -> Path:
     cfg, prep, logger = run.cfg, run.prep, run.logger
     names = [f.name for f in prep.reward_fns] + [m.name for m in run.reward_models]
     boundary = StepBoundary.for_run(cfg, run.run_dir)
-    with GracefulStop() as stop:
-        for step in range(run.start, cfg.train.steps):
-            timer = StepTimer()
-            episodes, rewards_out, extra = collect(run, step, timer)  # rollout + rewards (+ DAPO's filters)
-            frame = completion_frame(episodes)  # [N, L] loss masks and engine logprobs
-            with timer("reward"):
-                adv, values, kl_metrics = estimate(run, episodes, frame)  # per algorithm.advantage
-            extra.update(kl_metrics)
-            run.engine.offload()  # vLLM's sleep mode on CUDA: the learner gets its GPU memory
-            with timer("update"):
-                if run.critic is not None:
-                    extra.update(run.critic.update(episodes, adv.returns, values, frame.mask))
-                # during PPO's critic warm-up the policy waits until the values mean something
-                warm = step >= cfg.critic.warmup_steps
-                stats = run.learner.update(episodes, adv.advantages) if warm else run.learner.skip()
-            with timer("sync"):  # a no-op for the embedded engine, which samples with the learner's model
-                run.engine.load_weights(run.model)
-            logger.log(step, step_metrics(episodes, names, rewards_out, stats, timer.metrics(), extra))
-            logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
-            logger.log_errors(step, rewards_out.errors)
-            boundary(step, skipped=stats.skipped, stop=stop, logger=logger,
-                     evaluate=run.evaluate if prep.data.eval else None, save=run.save)
+    rollouts = Rollouts(lambda step, timer: collect(run, step, timer), run.engine,
+                        async_steps=cfg.rollout.async_steps, start=run.start, total_steps=cfg.train.steps)
+    if run.in_flight is not None:
+        rollouts.restore(run.in_flight, run.start)
+    try:
+        with GracefulStop() as stop:
+            for step in range(run.start, cfg.train.steps):
+                timer = StepTimer()
+                batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: one step ahead
+                episodes, rewards_out, extra = batch.episodes, batch.rewards, batch.metrics
+                frame = completion_frame(episodes)  # [N, L] loss masks and engine logprobs
+                with timer("reward"):
+                    adv, values, kl_metrics = estimate(run, episodes, frame)  # per algorithm.advantage
+                extra.update(kl_metrics)
+                run.engine.offload()  # vLLM's sleep mode on CUDA: the learner gets its GPU memory
+                with timer("update"):
+                    if run.critic is not None:
+                        extra.update(run.critic.update(episodes, adv.returns, values, frame.mask))
+                    # during PPO's critic warm-up the policy waits until the values mean something
+                    warm = step >= cfg.critic.warmup_steps
+                    stats = run.learner.update(episodes, adv.advantages) if warm else run.learner.skip()
+                rollouts.sync(run.model, step, timer)  # async: after the next batch finished sampling
+                extra.update(run.engine.take_metrics())
+                times = dict(batch.times)  # the batch's sampling and scoring, then this step's phases
+                for k, v in timer.metrics().items():
+                    times[k] = times.get(k, 0.0) + v
+                logger.log(step, step_metrics(episodes, names, rewards_out, stats, times, extra))
+                logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
+                logger.log_errors(step, rewards_out.errors)
+                boundary(step, skipped=stats.skipped, stop=stop, logger=logger,
+                         evaluate=run.evaluate if prep.data.eval else None,
+                         save=lambda done: run.save(done, in_flight=rollouts.in_flight()))
+    finally:
+        rollouts.close()
 
     if cfg.eval.after and prep.data.eval:
         logger.log_eval(cfg.train.steps, run.evaluate())

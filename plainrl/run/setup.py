@@ -37,6 +37,7 @@ from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.engines import make_engine
 from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
+from plainrl.run.overlap import IN_FLIGHT
 from plainrl.train import Critic, Learner
 from plainrl.types import SamplingParams
 
@@ -123,6 +124,7 @@ class Run:
     start: int  # first step to run (> 0 when resumed)
     critic: Critic | None = None  # algorithm.advantage: gae
     reward_models: list[RewardModel] = field(default_factory=list)  # rewards: [{model: ...}]
+    in_flight: bytes | None = None  # async_steps=1, resumed: the checkpoint's batch for step `start`
 
     def evaluate(self) -> dict[str, float]:
         c = self.cfg
@@ -133,7 +135,9 @@ class Run:
             chunk_size=c.rollout.batch_size, progress=c.log.progress,
         )
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, in_flight: bytes | None = None) -> Path:
+        """Checkpoint after ``step`` steps; ``in_flight``: the next step's batch, already sampled
+        (``rollout.async_steps``), saved so a resumed run trains on it (see :mod:`plainrl.run.overlap`)."""
         if self.critic is not None:
             # written first: the policy's checkpoint is the commit point, so a critic
             # checkpoint always exists for the step that `latest` names
@@ -145,7 +149,7 @@ class Run:
         return save_checkpoint(
             self.run_dir, step, model=self.model, optimizer=self.learner.optimizer, scheduler=self.learner.scheduler,
             sampler_state=self.sampler.state_dict(), generator=self.generator, config_yaml=dump_config(self.cfg),
-            keep_last=self.cfg.checkpoint.keep_last,
+            blobs={IN_FLIGHT: in_flight} if in_flight is not None else None, keep_last=self.cfg.checkpoint.keep_last,
         )
 
 
@@ -228,6 +232,7 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
                                 scheduler=run.learner.scheduler, generator=run.generator)
         run.sampler.load_state_dict(state.sampler_state)
         run.start = state.step
+        run.in_flight = state.blobs.get(IN_FLIGHT)
         if run.critic is not None:
             critic_ckpt = resume_from.parent.parent / "critic" / CHECKPOINTS_DIR / step_dir_name(state.step)
             if not critic_ckpt.is_dir():

@@ -17,7 +17,9 @@ class Engine(Protocol):
     makes the engine sample from the learner's latest weights (a no-op for
     engines that share the learner's model). ``offload`` frees the engine's
     accelerator memory while the learner trains (vLLM's sleep mode; a no-op
-    elsewhere). ``close`` releases processes and connections.
+    elsewhere). ``take_metrics`` returns the engine's counters since the last call
+(``rollout/server_failures`` for servers; ``{}`` where there are none). ``close``
+releases processes and connections.
 
     Implementations: :class:`~plainrl.rollout.engines.hf.HFEngine` (embedded),
     :class:`~plainrl.rollout.engines.vllm_local.VLLMEngine` (vLLM in process),
@@ -35,5 +37,7 @@ class Engine(Protocol):
     def load_weights(self, model: torch.nn.Module) -> None: ...
 
     def offload(self) -> None: ...
+
+    def take_metrics(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...

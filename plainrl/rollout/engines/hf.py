@@ -207,6 +207,10 @@ class HFEngine:
     def offload(self) -> None:
         """No-op: the engine is the learner's model."""
 
+    def take_metrics(self) -> dict[str, float]:
+        """No counters."""
+        return {}
+
     def close(self) -> None:
         """No-op: nothing runs outside the learner's process."""
 

@@ -9,8 +9,14 @@ prompt once. Weight sync uses the endpoints ``plainrl serve`` enables: the LoRA-
 endpoint (``/v1/load_lora_adapter``, a new adapter name per update) and ``/collective_rpc``
 into :class:`~plainrl.rollout.engines.vllm_worker.WeightSyncExtension` for full weights.
 
-Every call has a timeout; a request that fails on the network or with a server error
-is retried once, then the step fails with an :class:`EngineError` naming the URL.
+Several servers: each group's request goes to the live server with the fewest requests
+in flight (:class:`~plainrl.rollout.engines.servers.ServerPool`), and weights are pushed
+to all of them in parallel; a step samples only once every live server holds the new
+weights. Every call has a timeout; a request that fails on the network or with a server
+error is retried once (a timeout is not: the server is presumed hung), then its server is
+marked dead (a warning, ``rollout/server_failures``) and the request goes to another. A
+dead server is probed again at each weight sync and used again once it answers. With no
+server left the step fails with an :class:`EngineError` naming the URLs.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import httpx
 import torch
 
 from plainrl.rollout.engines.requests import EngineError, Request, finish_reason, make_requests, sampling_kwargs
+from plainrl.rollout.engines.servers import ServerDown, ServerPool
 from plainrl.rollout.engines.sync import AdapterVersions, SyncMode, policy_weights, to_safetensors
 from plainrl.types import Generation, SamplingParams
 
@@ -39,8 +46,8 @@ class RemoteEngine:
     """The :class:`~plainrl.rollout.engines.base.Engine` protocol over vLLM servers.
 
     Args:
-        urls: server base URLs, e.g. ``["http://127.0.0.1:8000"]``; a group's requests
-            go to one server, groups spread round-robin.
+        urls: server base URLs, e.g. ``["http://127.0.0.1:8000"]``; a group's request
+            goes to one server, the one with the fewest requests in flight.
         tokenizer: the trainer's; each server's tokenizer must encode a probe text to the
             same ids.
         sync: ``lora`` or ``full``.
@@ -63,23 +70,37 @@ class RemoteEngine:
             raise EngineError(f"rollout.engine=remote needs at least one URL in rollout.remote.urls; {START_HINT}")
         self.urls = [u.rstrip("/") for u in urls]
         self.sync, self.weights_via = sync, weights_via
-        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._tokenizer, self._max_model_len = tokenizer, max_model_len
+        self._probe_timeout = connect_timeout_s  # health checks: a hung server must not hold a sync for timeout_s
         self.models = [self._check(url, tokenizer, max_model_len) for url in self.urls]
+        self.pool = ServerPool(self.urls)
         self._adapters = AdapterVersions(shared_dir)  # adapters and weights_via=path files
         self._lora: str | None = None  # the adapter name requests ask for, once synced
 
     # -- HTTP -------------------------------------------------------------------------
     def _call(self, method: str, url: str, path: str, *, retries: int = 1, **kwargs) -> httpx.Response:
+        """One HTTP call with the client's timeouts.
+
+        Raises:
+            ServerDown: no answer (connection error, timeout) or a 5xx, after ``retries`` more
+                tries for anything but a timeout.
+            EngineError: a 4xx answer (the request is wrong; retrying cannot help).
+        """
         for attempt in range(retries + 1):
             try:
                 response = self.client.request(method, url + path, **kwargs)
             except httpx.HTTPError as e:
-                if attempt < retries:
+                if attempt < retries and not isinstance(e, httpx.TimeoutException):
                     continue
-                raise EngineError(f"inference server {url}: {method} {path} failed after {attempt + 1} "
-                                  f"attempt(s): {type(e).__name__}: {e}; is it running? {START_HINT}") from e
+                raise ServerDown(f"inference server {url}: {method} {path} failed after {attempt + 1} "
+                                 f"attempt(s): {type(e).__name__}: {e}; is it running? {START_HINT}") from e
             if response.status_code >= 500 and attempt < retries:
                 continue
+            if response.status_code >= 500:
+                raise ServerDown(f"inference server {url}: {method} {path} answered {response.status_code}: "
+                                 f"{response.text[:500]}")
             if response.status_code >= 400:
                 raise EngineError(f"inference server {url}: {method} {path} answered {response.status_code}: "
                                   f"{response.text[:500]}")
@@ -87,7 +108,7 @@ class RemoteEngine:
         raise AssertionError("unreachable")
 
     def _check(self, url: str, tokenizer, max_model_len: int) -> str:
-        self._call("GET", url, "/health", retries=0)
+        self._call("GET", url, "/health", retries=0, timeout=self._probe_timeout)
         models = self._call("GET", url, "/v1/models").json()["data"]
         served = models[0]
         if served.get("max_model_len") is not None and served["max_model_len"] < max_model_len:
@@ -144,7 +165,8 @@ class RemoteEngine:
         requests = make_requests(prompts, generator)
         out: list[Generation | None] = [None] * len(prompts)
         with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
-            futures = [pool.submit(self._complete, i % len(self.urls), r, params) for i, r in enumerate(requests)]
+            futures = [pool.submit(self.pool.run, lambda server, r=r: self._complete(server, r, params))
+                       for r in requests]
             for req, fut in zip(requests, futures):
                 for row, gen in zip(req.rows, fut.result()):
                     out[row] = gen
@@ -152,16 +174,25 @@ class RemoteEngine:
 
     # -- weight sync ----------------------------------------------------------------------
     def load_weights(self, model: torch.nn.Module) -> None:
-        """Push the learner's weights to every server: the adapter under a new name (the
-        previous one is unloaded), or the whole merged state dict through the worker
-        extension, after which each server's prefix cache is reset."""
+        """Push the learner's weights to every server, in parallel: the adapter under a new
+        name (the previous one is unloaded), or the whole merged state dict through the
+        worker extension, after which each server's prefix cache is reset. A server that
+        fails is marked dead; dead servers that answer their health check again get the
+        weights and are used again.
+
+        Raises:
+            EngineError: no server holds the new weights.
+        """
         if self.sync == "lora":
             version, path = self._adapters.save(model)
-            name = f"plainrl-v{version}"
-            for url in self.urls:
+            name, previous = f"plainrl-v{version}", self._lora
+
+            def push(url: str) -> None:
                 self._call("POST", url, "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
-                if self._lora is not None:
-                    self._call("POST", url, "/v1/unload_lora_adapter", json={"lora_name": self._lora})
+                if previous is not None:  # a revived server never had it: a 4xx there is no failure
+                    self.client.post(url + "/v1/unload_lora_adapter", json={"lora_name": previous})
+
+            self._push_all(push)
             self._lora = name
             return
         blob = to_safetensors(policy_weights(model))
@@ -172,13 +203,45 @@ class RemoteEngine:
             file = self._adapters.root / f"weights-{uuid.uuid4().hex}.safetensors"
             file.write_bytes(blob)
             payload = json.dumps({"path": str(file)})
+
+        def push_full(url: str) -> None:
+            self._call("POST", url, "/collective_rpc", json={"method": "plainrl_load_weights", "args": [payload]})
+            self._call("POST", url, "/reset_prefix_cache")
+
         try:
-            for url in self.urls:
-                self._call("POST", url, "/collective_rpc", json={"method": "plainrl_load_weights", "args": [payload]})
-                self._call("POST", url, "/reset_prefix_cache")
+            self._push_all(push_full)
         finally:
             if file is not None:
                 Path(file).unlink(missing_ok=True)
+
+    def _push_all(self, push) -> None:
+        live = set(self.pool.live())
+        targets = [i for i in range(len(self.urls)) if i in live or self._answers(i)]
+        with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+            results = {i: pool.submit(push, self.urls[i]) for i in targets}
+        for i, fut in results.items():
+            error = fut.exception()
+            if error is None:
+                self.pool.revive(i)
+            elif isinstance(error, ServerDown):
+                self.pool.mark_dead(i, error)
+            else:
+                raise error
+        if not self.pool.live():
+            raise EngineError(f"weight sync failed on every inference server ({', '.join(self.urls)}): "
+                              f"none holds the new weights; restart them (`plainrl serve`) and resume the run")
+
+    def _answers(self, server: int) -> bool:
+        """Whether a dead server is back: healthy, the same tokenizer and context, plainrl's endpoints."""
+        try:
+            self._check(self.urls[server], self._tokenizer, self._max_model_len)
+            return True
+        except EngineError:
+            return False
+
+    def take_metrics(self) -> dict[str, float]:
+        """``rollout/server_failures``: servers marked dead since the last call."""
+        return {"rollout/server_failures": float(self.pool.take_failures())}
 
     def offload(self) -> None:
         """No-op: the servers' memory is their own."""

@@ -117,6 +117,10 @@ class VLLMEngine:
                                       finish_reason=finish_reason(c.finish_reason, c.stop_reason))
         return out  # type: ignore[return-value]
 
+    def take_metrics(self) -> dict[str, float]:
+        """No counters."""
+        return {}
+
     def offload(self) -> None:
         """With sleep mode (CUDA, ``rollout.vllm.sleep``): offload vLLM's weights to CPU memory
         and free its KV cache while the learner trains (level 1); the next sync or rollout

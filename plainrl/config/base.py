@@ -1,0 +1,13 @@
+"""What every configuration section shares: ``extra="forbid"`` validation and the error type."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted path, the value and the fix in the message."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
