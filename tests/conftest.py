@@ -102,3 +102,49 @@ def demo_steps_with_engine(run_dir: Path, engine_overrides: list[str]) -> list[d
     assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "time/sync" in r]
+
+
+SERVE_START_TIMEOUT_S = 600
+
+
+def start_server(log: Path, *overrides: str):
+    """Start `plainrl serve` of examples/arithmetic_grpo.yaml (LoRA on, float32, eager, context
+    512) on a free loopback port, in its own process group (kill it with ``os.killpg``).
+
+    Returns:
+        ``(process, url)``; wait for it with :func:`wait_healthy`.
+    """
+    import subprocess
+    import sys
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "plainrl.cli", "serve", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+           "model.dtype=float32", "model.max_context=512", "rollout.vllm.enforce_eager=true", *overrides,
+           "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log = log
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc, url: str, timeout_s: float = SERVE_START_TIMEOUT_S) -> None:
+    """Wait until a :func:`start_server` server answers /health; fail the test (killing it) if it
+    exits or stays silent past ``timeout_s``."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"plainrl serve exited with {proc.returncode}:\n{proc.log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"plainrl serve did not answer /health within {timeout_s} s:\n{proc.log.read_text()[-3000:]}")

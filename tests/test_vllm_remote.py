@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import chat_prompt_ids, demo_steps_with_engine, free_port, learner_logps  # noqa: E402
+from conftest import (  # noqa: E402
+    chat_prompt_ids, demo_steps_with_engine, free_port, learner_logps, start_server, wait_healthy,
+)
 
 from plainrl.config import ModelConfig  # noqa: E402
 from plainrl.models import load_policy, load_tokenizer  # noqa: E402
@@ -28,37 +26,15 @@ from plainrl.types import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = str(REPO / "examples" / "arithmetic_grpo.yaml")
 MODEL = "smollm2-135m-instruct"
 LOGPROB_TOL = 2e-3
-START_TIMEOUT_S = 600
-
-
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`plainrl serve` of the demo config (LoRA on) in float32, eager, on a free port."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "plainrl.cli", "serve", CONFIG, "model.dtype=float32", "model.max_context=512",
-           "rollout.vllm.enforce_eager=true", "--port", str(port)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"plainrl serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"plainrl serve did not answer /health within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log")
+    wait_healthy(proc, url)
     yield url, proc
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)

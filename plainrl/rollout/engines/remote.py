@@ -228,8 +228,7 @@ class RemoteEngine:
             else:
                 raise error
         if not self.pool.live():
-            raise EngineError(f"weight sync failed on every inference server ({', '.join(self.urls)}): "
-                              f"none holds the new weights; restart them (`plainrl serve`) and resume the run")
+            raise self.pool.none_left()
 
     def _answers(self, server: int) -> bool:
         """Whether a dead server is back: healthy, the same tokenizer and context, plainrl's endpoints."""

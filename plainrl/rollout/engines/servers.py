@@ -54,12 +54,16 @@ class ServerPool:
         with self._lock:
             live = [i for i, ok in enumerate(self.alive) if ok]
             if not live:
-                why = "; ".join(self.errors.get(i, self.urls[i]) for i in range(len(self.urls)))
-                raise EngineError(f"no inference server left ({why}); restart them (`plainrl serve`) and run the "
-                                  "same command again: it resumes from the last checkpoint")
+                raise self.none_left()
             server = min(live, key=lambda i: (self.outstanding[i], i))
             self.outstanding[server] += 1
             return server
+
+    def none_left(self) -> EngineError:
+        """The error that ends a run once every server is dead, with why each one was."""
+        why = "; ".join(self.errors.get(i, self.urls[i]) for i in range(len(self.urls)))
+        return EngineError(f"no inference server left ({why}); restart them (`plainrl serve`) and run the same "
+                           "command again: it resumes from the last checkpoint")
 
     def release(self, server: int) -> None:
         with self._lock:

