@@ -63,8 +63,9 @@ def _train(run_dir: Path, urls: list[str], *extra: str, wait: bool = True):
            "rollout.group_size=2", "rollout.max_new_tokens=16", "data.eval_size=2", "eval.before=false",
            "eval.after=false", "log.progress=false", "log.report=false", "log.rollouts_per_step=8",
            "rollout.engine=remote", f"rollout.remote.urls=[{','.join(urls)}]", "rollout.async_steps=1", *extra]
-    if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:  # faulthandler: SIGABRT dumps every thread's stack (a hang's diagnosis)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -145,7 +146,12 @@ def test_a_run_ends_with_a_clear_error_within_60_s_when_every_server_is_gone(tmp
             time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
-        _, err = train.communicate(timeout=60)
+        try:
+            _, err = train.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            train.send_signal(signal.SIGABRT)
+            pytest.fail("the run did not exit within 60 s of its last server's death:\n"
+                        + train.communicate(timeout=30)[1][-8000:])
         assert time.monotonic() - killed < 60
         assert train.returncode != 0
         assert "no inference server left" in err and url in err
