@@ -58,6 +58,9 @@ def test_sync_modes_and_payloads(tiny_model_dir):
                        torch.device("cpu"))
     assert resolve_sync("auto", full) == "full" and resolve_sync("auto", lora) == "lora"
     assert resolve_sync("full", lora) == "full"
+    # vLLM in process on a CPU: its LoRA path is the slow part, so auto pushes merged weights
+    assert resolve_sync("auto", lora, lora_is_slow=True) == "full"
+    assert resolve_sync("lora", lora, lora_is_slow=True) == "lora"
     with pytest.raises(ValueError, match="needs a LoRA model"):
         resolve_sync("lora", full)
     with torch.no_grad():

@@ -48,7 +48,7 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: PreTrainedTokeni
     if r.engine == "hf":
         return HFEngine(model, tokenizer, batch_size=r.batch_size, merge_lora=r.merge_lora, decoder=r.decoder)
     try:
-        sync = resolve_sync(r.sync, model)
+        sync = resolve_sync(r.sync, model, lora_is_slow=r.engine == "vllm" and device.type == "cpu")
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if r.engine == "remote":

@@ -22,8 +22,11 @@ from plainrl.models import is_quantized, lora_delta, unwrap
 SyncMode = Literal["lora", "full"]
 
 
-def resolve_sync(requested: str, model: torch.nn.Module) -> SyncMode:
-    """``rollout.sync`` for this model: ``auto`` is ``lora`` for a LoRA model, else ``full``.
+def resolve_sync(requested: str, model: torch.nn.Module, *, lora_is_slow: bool = False) -> SyncMode:
+    """``rollout.sync`` for this model: ``auto`` is ``lora`` for a LoRA model, else ``full``;
+    with ``lora_is_slow`` (vLLM in process on a CPU, whose LoRA path sampled the demo's
+    rollouts 4.3x slower than merged weights, docs/benchmarks.md) ``auto`` pushes a LoRA
+    model merged, in ``full``, unless its base is quantized.
 
     Raises:
         ValueError: ``lora`` for a model without adapters, or ``full`` for a quantized
@@ -31,7 +34,7 @@ def resolve_sync(requested: str, model: torch.nn.Module) -> SyncMode:
     """
     has_lora = hasattr(model, "peft_config")
     if requested == "auto":
-        return "lora" if has_lora else "full"
+        return "lora" if has_lora and not (lora_is_slow and not is_quantized(model)) else "full"
     if requested == "lora" and not has_lora:
         raise ValueError("rollout.sync=lora needs a LoRA model (model.lora.enabled=true); "
                          "use rollout.sync=full or auto for full fine-tuning")
