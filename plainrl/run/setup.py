@@ -30,6 +30,7 @@ from plainrl.models import (
 from plainrl.models.quantization import check_support as check_quantization
 from plainrl.rewards import RewardFn, RewardWorkers, build_reward_fns
 from plainrl.rewards.combine import RewardCombine, load_reward_combine
+from plainrl.rewards.judge import bind_judges
 from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
@@ -76,7 +77,7 @@ class Prepared:
 def prepare(cfg: Config) -> Prepared:
     """Load the tokenizer, data and reward functions; fail on bad input before any model loads."""
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.cache_dir)
-    reward_fns = build_reward_fns(cfg.rewards)
+    reward_fns = bind_judges(build_reward_fns(cfg.rewards), cfg.model.name)  # judge: policy_base, servers checked
     for spec in cfg.rewards:
         if spec.model is not None:
             RewardModel.check(spec)
