@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from plainrl.config.chat import ChatTemplateKwargs
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the dotted path, the value and the fix in the message."""
@@ -78,6 +80,7 @@ class DataConfig(_Section):
     prompt_column: str | None = None  # default: "messages" if present, else "prompt"
     system_prompt: str | None = None
     prompt_template: str = "{prompt}"  # applied to text prompts, e.g. "{prompt}\nAnswer: "
+    chat_template_kwargs: ChatTemplateKwargs = Field(default_factory=dict)  # e.g. {enable_thinking: false}
     on_invalid: Literal["error", "drop"] = "error"
     max_rows: int | None = Field(None, gt=0)
     eval_path: str | None = None

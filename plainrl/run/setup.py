@@ -93,7 +93,8 @@ def prepare(cfg: Config) -> Prepared:
     multi_turn = None
     if factory is not None:
         multi_turn = MultiTurn(factory, cfg.rollout.max_turns, cfg.rollout.completion_budget, cfg.data.system_prompt,
-                               cfg.data.prompt_template, max_live=max_live_episodes(cfg.rollout))
+                               cfg.data.prompt_template, max_live=max_live_episodes(cfg.rollout),
+                               chat_template_kwargs=cfg.data.chat_template_kwargs)
     combine = load_reward_combine(cfg.reward_combine) if cfg.reward_combine else None
     return Prepared(tokenizer, data, reward_fns, multi_turn, workers, combine)
 
