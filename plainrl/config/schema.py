@@ -71,7 +71,7 @@ class DataConfig(_Section):
     columns; ``format: gsm8k`` maps GSM8K's ``question``/``answer`` rows onto that.
     """
 
-    task: Literal["arithmetic"] | None = None
+    task: Literal["arithmetic", "countdown"] | None = None
     task_args: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None
     split: str = "train"
@@ -160,7 +160,6 @@ class RolloutConfig(_Section):
     reward_timeout_s: float | None = Field(60.0, gt=0)
     reward_workers: int = Field(1, gt=0)  # reward worker processes (kept for the run) scoring in parallel
     fail_fast: bool = False  # an unscorable sample stops the run instead of being counted
-
 
     @field_validator("env")
     @classmethod
@@ -350,6 +349,7 @@ class EvalConfig(_Section):
     k: int = Field(1, gt=0)
     temperature: float = Field(1.0, ge=0.0)  # used only for the k sampled completions
     max_new_tokens: int | None = Field(None, gt=0)  # default: rollout.max_new_tokens
+    grader: str = "correctness"  # a reward reference scoring each held-out completion 1.0 (right) or 0.0
 
 
 class CheckpointConfig(_Section):
