@@ -23,9 +23,9 @@ from transformers import PreTrainedTokenizerBase, Qwen2Tokenizer
 
 from test_envs import ScriptedEngine, add, ids, turn
 
-from plainrl.config import ConfigError, DataConfig, load_config
+from plainrl.config import ConfigError, load_config
 from plainrl.config.chat import RESERVED_NAMES
-from plainrl.data import PromptRow, build_prompt_ids, load_prompt_data
+from plainrl.data import PromptRow, build_prompt_ids
 from plainrl.data.offline import load_offline_data
 from plainrl.rollout import MultiTurn, build_env_prompt, render_chat_continuation, rollout
 from plainrl.rollout.envs import ToolEnv
