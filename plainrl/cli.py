@@ -72,7 +72,7 @@ def _cmd_eval(args) -> int:
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
             k=cfg.eval.k, temperature=cfg.eval.temperature,
             generator=torch.Generator(device=device).manual_seed(cfg.seed), multi_turn=prep.multi_turn,
-            chunk_size=cfg.rollout.batch_size, progress=True,
+            grader=prep.grader, chunk_size=cfg.rollout.batch_size, progress=True,
         )
     finally:
         prep.close()

@@ -1,12 +1,12 @@
 """Sequence packing (``train.packing``): the packed layout, and the same logprobs, values and
-gradients as the padded forward on tiny random Llama and Qwen2 models, with shared
+gradients as the padded forward on tiny random Llama, Qwen2 and Qwen3 models, with shared
 prompts, LoRA, gradient checkpointing, sliding windows and through a learner update."""
 
 import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from conftest import grouped_episodes
 
@@ -35,6 +35,8 @@ def _tiny(arch: str, attn: str, **extra):
     torch.manual_seed(0)
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**SHAPE, attn_implementation=attn, **extra)).eval()
+    if arch == "qwen3":  # per-head q/k norms, head_dim apart from hidden / heads
+        return Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=32, attn_implementation=attn, **extra)).eval()
     return Qwen2ForCausalLM(Qwen2Config(**SHAPE, attn_implementation=attn, **extra)).eval()
 
 
@@ -143,6 +145,7 @@ def test_pack_by_tokens_keeps_groups_together_within_the_budget():
 def test_packing_route_follows_the_attention_implementation():
     assert packing_route(_tiny("llama", "eager").config) == "mask"
     assert packing_route(_tiny("qwen2", "sdpa").config) == "mask"
+    assert packing_route(_tiny("qwen3", "sdpa").config) == "mask"  # layer_types: all full_attention
     sliding = _tiny("qwen2", "eager", use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert packing_route(sliding.config) == "positions"
     cfg = copy.deepcopy(_tiny("llama", "sdpa").config)
@@ -165,7 +168,7 @@ def _logps_and_grads(model, mb, *, share, packing, checkpointed=False):
     return logps.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("share", [False, True])
 def test_packed_logps_equal_the_padded_ones(arch, attn, share):

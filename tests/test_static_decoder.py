@@ -3,7 +3,7 @@ its fallbacks, and the engine's categorical sampler."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from plainrl.config import LoraConfig
 from plainrl.rollout.engines.hf import HFEngine, sample_categorical
@@ -34,6 +34,39 @@ def qwen2(tokenizer):
     return _with_lora(Qwen2ForCausalLM(cfg))
 
 
+def _randomise(model, patterns):
+    """Draw the parameters whose name contains one of ``patterns`` from one stream (norm weights
+    start at 1, biases at 0, which would let a swapped norm weight or a dropped bias pass unnoticed)."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(pattern in name for pattern in patterns):
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen) if "norm" in name
+                        else 0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _tiny_qwen3(tokenizer, **overrides):
+    # head_dim 32 while hidden / heads = 16: Qwen3 sizes heads on their own (0.6B: 1024 / 16 heads, head_dim 128)
+    torch.manual_seed(2)
+    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      tie_word_embeddings=True, **overrides)
+    model = Qwen3ForCausalLM(cfg)
+    return _randomise(model, ("q_norm", "k_norm", "bias"))
+
+
+@pytest.fixture()
+def qwen3(tokenizer):
+    return _with_lora(_tiny_qwen3(tokenizer))
+
+
+@pytest.fixture()
+def qwen3_bias(tokenizer):
+    """Qwen3 with attention_bias=True: q/k/v and o_proj biases (the released models have none)."""
+    return _with_lora(_tiny_qwen3(tokenizer, attention_bias=True))
+
+
 def _batch():
     # two left-padded prompts (lengths 3 and 6), then three decoded tokens per row
     prompts = [[11, 12, 13], [21, 22, 23, 24, 25, 26]]
@@ -54,7 +87,7 @@ def _reference(model, ids, valid, new):
         return model(input_ids=full, attention_mask=attn, position_ids=pos).logits.float()  # [2, 9, V]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_bias"])
 @pytest.mark.parametrize("prepack", [False, True])
 def test_logits_equal_the_transformers_forward(arch, prepack, request):
     model = request.getfixturevalue(arch)
@@ -67,6 +100,28 @@ def test_logits_equal_the_transformers_forward(arch, prepack, request):
     outs += [dec.step(new[:, t]) for t in range(3)]
     for t, out in enumerate(outs):
         torch.testing.assert_close(out, ref[:, ids.shape[1] - 1 + t], atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_logits_in_bfloat16(qwen3):
+    model = qwen3.to(torch.bfloat16)
+    ids, valid, new = _batch()
+    ref = _reference(model, ids, valid, new)
+    dec = StaticDecoder(model)
+    outs = [dec.start(ids, valid, capacity=12)] + [dec.step(new[:, t]) for t in range(3)]
+    for t, out in enumerate(outs):
+        # bf16 keeps 8 bits of mantissa; the fused and the reference matmuls round differently
+        torch.testing.assert_close(out, ref[:, ids.shape[1] - 1 + t], atol=0.05, rtol=0.05)
+
+
+def test_qwen3_greedy_tokens_equal_the_transformers_engine(qwen3, tokenizer):
+    static = HFEngine(qwen3, tokenizer, decoder="static")
+    assert static.decoder == "static"
+    reference = HFEngine(qwen3, tokenizer, decoder="transformers")
+    prompts = [tokenizer("What is 2 + 2?")["input_ids"], tokenizer("Name a colour.")["input_ids"]]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    for got, expect in zip(static.generate(prompts, greedy), reference.generate(prompts, greedy)):
+        assert got.token_ids == expect.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expect.logprobs), atol=1e-4, rtol=1e-4)
 
 
 def test_select_repeats_and_drops_rows(llama):

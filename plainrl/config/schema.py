@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from plainrl.config.base import ConfigError, _Section  # noqa: F401  (ConfigError is re-exported)
+from plainrl.config.chat import ChatTemplateKwargs
 from plainrl.config.rollout import BUILTIN_ENVS, RemoteConfig, RolloutConfig, VLLMConfig  # noqa: F401
 
 
@@ -64,7 +65,7 @@ class DataConfig(_Section):
     columns; ``format: gsm8k`` maps GSM8K's ``question``/``answer`` rows onto that.
     """
 
-    task: Literal["arithmetic"] | None = None
+    task: Literal["arithmetic", "countdown"] | None = None
     task_args: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None
     split: str = "train"
@@ -73,6 +74,7 @@ class DataConfig(_Section):
     prompt_column: str | None = None  # default: "messages" if present, else "prompt"
     system_prompt: str | None = None
     prompt_template: str = "{prompt}"  # applied to text prompts, e.g. "{prompt}\nAnswer: "
+    chat_template_kwargs: ChatTemplateKwargs = Field(default_factory=dict)  # e.g. {enable_thinking: false}
     on_invalid: Literal["error", "drop"] = "error"
     max_rows: int | None = Field(None, gt=0)
     eval_path: str | None = None
@@ -249,6 +251,7 @@ class EvalConfig(_Section):
     k: int = Field(1, gt=0)
     temperature: float = Field(1.0, ge=0.0)  # used only for the k sampled completions
     max_new_tokens: int | None = Field(None, gt=0)  # default: rollout.max_new_tokens
+    grader: str = "correctness"  # a reward reference scoring each held-out completion 1.0 (right) or 0.0
 
 
 class CheckpointConfig(_Section):

@@ -94,9 +94,8 @@ def _prepare(
     ids: list[list[int]] = []
     for i, row in indexed:
         try:
-            toks = build_prompt_ids(
-                row, tokenizer, system_prompt=cfg.system_prompt, prompt_template=cfg.prompt_template
-            )
+            toks = build_prompt_ids(row, tokenizer, system_prompt=cfg.system_prompt,
+                                    prompt_template=cfg.prompt_template, chat_template_kwargs=cfg.chat_template_kwargs)
         except DataError:
             raise  # a config problem (prompt_template): the same for every row
         except Exception as e:

@@ -18,6 +18,7 @@ the prompt, each up to and including the first EOS (:func:`assistant_tokens`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,13 +65,15 @@ class Example:
         return max(len(s.ids) for s in self.seqs)
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, chat_kwargs: Mapping[str, Any]) -> list[int]:
     if not messages and not generation_prompt:
         return []
-    return as_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True))
+    return as_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                                    **chat_kwargs))
 
 
-def assistant_tokens(messages: list[dict], tokenizer, *, train_from: int = 0) -> ChatTokens:
+def assistant_tokens(messages: list[dict], tokenizer, *, train_from: int = 0,
+                     chat_template_kwargs: Mapping[str, Any] | None = None) -> ChatTokens:
     """Token ids of a chat and the mask of its assistant tokens.
 
     For each assistant message i >= ``train_from``, its tokens are those between the
@@ -83,6 +86,7 @@ def assistant_tokens(messages: list[dict], tokenizer, *, train_from: int = 0) ->
         messages: ``[{"role", "content"}, ...]``.
         tokenizer: with a chat template.
         train_from: messages before this index are the prompt (never trained on).
+        chat_template_kwargs: variables for the chat template (``data.chat_template_kwargs``).
     Returns:
         :class:`ChatTokens` over the rendering of the whole chat.
     Raises:
@@ -92,14 +96,15 @@ def assistant_tokens(messages: list[dict], tokenizer, *, train_from: int = 0) ->
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; sft/dpo/rm need one to find the assistant turns")
-    ids = _render(tokenizer, messages, False)
+    kw = dict(chat_template_kwargs or {})
+    ids = _render(tokenizer, messages, False, kw)
     mask = [0] * len(ids)
     eos = tokenizer.eos_token_id
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i < train_from:
             continue
-        start = _render(tokenizer, messages[:i], True)
-        end = _render(tokenizer, messages[: i + 1], False)
+        start = _render(tokenizer, messages[:i], True, kw)
+        end = _render(tokenizer, messages[: i + 1], False, kw)
         if ids[: len(start)] != start or ids[: len(end)] != end or len(end) < len(start):
             raise ValueError(
                 f"the chat template is not prefix-consistent at message {i} (rendering later messages changes "
@@ -190,7 +195,8 @@ def _tokenise(row: Any, cfg: Config, tokenizer) -> tuple[ChatTokens, ...]:
     seqs = []
     for msgs, column in zip(convs, columns):
         try:
-            seq = assistant_tokens(msgs, tokenizer, train_from=start)
+            seq = assistant_tokens(msgs, tokenizer, train_from=start,
+                                   chat_template_kwargs=cfg.data.chat_template_kwargs)
         except Exception as e:  # the template's own errors (e.g. roles out of order) are row problems
             raise InvalidRow("chat_template", column, f"{type(e).__name__}: {e}") from None
         if not any(seq.mask):

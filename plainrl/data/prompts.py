@@ -59,6 +59,7 @@ def build_prompt_ids(
     *,
     system_prompt: str | None = None,
     prompt_template: str = "{prompt}",
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of a normalised row's prompt, ready for generation.
 
@@ -79,6 +80,8 @@ def build_prompt_ids(
         tokenizer: a transformers tokenizer.
         system_prompt: optional system message.
         prompt_template: ``str.format`` template over the row's columns.
+        chat_template_kwargs: variables for the chat template (``data.chat_template_kwargs``,
+            e.g. ``{"enable_thinking": False}``).
 
     Returns:
         The prompt's token ids as a plain ``list[int]``.
@@ -99,7 +102,8 @@ def build_prompt_ids(
         raise DataError("row has neither 'messages' nor 'prompt'; normalise it with to_prompt_rows first")
 
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **(chat_template_kwargs or {}))
         return as_id_list(out)
     if row.get("messages") is not None:
         text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"

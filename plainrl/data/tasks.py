@@ -26,6 +26,7 @@ __all__ = [
     "EVAL_SEED_OFFSET",
     "TASKS",
     "arithmetic",
+    "countdown",
     "make_task_rows",
     "make_task_split",
     "task_arg_names",
@@ -134,7 +135,100 @@ def arithmetic(
     return rows
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic}
+def _combine(a: tuple[int, str], b: tuple[int, str], op: str) -> tuple[int, str] | None:
+    """``a op b`` over (value, expression) pairs, or None when the result would not be a
+    positive integer (the steps of a countdown solution stay in the positive integers)."""
+    (x, ex), (y, ey) = a, b
+    if op == "+":
+        v = x + y
+    elif op == "-":
+        v = x - y
+    elif op == "*":
+        v = x * y
+    else:
+        v = x // y if y and x % y == 0 else 0
+    return (v, f"({ex} {op} {ey})") if v > 0 else None
+
+
+def countdown(
+    n: int,
+    *,
+    seed: int,
+    num_numbers: int = 4,
+    min_number: int = 1,
+    max_number: int = 99,
+    min_target: int = 1,
+    max_target: int = 100,
+) -> list[dict]:
+    """Countdown puzzles: reach a target from given numbers with ``+ - * /``, each number
+    used at most once (TinyZero's task: Pan et al. 2025, github.com/Jiayi-Pan/TinyZero,
+    after the numbers round of the game show).
+
+    Each row is solvable by construction: ``num_numbers`` numbers are drawn uniformly from
+    ``[min_number, max_number]``, then combined in a random order and tree shape with random
+    operators, every intermediate a positive integer (a division only where it is exact), and
+    the result is the target when it lies in ``[min_target, max_target]`` (else the row is
+    redrawn). The construction uses every number once; a solution may use fewer.
+
+    Args:
+        n: number of rows.
+        seed: seed of the ``random.Random`` the rows are drawn from.
+        num_numbers: numbers per puzzle (>= 2).
+        min_number, max_number: inclusive range of the numbers (>= 1).
+        min_target, max_target: inclusive range of the target (>= 1).
+
+    Returns:
+        ``n`` rows ``{"prompt", "answer", "task": "countdown", "numbers", "target"}``:
+        ``numbers`` the list of ints shown, ``target`` an int, ``answer`` one solution (the
+        construction's expression; for reading, not grading: any valid expression counts,
+        see :func:`plainrl.rewards.countdown`).
+
+    Raises:
+        ValueError: a bad argument, naming ``data.task_args.<key>``; or no target in range
+            can be built from the given numbers.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"countdown: n (number of rows) must be an integer >= 0, got {n!r}")
+    _check_int("seed", seed)
+    values = {k: _check_int(k, v) for k, v in (("num_numbers", num_numbers), ("min_number", min_number),
+                                                ("max_number", max_number), ("min_target", min_target),
+                                                ("max_target", max_target))}
+    if num_numbers < 2:
+        raise ValueError(f"data.task_args.num_numbers: must be >= 2, got {num_numbers}")
+    for lo, hi in (("min_number", "max_number"), ("min_target", "max_target")):
+        if values[lo] < 1 or values[lo] > values[hi]:
+            raise ValueError(f"data.task_args.{lo}={values[lo]}, {hi}={values[hi]}: need 1 <= {lo} <= {hi}")
+
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    for _ in range(n):
+        for _attempt in range(1000):
+            numbers = [rng.randint(min_number, max_number) for _ in range(num_numbers)]
+            pool = [(v, str(v)) for v in numbers]
+            while len(pool) > 1:
+                i, j = rng.sample(range(len(pool)), 2)
+                ops = ["+", "-", "*", "/"]
+                rng.shuffle(ops)
+                # the first operator whose result stays a positive integer ("+" always does)
+                merged = next(r for r in (_combine(pool[i], pool[j], op) for op in ops) if r is not None)
+                pool = [p for k, p in enumerate(pool) if k not in (i, j)] + [merged]
+            target, expr = pool[0]
+            if min_target <= target <= max_target:
+                break
+        else:
+            raise ValueError(
+                f"data.task_args: could not build a target in [{min_target}, {max_target}] from {num_numbers} "
+                f"numbers in [{min_number}, {max_number}] after 1000 tries; widen the target range"
+            )
+        prompt = (f"Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
+                  "arithmetic operations (+, -, *, /) and each number can be used at most once. Show your work, "
+                  "then give the equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
+        rows.append({"prompt": prompt, "answer": expr[1:-1], "task": "countdown", "numbers": numbers,
+                     "target": target})
+    return rows
+
+
+TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "countdown": countdown}
 
 
 def task_arg_names(name: str) -> list[str]:

@@ -13,6 +13,7 @@ Forms (docs/rewards.md): per-sample ``fn(completion, **columns)``; ``@batched``
 from plainrl.rewards.builtins import (
     code_tests,
     correctness,
+    countdown,
     extract_final_answer,
     format_reward,
     last_number_correct,
@@ -38,6 +39,7 @@ __all__ = [
     "build_reward_fns",
     "code_tests",
     "correctness",
+    "countdown",
     "extract_final_answer",
     "format_reward",
     "is_batched",

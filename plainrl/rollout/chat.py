@@ -5,6 +5,7 @@ re-tokenising what the model sampled."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from plainrl.data import PromptRow, render_prompt
@@ -62,6 +63,7 @@ def build_env_prompt(
     *,
     system_prompt: str | None = None,
     prompt_template: str = "{prompt}",
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[int], list[dict[str, Any]]]:
     """Start ``env`` for a prompt: its prompt ids and its conversation as messages.
 
@@ -79,6 +81,7 @@ def build_env_prompt(
         tokenizer: the policy's tokenizer.
         system_prompt, prompt_template: ``data.system_prompt`` and
             ``data.prompt_template``, so a re-rendered prompt matches the data config.
+        chat_template_kwargs: ``data.chat_template_kwargs``, variables for the chat template.
     Returns:
         ``(prompt_ids [P], messages)``.
     Raises:
@@ -100,7 +103,7 @@ def build_env_prompt(
         head = 1 if messages and messages[0].get("role") == "system" else 0
         messages = messages[:head] + extra + messages[head:]
     render = lambda msgs, **kw: tokenizer.apply_chat_template(  # noqa: E731
-        msgs, tokenize=False, add_generation_prompt=True, **kw)
+        msgs, tokenize=False, add_generation_prompt=True, **kw, **(chat_template_kwargs or {}))
     text = render(messages)
     if tools:
         with_tools = render(messages, tools=tools)
@@ -115,11 +118,12 @@ def build_env_prompt(
 # ---------------------------------------------------------------------- observations
 
 
-def _assistant_closing(tokenizer) -> str:
+def _assistant_closing(tokenizer, chat_kwargs: Mapping[str, Any]) -> str:
     """What the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``)."""
     try:
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False)
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False,
+            **chat_kwargs)
     except Exception:
         return "<|im_end|>\n"
     i = text.rfind(_SENTINEL)
@@ -132,6 +136,7 @@ def render_chat_continuation(
     new_messages: list[dict[str, Any]],
     *,
     eos_text: str = "",
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The text that continues a conversation after the assistant's turn with ``new_messages``.
 
@@ -154,18 +159,22 @@ def render_chat_continuation(
         new_messages: the messages to add (e.g. ``[{"role": "tool", "content": "24"}]``).
         eos_text: the decoded EOS token when the turn ended on EOS ("" otherwise);
             the part of the closing it covers is not written again.
+        chat_template_kwargs: ``data.chat_template_kwargs``, variables for the chat template
+            (with Qwen3's ``enable_thinking=False`` the next assistant turn opens with an
+            empty ``<think>`` block, as the prompt's did).
     Returns:
         The continuation text, to be tokenised with ``add_special_tokens=False``.
     """
     if not getattr(tokenizer, "chat_template", None):
         body = "".join(f"\n\n{m['role']}: {m.get('content', '')}" for m in new_messages)
         return body + "\n\nassistant:"
-    closing = _assistant_closing(tokenizer)
+    kw = dict(chat_template_kwargs or {})
+    closing = _assistant_closing(tokenizer, kw)
     suffix = None
     for base in (history, _PROBE_BASE, _PROBE_BASE[:1]):
         try:
-            a = tokenizer.apply_chat_template(base, tokenize=False)
-            b = tokenizer.apply_chat_template(base + new_messages, tokenize=False, add_generation_prompt=True)
+            a = tokenizer.apply_chat_template(base, tokenize=False, **kw)
+            b = tokenizer.apply_chat_template(base + new_messages, tokenize=False, add_generation_prompt=True, **kw)
         except Exception:  # templates that enforce role order raise for some bases
             continue
         ends_assistant = bool(base) and base[-1].get("role") == "assistant"

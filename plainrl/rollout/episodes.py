@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -66,6 +66,7 @@ class MultiTurn:
     max_total_tokens: the completion budget in tokens, model and observation tokens together.
     max_live:         the most episodes in flight at once (the pre-forked environment
                       workers serve them), None for all.
+    chat_template_kwargs: ``data.chat_template_kwargs``, variables for the chat template.
     """
 
     env_factory: Callable[[], Any]
@@ -74,6 +75,7 @@ class MultiTurn:
     system_prompt: str | None = None
     prompt_template: str = "{prompt}"
     max_live: int | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def rollout(
@@ -104,6 +106,7 @@ def rollout(
             engine, prompts, m.env_factory, params, tokenizer, group_size=group_size, step=step,
             max_turns=m.max_turns, max_total_tokens=m.max_total_tokens, generator=generator,
             system_prompt=m.system_prompt, prompt_template=m.prompt_template, max_live=m.max_live,
+            chat_template_kwargs=m.chat_template_kwargs,
         )
     flat = [p for p in prompts for _ in range(group_size)]
     gens = engine.generate([p.prompt_ids for p in flat], params, generator=generator)

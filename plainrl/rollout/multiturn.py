@@ -14,6 +14,7 @@ import dataclasses
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -98,6 +99,7 @@ def multi_turn_rollout(
     generator: torch.Generator | None = None,
     system_prompt: str | None = None,
     prompt_template: str = "{prompt}",
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     max_workers: int = 8,
     max_live: int | None = None,
 ) -> list[Episode]:
@@ -155,6 +157,8 @@ def multi_turn_rollout(
         generator: RNG for sampling.
         system_prompt, prompt_template: the data config's, used only when the env
             re-renders the prompt (see :func:`build_env_prompt`) and for ``state.messages``.
+        chat_template_kwargs: ``data.chat_template_kwargs``, for every chat rendering
+            (a re-rendered prompt, chat observations).
         max_workers: threads running ``env.step`` concurrently.
         max_live: the most episodes in flight at once (None: all); more run in
             waves of this many, in order. With :class:`~plainrl.rollout.envs.isolated.EnvWorkers`
@@ -184,6 +188,7 @@ def multi_turn_rollout(
     if max_live is not None and max_live < 1:
         raise ValueError(f"max_live must be >= 1 or None, got {max_live}")
     flat = [q for q in prompts for _ in range(group_size)]
+    chat_kwargs = dict(chat_template_kwargs or {})
     wave = max_live or max(1, len(flat))
     episodes: list[Episode] = []
     for first in range(0, len(flat), wave):
@@ -192,8 +197,8 @@ def multi_turn_rollout(
             for i in range(first, min(first + wave, len(flat))):
                 p = flat[i]
                 runs.append(_start(p, f"s{step}-r{p.source_index}-{i % group_size}", i // group_size, env_factory,
-                                   tokenizer, max_turns, system_prompt, prompt_template))
-            _run_turns(runs, engine, params, tokenizer, max_total_tokens, generator, max_workers)
+                                   tokenizer, max_turns, system_prompt, prompt_template, chat_kwargs))
+            _run_turns(runs, engine, params, tokenizer, max_total_tokens, generator, max_workers, chat_kwargs)
         finally:
             for r in runs:
                 _close(r)
@@ -202,14 +207,15 @@ def multi_turn_rollout(
 
 
 def _start(p: PromptRow, sample_id: str, group: int, env_factory: Callable[[], Environment], tokenizer,
-           max_turns: int | None, system_prompt: str | None, prompt_template: str) -> _Run:
+           max_turns: int | None, system_prompt: str | None, prompt_template: str,
+           chat_kwargs: dict[str, Any]) -> _Run:
     """A new episode: a fresh environment and its prompt; one whose environment could not
     be built or reset is over at once, with the error recorded (unscorable)."""
     env = None
     try:
         env = env_factory()
         prompt_ids, messages = build_env_prompt(p, env, tokenizer, system_prompt=system_prompt,
-                                                prompt_template=prompt_template)
+                                                prompt_template=prompt_template, chat_template_kwargs=chat_kwargs)
     except Exception as e:
         r = _Run(prompt=p, sample_id=sample_id, group=group, env=env, prompt_ids=list(p.prompt_ids),
                  state=EnvState(row=p.row), stop=(), max_turns=max_turns)
@@ -238,7 +244,7 @@ def _describe(e: Exception) -> str:
 
 
 def _run_turns(runs: list[_Run], engine: Engine, params: SamplingParams, tokenizer, max_total_tokens: int,
-               generator: torch.Generator | None, max_workers: int) -> None:
+               generator: torch.Generator | None, max_workers: int, chat_kwargs: dict[str, Any]) -> None:
     """Generate and step every live episode, a round at a time, until all have ended."""
     user_stop = tuple(params.stop)
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(runs) or 1)),
@@ -260,7 +266,7 @@ def _run_turns(runs: list[_Run], engine: Engine, params: SamplingParams, tokeniz
                     _absorb(r, g, tokenizer, max_total_tokens)
             results = list(pool.map(_do_step, live))
             for r, (res, err) in zip(live, results):
-                _apply(r, res, err, tokenizer, max_total_tokens, user_stop)
+                _apply(r, res, err, tokenizer, max_total_tokens, user_stop, chat_kwargs)
 
 
 def _absorb(r: _Run, g: Generation, tokenizer, max_total_tokens: int) -> None:
@@ -287,7 +293,7 @@ def _absorb(r: _Run, g: Generation, tokenizer, max_total_tokens: int) -> None:
 
 
 def _apply(r: _Run, res: StepResult | None, err: str | None, tokenizer, max_total_tokens: int,
-           user_stop: tuple[str, ...]) -> None:
+           user_stop: tuple[str, ...], chat_kwargs: dict[str, Any]) -> None:
     if err is not None:
         r.error = err
         return _finish(r, "env_error")
@@ -318,7 +324,8 @@ def _apply(r: _Run, res: StepResult | None, err: str | None, tokenizer, max_tota
         text = obs
     else:
         eos_text = tokenizer.decode(r.turn_ids[-1:]) if r.reason == "eos" else ""
-        text = render_chat_continuation(tokenizer, r.state.messages, list(obs), eos_text=eos_text)
+        text = render_chat_continuation(tokenizer, r.state.messages, list(obs), eos_text=eos_text,
+                                        chat_template_kwargs=chat_kwargs)
     obs_ids = encode_rendered(tokenizer, text)
     room = max_total_tokens - len(r.ids)
     cut = len(obs_ids) >= room

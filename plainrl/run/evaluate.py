@@ -1,11 +1,13 @@
 """Held-out evaluation: greedy pass@1 and, when ``eval.k > 1``, mean@k of sampled
-completions, graded by the built-in final-answer check (math-verify), each with a 95%
-confidence interval; multi-turn runs are evaluated in their environment."""
+completions, graded by ``eval.grader`` (default: the built-in final-answer check,
+math-verify), each with a 95% confidence interval; multi-turn runs are evaluated in their
+environment."""
 
 from __future__ import annotations
 
 import statistics
 from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch
 from rich.console import Console
@@ -18,8 +20,11 @@ from plainrl.rollout import Engine, MultiTurn, env_metrics, rollout
 from plainrl.types import Episode, SamplingParams
 
 
+Grader = Callable[..., Any]  # fn(completion, **row columns) -> 1.0 right, 0.0 wrong, None unscorable (as wrong)
+
+
 def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tokenizer, n: int, generator,
-              multi_turn: MultiTurn | None) -> tuple[list[float], list[Episode]]:
+              multi_turn: MultiTurn | None, grader: Grader) -> tuple[list[float], list[Episode]]:
     """Scores [len(rows) * n] (row-major: a row's n samples are adjacent), and the
     episodes when ``multi_turn`` (else [])."""
     flat = [r for r in rows for _ in range(n)]
@@ -32,7 +37,7 @@ def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tok
         texts = [e.completion_text for e in episodes]
     scores = []
     for r, text in zip(flat, texts):
-        s = correctness(text, **r.row)
+        s = grader(text, **r.row)
         scores.append(0.0 if s is None else float(s))
     return scores, episodes
 
@@ -55,16 +60,19 @@ def evaluate(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     multi_turn: MultiTurn | None = None,
+    grader: Grader = correctness,
     chunk_size: int = 64,
     progress: bool = False,
 ) -> dict[str, float]:
-    """Accuracy on ``rows`` (each needs an ``answer`` column).
+    """Accuracy on ``rows`` (each needs the columns ``grader`` reads: ``answer`` for ``correctness``).
 
     Args:
         max_new_tokens: tokens per completion (per turn with ``multi_turn``).
         multi_turn: run each prompt as a multi-turn episode in the training
             environment (a tool-using policy is graded with its tools), graded on
             the whole completion text, tool output included.
+        grader: scores a completion given the row's columns as keywords (``eval.grader``):
+            1.0 right, 0.0 wrong; None counts as wrong.
         chunk_size: prompts handed to the engine at a time (the unit of progress); a
             multiple of the engine's batch size leaves the batches, and so the greedy
             results, as one call would make them.
@@ -87,7 +95,7 @@ def evaluate(
     with _progress(progress) as bar:
         task = bar.add_task("pass@1", total=len(rows)) if bar else None
         for chunk in chunks:
-            scores, chunk_episodes = _accuracy(engine, chunk, greedy, tokenizer, 1, generator, multi_turn)
+            scores, chunk_episodes = _accuracy(engine, chunk, greedy, tokenizer, 1, generator, multi_turn, grader)
             passes += scores
             episodes += chunk_episodes
             if bar:
@@ -95,7 +103,7 @@ def evaluate(
         if k > 1:
             task = bar.add_task(f"mean@{k}", total=len(rows)) if bar else None
             for chunk in chunks:
-                scores = _accuracy(engine, chunk, sampled, tokenizer, k, generator, multi_turn)[0]
+                scores = _accuracy(engine, chunk, sampled, tokenizer, k, generator, multi_turn, grader)[0]
                 per_prompt += [statistics.fmean(scores[i: i + k]) for i in range(0, len(scores), k)]
                 if bar:
                     bar.advance(task, len(chunk))

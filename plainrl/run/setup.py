@@ -8,7 +8,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -28,7 +28,7 @@ from plainrl.models import (
     resolve_dtype,
 )
 from plainrl.models.quantization import check_support as check_quantization
-from plainrl.rewards import RewardFn, RewardWorkers, build_reward_fns
+from plainrl.rewards import RewardFn, RewardLoadError, RewardWorkers, build_reward_fns, correctness, load_reward_fn
 from plainrl.rewards.combine import RewardCombine, load_reward_combine
 from plainrl.rewards.judge import bind_judges
 from plainrl.rewards.model import RewardModel
@@ -53,6 +53,7 @@ class Prepared:
     multi_turn: MultiTurn | None  # rollout.env: episodes run in an environment
     reward_workers: RewardWorkers | None = None  # rollout.reward_timeout_s: reward calls in worker processes
     reward_combine: RewardCombine | None = None  # reward_combine: replaces the weighted sum
+    grader: Callable[..., Any] = correctness  # eval.grader: scores held-out completions
 
     @property
     def env_factory(self) -> Callable[[], Environment] | None:
@@ -95,9 +96,22 @@ def prepare(cfg: Config) -> Prepared:
     multi_turn = None
     if factory is not None:
         multi_turn = MultiTurn(factory, cfg.rollout.max_turns, cfg.rollout.completion_budget, cfg.data.system_prompt,
-                               cfg.data.prompt_template, max_live=max_live_episodes(cfg.rollout))
+                               cfg.data.prompt_template, max_live=max_live_episodes(cfg.rollout),
+                               chat_template_kwargs=cfg.data.chat_template_kwargs)
     combine = load_reward_combine(cfg.reward_combine) if cfg.reward_combine else None
-    return Prepared(tokenizer, data, reward_fns, multi_turn, workers, combine)
+    return Prepared(tokenizer, data, reward_fns, multi_turn, workers, combine, grader=load_eval_grader(cfg.eval.grader))
+
+
+def load_eval_grader(ref: str) -> Callable[..., Any]:
+    """``eval.grader``: a reward reference (a built-in's short name, ``module:fn`` or ``file.py:fn``).
+
+    Raises:
+        RewardLoadError: the reference does not resolve (the message names ``eval.grader``).
+    """
+    try:
+        return load_reward_fn(ref)
+    except RewardLoadError as e:
+        raise RewardLoadError(f"eval.grader: {e}") from e.__cause__
 
 
 def advantage_params(cfg: Config) -> AdvantageParams:
@@ -133,7 +147,7 @@ class Run:
             self.engine, self.prep.data.eval, self.prep.tokenizer,
             max_new_tokens=c.eval.max_new_tokens or c.rollout.max_new_tokens, stop=tuple(c.rollout.stop),
             k=c.eval.k, temperature=c.eval.temperature, generator=self.generator, multi_turn=self.prep.multi_turn,
-            chunk_size=c.rollout.batch_size, progress=c.log.progress,
+            grader=self.prep.grader, chunk_size=c.rollout.batch_size, progress=c.log.progress,
         )
 
     def save(self, step: int, in_flight: bytes | None = None) -> Path:

@@ -18,7 +18,9 @@ the sequence). This module runs the same mathematics with
   batch 16, one core: 51.6 ms plain, 29.6 ms prepacked; results identical).
 
 It covers ``llama``, ``mistral`` (without a sliding window shorter than the
-sequence) and ``qwen2`` (q/k/v biases); :func:`unsupported_reason` says why
+sequence), ``qwen2`` (q/k/v biases) and dense ``qwen3`` (an RMSNorm over each head's
+query and key before the rotation, and a ``head_dim`` that need not be hidden / heads);
+:func:`unsupported_reason` says why
 another model falls back to the transformers forward. The logits it returns match
 the transformers forward to float rounding (tests compare both in float32 and
 bfloat16); they are the rollout policy's logits, which the learner recomputes anyway.
@@ -26,7 +28,9 @@ bfloat16); they are the rollout policy's logits, which the learner recomputes an
 Sources: the Llama architecture (Touvron et al. 2023, arXiv:2302.13971: pre-norm
 RMSNorm, SwiGLU, rotary embeddings of Su et al. 2021, arXiv:2104.09864),
 grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245), and transformers'
-``modeling_llama`` / ``modeling_qwen2`` (the reference this is tested against).
+``modeling_llama`` / ``modeling_qwen2`` / ``modeling_qwen3`` (the references this is
+tested against; Qwen3's per-head q/k norm: Qwen Team 2025, "Qwen3 Technical Report",
+arXiv:2505.09388, section 2).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import torch.nn.functional as F
 
 from plainrl.models import is_quantized, lora_delta, unwrap
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# model types whose attention normalises each head's query and key (weights [D]) before the rotation
+_QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
 
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,8 +96,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if not hasattr(decoder, "rotary_emb") or not hasattr(decoder, "layers"):
         return "the decoder has no rotary_emb/layers"
     attn = decoder.layers[0].self_attn
-    if hasattr(attn, "q_norm"):
-        return "per-head q/k norms"
+    if hasattr(attn, "q_norm") != (model_type in _QK_NORM_MODEL_TYPES):
+        return "q/k norms where none are expected (or none where they are)"
+    if hasattr(attn, "q_norm") and attn.q_norm.weight.shape != (attn.head_dim,):
+        # OLMo-2-style norms over all heads together are a different computation
+        return f"q_norm of shape {tuple(attn.q_norm.weight.shape)}, not per head ({attn.head_dim},)"
     if any(getattr(layer.self_attn, "sliding_window", None) for layer in decoder.layers):
         return "sliding-window attention"
     return None
@@ -102,7 +111,9 @@ class _Layer:
     input_norm: torch.Tensor  # [H]
     qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    qk_norm: torch.Tensor | None  # [Hq + Hkv, 1, D]: q_norm's weight for each query head, k_norm's for each kv head
     o: torch.Tensor  # [H, Hq D]
+    o_bias: torch.Tensor | None  # [H] (attention_bias=True in Llama/Qwen3 configs biases o_proj too)
     post_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2 I, H]
     down: torch.Tensor  # [H, I]
@@ -153,10 +164,15 @@ class StaticDecoder:
                 a, m = layer.self_attn, layer.mlp
                 (wq, bq), (wk, bk), (wv, bv) = (_effective_weight(p) for p in (a.q_proj, a.k_proj, a.v_proj))
                 bias = None if bq is None else torch.cat([bq, bk, bv])
+                qk_norm = None
+                if hasattr(a, "q_norm"):
+                    qk_norm = torch.cat([a.q_norm.weight.expand(self.num_heads, -1),
+                                         a.k_norm.weight.expand(self.num_kv_heads, -1)])[:, None, :]
+                wo, bo = _effective_weight(a.o_proj)
                 self.layers.append(_Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv=torch.cat([wq, wk, wv]), qkv_bias=bias,
-                    o=_effective_weight(a.o_proj)[0],
+                    qkv=torch.cat([wq, wk, wv]), qkv_bias=bias, qk_norm=qk_norm,
+                    o=wo, o_bias=bo,
                     post_norm=layer.post_attention_layernorm.weight,
                     gate_up=torch.cat([_effective_weight(m.gate_proj)[0], _effective_weight(m.up_proj)[0]]),
                     down=_effective_weight(m.down_proj)[0],
@@ -219,6 +235,8 @@ class StaticDecoder:
             x = self._rms_norm(h, layer.input_norm)
             qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [b, s, (hq + 2 hkv) d]
             qk, v = qkv.view(b, s, hq + 2 * hkv, d).transpose(1, 2).split([hq + hkv, hkv], dim=1)
+            if layer.qk_norm is not None:  # Qwen3: RMSNorm over each head's D features, before RoPE
+                qk = self._rms_norm(qk, layer.qk_norm)
             q, k = self._rotate(qk, cos, sin).split([hq, hkv], dim=1)  # one rotation for both
             self.k_cache[i, :, :, start:end] = k
             self.v_cache[i, :, :, start:end] = v
@@ -229,7 +247,7 @@ class StaticDecoder:
             probs = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
             out = torch.matmul(probs.view(b, hkv, g * s, end), values)  # [b, hkv, g s, d]
             out = out.view(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d)
-            h = h + self.linear(out, layer.o)
+            h = h + self.linear(out, layer.o, layer.o_bias)
             x = self._rms_norm(h, layer.post_norm)
             gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
             h = h + self.linear(F.silu(gate) * up, layer.down)
