@@ -52,7 +52,7 @@ test: $(STAMP)
 
 # the vLLM tests (tests/test_vllm_*.py: skipped by `make test`, whose venv has no vLLM)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/test_vllm_engine.py tests/test_vllm_remote.py
+	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/test_vllm_engine.py tests/test_vllm_remote.py tests/test_vllm_export.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e"
