@@ -129,7 +129,7 @@ def _cmd_cache(args) -> int:
         what = (f"{src.get('source_file', '?')} sha256 {str(src.get('source_sha256', '?'))[:16]}, "
                 f"hub {src.get('hub_id') or '-'}, transformers {src.get('transformers_version', '?')}, "
                 f"{describe_age(src.get('created_unix'))}") if e.source else {
-            "legacy": "keyed on a file path by plainrl <= 0.1 (`clear --legacy` removes these)",
+            "legacy": "keyed on a file path by older plainrl (`clear --legacy` removes these)",
             "incomplete": "a conversion under way, or one a killed process left",
             "unknown": "not made by plainrl"}.get(e.state, "")
         print(f"  {e.name}  {e.state}  {e.size_bytes / 1e6:.0f} MB  {what}")
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         a.add_argument("--cache-dir", help="the cache (default: $PLAINRL_CACHE, else ~/.cache/plainrl)")
         if action == "clear":
             a.add_argument("names", nargs="*", metavar="NAME", help="entries to remove (names from `cache list`)")
-            a.add_argument("--legacy", action="store_true", help="only conversions keyed on a path by plainrl <= 0.1")
+            a.add_argument("--legacy", action="store_true",
+                           help="only conversions an older plainrl keyed on a file path")
         a.set_defaults(func=_cmd_cache)
     args = parser.parse_args(argv)
     from plainrl.checkpoint import CheckpointError

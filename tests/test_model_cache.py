@@ -1,5 +1,5 @@
 """plainrl's model cache: GGUF conversions keyed on the file's content, published atomically
-under concurrency, reused from plainrl <= 0.1's path-keyed entries, listed and cleared by
+under concurrency, reused from older plainrl's path-keyed entries, listed and cleared by
 `plainrl cache`; and how a saved output's base is found again (plainrl.models.portable).
 
 The conversions here are of a tiny GGUF written with the `gguf` package (one layer, 262
@@ -215,7 +215,7 @@ def test_publish_removes_a_failed_build(tmp_path):
 
 
 def test_a_path_keyed_conversion_is_reused_by_hard_links(converted, tiny_gguf, tmp_path, monkeypatch):
-    """plainrl <= 0.1 named conversions <stem>-<sha1(path:size:mtime)[:12]>: one made for this
+    """Older plainrl named conversions <stem>-<sha1(path:size:mtime)[:12]>: one made for this
     very file is reused without converting, and stays for older versions sharing the cache."""
     import transformers
 

@@ -4,7 +4,7 @@ Layout (the root is ``model.cache_dir``, else ``$PLAINRL_CACHE``, else ``~/.cach
 
     gguf/<stem>-<sha256[:16]>-tf<major>/   a conversion: config.json, model.safetensors, tokenizer
         plainrl-source.json                what it was made from (written last: marks it complete)
-    gguf/<stem>-<12 hex>/                  a conversion by plainrl <= 0.1 (keyed on the file's path)
+    gguf/<stem>-<12 hex>/                  a conversion by older plainrl (keyed on the file's path)
     gguf/.tmp-*                            a conversion in progress (or one a killed process left)
     hashes/<key>.json                      a file's sha256, remembered by path, size and mtime
 
@@ -52,7 +52,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def path_key(path: Path) -> str:
     """A key for a file as it is now at its path: sha1 of resolved path, size and mtime
-    [12 hex]. It names the memo of the file's sha256, and was plainrl <= 0.1's conversion key."""
+    [12 hex]. It names the memo of the file's sha256, and was older plainrl's conversion key."""
     st = path.stat()
     return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
@@ -166,7 +166,7 @@ class CacheEntry:
     """One directory under ``gguf/``.
 
     state: ``complete`` (content-keyed, with its source record), ``legacy`` (a
-        plainrl <= 0.1 conversion keyed on a file path: used as it is by whoever has that
+        conversion by an older plainrl, keyed on a file path: used as it is by whoever has that
         path, never again created), ``incomplete`` (``.tmp-*``: a conversion in progress or
         a killed one's leftovers) or ``unknown`` (not made by plainrl).
     size_bytes: what its files take on disk (hard links counted once per entry).

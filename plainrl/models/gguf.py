@@ -2,9 +2,10 @@
 from, and the one-off dequantisation into plainrl's content-keyed cache
 (:mod:`plainrl.models.cache`).
 
-A GGUF-quantised transformers model cannot be trained or saved, and dequantising takes
-~20 s (mostly transformers parsing the 49k-token vocabulary three times), so each file's
-content is converted once per machine into a plain safetensors checkpoint.
+A GGUF-quantised transformers model cannot be trained or saved, and dequantising takes tens
+of seconds (mostly transformers parsing the 49k-token vocabulary, once for the tokenizer and
+twice for the model), so each file's content is converted once per machine into a plain
+safetensors checkpoint.
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ def convert_gguf(gguf_path: Path, cache_dir: str | None = None, *, hub_id: str |
     mtime), so copies of one file at several paths (one per virtual environment) share a
     conversion. Safe with several processes converting at once: the directory is built
     under a temporary name and renamed, and a file lock makes the others wait for it.
-    A conversion plainrl <= 0.1 made for this same path is adopted (renamed) instead of
-    redone.
+    A conversion an older plainrl made for this same path (keyed on the path) is reused
+    through hard links instead of redone.
 
     Args:
         hub_id: the hub repository the file was made from, recorded in the conversion's
@@ -198,7 +199,7 @@ def _write_record(directory: Path, record: dict) -> None:
 
 
 def _adopt_legacy(gguf_path: Path, target: Path, record: dict) -> bool:
-    """Reuse plainrl <= 0.1's conversion of this path (``<stem>-<path key>``) when the same
+    """Reuse older plainrl's conversion of this path (``<stem>-<path key>``) when the same
     transformers major version wrote it: its files are hard-linked (copied where links are
     refused) into ``target``, so no second copy takes disk space, and the old directory
     stays for older plainrl versions sharing the cache (``plainrl cache clear --legacy``)."""
