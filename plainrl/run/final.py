@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
+from plainrl.checkpoint.weights import is_peft
 from plainrl.config import Config, dump_config
 from plainrl.models import BaseModelRef, describe_base, resolve_model_path, save_policy
 
@@ -69,8 +70,9 @@ def save_final(cfg: Config, model, tokenizer, run_dir: Path, *, role: Role = "po
 
     Call it after the last evaluation has been logged: the card reads ``metrics.jsonl``.
     """
-    base = describe_base(cfg.model.name, resolve_model_path(cfg.model.name, cfg.model.cache_dir))
-    adapter = hasattr(model, "peft_config")
+    name = (cfg.critic.model or cfg.model.name) if role == "critic" else cfg.model.name
+    base = describe_base(name, resolve_model_path(name, cfg.model.cache_dir))
+    adapter = is_peft(model)
     task = model.peft_config["default"].task_type if adapter else None
     card = model_card(cfg, run_dir, base, role=role, adapter=adapter, task_type=task)
     return save_policy(model, tokenizer, final_dir(run_dir, role), base=base, card=card)
@@ -146,18 +148,19 @@ def model_card(cfg: Config, run_dir: Path, base: BaseModelRef, *, role: Role, ad
     data = cfg.data.task or cfg.data.path or "?"
     eval_keys, evals, last = _eval_table(run_dir)
     name = Path(run_dir).resolve().name
-    results = [EvalResult(task_type="text-generation", dataset_type=str(data), dataset_name=str(data),
-                          metric_type=k.removeprefix("eval/"), metric_value=float(v))
-               for k, v in last.items() if k != "eval/n"] if role != "critic" else []
     pipeline = {"SEQ_CLS": "text-classification", "TOKEN_CLS": "token-classification"}.get(task_type or "",
                                                                                           "text-generation")
+    results = [EvalResult(task_type=pipeline, dataset_type=str(data), dataset_name=str(data),
+                          metric_type=k.removeprefix("eval/"), metric_value=float(v))
+               for k, v in last.items() if k != "eval/n"] if role != "critic" else []
     card_data = ModelCardData(
         base_model=base.hub_id, base_model_relation="adapter" if adapter and role != "merged" else "finetune",
         library_name="peft" if adapter and role != "merged" else "transformers", pipeline_tag=pipeline,
-        tags=["plainrl", algo, "lora" if cfg.model.lora.enabled else "full-fine-tune"],
+        tags=["plainrl", algo, "lora" if adapter else "full-fine-tune"],
         model_name=name, eval_results=results or None,
     )
-    what = {"policy": "policy", "critic": "value model (PPO critic)", "merged": "policy, adapter merged"}[role]
+    what = "value model (PPO critic)" if role == "critic" else "reward model" if task_type == "SEQ_CLS" else "policy"
+    what += ", adapter merged" if role == "merged" and adapter else ""
     kind = ("A LoRA adapter" if role != "merged" else "A model (a LoRA adapter merged into its base)") if adapter \
         else "A model (full weights)"
     rewards = [f"`{r.fn or r.model}` x {r.weight:g}" for r in cfg.rewards]
@@ -168,8 +171,8 @@ def model_card(cfg: Config, run_dir: Path, base: BaseModelRef, *, role: Role, ad
     if not cfg.algorithm.offline:
         training += [("prompts x samples per step", f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size}"),
                      ("rewards", ", ".join(rewards) or "-")]
-    if cfg.model.lora.enabled:
-        lora = cfg.model.lora
+    lora = (cfg.critic.lora or cfg.model.lora) if role == "critic" else cfg.model.lora
+    if lora.enabled:
         training.append(("LoRA", f"r={lora.r}, alpha={lora.alpha}, targets {lora.target_modules}"))
     training.append(("seed", str(cfg.seed)))
     card = ModelCard.from_template(
@@ -178,7 +181,8 @@ def model_card(cfg: Config, run_dir: Path, base: BaseModelRef, *, role: Role, ad
         summary=f"{kind} trained with [plainrl](https://pypi.org/project/plainrl/) {__version__} "
                 f"({algo}, {cfg.train.steps} step{'s' if cfg.train.steps != 1 else ''}) on top of "
                 f"`{base.portable_name}`.",
-        base_text=_base_text(base, cfg, role), training=training, evals=evals, eval_keys=eval_keys,
+        base_text=_base_text(base, cfg, role), training=training, evals=evals if role != "critic" else [],
+        eval_keys=eval_keys,
         eval_source=data, usage=_usage(base, role, adapter, task_type), version=__version__,
         config_yaml=dump_config(cfg),
     )
