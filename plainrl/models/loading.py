@@ -23,6 +23,7 @@ from plainrl.models.quantization import bnb_config, check_support, prepare_for_t
 
 log = logging.getLogger(__name__)
 
+
 class ModelLoadError(RuntimeError):
     """The model named in ``model.name`` could not be found or loaded; the message says why."""
 
