@@ -50,9 +50,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
-# the vLLM tests (tests/test_vllm_*.py: skipped by `make test`, whose venv has no vLLM)
+# the tests marked `vllm` (tests/test_vllm_*.py and the OpenAI-compatible/export ones: skipped by
+# `make test`, whose venv has no vLLM)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/test_vllm_engine.py tests/test_vllm_remote.py tests/test_vllm_servers.py
+	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e"

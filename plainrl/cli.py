@@ -1,6 +1,7 @@
 """Command line: ``plainrl train CONFIG [key=value ...]`` (RL, or SFT/DPO/RM when
-``algorithm.name`` is sft, dpo or rm), ``plainrl eval CONFIG_OR_RUN_DIR [key=value ...]`` and
-``plainrl report RUN_DIR [RUN_DIR ...] [-o OUT.html]``."""
+``algorithm.name`` is sft, dpo or rm), ``plainrl eval CONFIG_OR_RUN_DIR [key=value ...]``,
+``plainrl report RUN_DIR [RUN_DIR ...] [-o OUT.html]``, ``plainrl export RUN_DIR --merge OUT``
+and ``plainrl cache list|clear``."""
 
 from __future__ import annotations
 
@@ -100,6 +101,41 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from plainrl.run.export import export_merged
+
+    print(export_merged(args.run_dir, args.merge, dtype=args.dtype))
+    return 0
+
+
+def _cmd_cache(args) -> int:
+    from plainrl.models.cache import cache_root, clear_entries, describe_age, disk_bytes, list_entries
+
+    root = cache_root(args.cache_dir)
+    if args.action == "clear":
+        try:
+            gone = clear_entries(root, args.names, legacy_only=args.legacy)
+        except KeyError as e:
+            print(f"plainrl: {e.args[0]}", file=sys.stderr)
+            return 2
+        for e in gone:
+            print(f"removed {e.path} ({e.size_bytes / 1e6:.0f} MB)")
+        print(f"{len(gone)} entr{'y' if len(gone) == 1 else 'ies'} removed from {root}")
+        return 0
+    entries = list_entries(root)
+    print(f"{root}: {len(entries)} GGUF conversion(s), {disk_bytes(root) / 1e6:.0f} MB on disk")
+    for e in entries:
+        src = e.source or {}
+        what = (f"{src.get('source_file', '?')} sha256 {str(src.get('source_sha256', '?'))[:16]}, "
+                f"hub {src.get('hub_id') or '-'}, transformers {src.get('transformers_version', '?')}, "
+                f"{describe_age(src.get('created_unix'))}") if e.source else {
+            "legacy": "keyed on a file path by older plainrl (`clear --legacy` removes these)",
+            "incomplete": "a conversion under way, or one a killed process left",
+            "unknown": "not made by plainrl"}.get(e.state, "")
+        print(f"  {e.name}  {e.state}  {e.size_bytes / 1e6:.0f} MB  {what}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plainrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +161,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--out", help="the HTML file to write (default: RUN_DIR/report.html for one run, "
                                        "./report.html for several)")
     p.set_defaults(func=_cmd_report)
+    p = sub.add_parser("export", help="a run's final/ as full weights with any LoRA adapter merged in (safetensors, "
+                                      "tokenizer, generation config, model card): loads in transformers and vLLM")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--merge", metavar="OUT", required=True, help="the directory to write (must not exist yet)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the weights' dtype (default float32; merging is always done in float32)")
+    p.set_defaults(func=_cmd_export)
+    p = sub.add_parser("cache", help="plainrl's model cache (GGUF conversions, one per file content): list or clear")
+    actions = p.add_subparsers(dest="action", required=True)
+    for action, text in (("list", "the conversions, their sources and sizes"),
+                         ("clear", "remove conversions: those named, --legacy ones, or all")):
+        a = actions.add_parser(action, help=text)
+        a.add_argument("--cache-dir", help="the cache (default: $PLAINRL_CACHE, else ~/.cache/plainrl)")
+        if action == "clear":
+            a.add_argument("names", nargs="*", metavar="NAME", help="entries to remove (names from `cache list`)")
+            a.add_argument("--legacy", action="store_true",
+                           help="only conversions an older plainrl keyed on a file path")
+        a.set_defaults(func=_cmd_cache)
     args = parser.parse_args(argv)
     from plainrl.checkpoint import CheckpointError
     from plainrl.data import DataError
@@ -132,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     from plainrl.models import ModelLoadError
     from plainrl.rewards import RewardError, RewardLoadError
     from plainrl.rollout.engines.requests import EngineError
+    from plainrl.run.export import ExportError
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError) as e:
+    except (ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, ExportError) as e:
         # the user's input is wrong: say what and how to fix it, without a traceback
         print(f"plainrl: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

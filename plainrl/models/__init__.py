@@ -33,10 +33,12 @@ from plainrl.models.loading import (
     unwrap,
 )
 from plainrl.models.packing import pack_sequences, packed_hidden
+from plainrl.models.portable import BaseModelRef, describe_base, local_base
 from plainrl.models.precision import DTYPES, DtypeChoice, cpu_summary, model_dtype, resolve_dtype
 from plainrl.models.quantization import is_quantized
 
 __all__ = [
+    "BaseModelRef",
     "DTYPES",
     "DtypeChoice",
     "EMBEDDED_MODELS",
@@ -45,12 +47,14 @@ __all__ = [
     "apply_lora",
     "convert_gguf",
     "cpu_summary",
+    "describe_base",
     "enable_gradient_checkpointing",
     "is_quantized",
     "load_adapter",
     "load_policy",
     "load_tokenizer",
     "load_value_model",
+    "local_base",
     "lora_delta",
     "model_dtype",
     "pad_token_id",

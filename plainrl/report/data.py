@@ -71,7 +71,7 @@ class RunData:
         return (self.config.get("train") or {}).get("steps")
 
 
-def _read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
     """Records of a JSON Lines file; unreadable lines (a line cut by a crash) are skipped and noted."""
     if not path.is_file():
         return []
@@ -117,13 +117,13 @@ def read_run(path: str | Path, name: str | None = None) -> RunData:
     if not isinstance(config, dict):
         raise RunDirError(f"{str(p / 'config.yaml')!r} does not hold a mapping")
     run = RunData(p, name or p.resolve().name, config)
-    for row in _read_jsonl(p / "metrics.jsonl", run.notes):
+    for row in read_jsonl(p / "metrics.jsonl", run.notes):
         if "step" not in row:
             continue
         (run.evals if any(k.startswith("eval/") for k in row) else run.train).append(row)
     run.train.sort(key=lambda r: r["step"])
-    run.rollouts = _read_jsonl(p / "rollouts.jsonl", run.notes)
-    run.errors = _read_jsonl(p / "errors.jsonl", run.notes)
+    run.rollouts = read_jsonl(p / "rollouts.jsonl", run.notes)
+    run.errors = read_jsonl(p / "errors.jsonl", run.notes)
     return run
 
 

@@ -22,7 +22,9 @@ import torch
 
 from plainrl.config import ModelConfig, RewardSpec
 from plainrl.frames import make_micro_batches
-from plainrl.models import ModelLoadError, load_tokenizer, load_value_model, resolve_model_path, sequence_scores
+from plainrl.models import (
+    ModelLoadError, load_tokenizer, load_value_model, local_base, resolve_model_path, sequence_scores,
+)
 from plainrl.types import Episode
 
 __all__ = ["RewardModel"]
@@ -71,9 +73,9 @@ class RewardModel:
         """Load ``spec.model`` in the policy's dtype on ``device``.
 
         A LoRA adapter directory is loaded on its base model: the ``model.name`` of the
-        RM run's ``config.yaml`` beside it when there is one, else the adapter's
-        ``base_model_name_or_path``. With ``share_with`` (the LoRA policy) and the same
-        base, the frozen base weights are shared, not copied.
+        RM run's ``config.yaml`` beside it when there is one, else the adapter's recorded
+        base (:func:`plainrl.models.local_base`: offline where possible). With ``share_with``
+        (the LoRA policy) and the same base, the frozen base weights are shared, not copied.
 
         Args:
             spec: a ``rewards:`` entry with ``model`` set.
@@ -91,7 +93,7 @@ class RewardModel:
             if meta.get("task_type") != "SEQ_CLS":
                 raise ModelLoadError(f"{where}: the adapter's task_type is {meta.get('task_type')!r}, not 'SEQ_CLS'; "
                                      "give a reward model (an algorithm.name=rm run's final/)")
-            base = _run_base(path) or meta.get("base_model_name_or_path")
+            base = _run_base(path) or local_base(path, policy_cfg.cache_dir)
             if not base:
                 raise ModelLoadError(f"{where}: the adapter names no base model and no config.yaml is beside it")
             cfg = policy_cfg.model_copy(update={
@@ -143,8 +145,7 @@ class RewardModel:
 
 
 def _run_base(adapter_dir: Path) -> str | None:
-    # an RM run's final/ sits beside its config.yaml, whose model.name is the portable base
-    # name (the adapter records the resolved path, e.g. a cache directory)
+    # an RM run's final/ sits beside its config.yaml, whose model.name is the base as configured
     cfg = adapter_dir.parent / "config.yaml"
     if not cfg.is_file():
         return None

@@ -11,10 +11,10 @@ from plainrl.algorithms.estimators import Advantages, compute_advantages, reward
 from plainrl.config import Config
 from plainrl.frames import CompletionFrame, completion_frame
 from plainrl.metrics import StepTimer
-from plainrl.models import save_policy
 from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
 from plainrl.run.collect import dynamic_sampling, shape_overlong
+from plainrl.run.final import save_final
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
 from plainrl.run.overlap import Rollouts
 from plainrl.run.setup import Run, setup
@@ -168,8 +168,8 @@ def _train(run: Run) -> Path:
     if cfg.eval.after and prep.data.eval:
         logger.log_eval(cfg.train.steps, run.evaluate())
     with logger.phase(f"saving the final policy to {run.run_dir / 'final'}"):
-        save_policy(run.model, prep.tokenizer, run.run_dir / "final")
+        save_final(cfg, run.model, prep.tokenizer, run.run_dir)  # + model card, portable base name
         if run.critic is not None:
-            save_policy(run.critic.model, prep.tokenizer, run.run_dir / "critic" / "final")
+            save_final(cfg, run.critic.model, prep.tokenizer, run.run_dir, role="critic")
     finish_run(cfg, run.run_dir, logger)  # trackers get final/; log.report: report.html
     return run.run_dir

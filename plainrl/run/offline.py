@@ -24,8 +24,8 @@ from plainrl.models import (
     pad_token_id,
     resolve_device,
     resolve_dtype,
-    save_policy,
 )
+from plainrl.run.final import save_final
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run, open_run
 from plainrl.train.offline import OfflineTrainer
 
@@ -100,6 +100,6 @@ def _train_offline(cfg: Config, run_dir: Path, resume_from: Path | None, resume_
     if cfg.eval.after and data.eval:
         logger.log_eval(cfg.train.steps, trainer.evaluate(data.eval))
     with logger.phase(f"saving the final {cfg.algorithm.name} model to {run_dir / 'final'}"):
-        save_policy(model, tokenizer, run_dir / "final")
+        save_final(cfg, model, tokenizer, run_dir)  # + model card, portable base name
     finish_run(cfg, run_dir, logger)  # trackers get final/; log.report: report.html
     return run_dir
