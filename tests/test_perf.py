@@ -1,0 +1,47 @@
+"""Step metrics of resources and throughput (plainrl.perf), on hand-computed figures."""
+
+import pytest
+import torch
+
+from plainrl.perf import FlopCounter, SystemMonitor, linear_params, peak_flops, throughput, training_flops
+
+
+def test_training_flops_by_hand():
+    # one sequence of 4 tokens, 10 linear weights, 1 layer of width 2:
+    # forward = 4 * (2 * 10 + 2 * 1 * 2 * 4) = 144; full fine-tuning 3x, a frozen base 2x
+    assert training_flops([4], linear=10, layers=1, hidden=2, frozen_base=False) == 432
+    assert training_flops([4], linear=10, layers=1, hidden=2, frozen_base=True) == 288
+    # two sequences add up; passes multiply
+    assert training_flops([4, 1], linear=10, layers=1, hidden=2, frozen_base=False, passes=2) == 2 * 3 * (144 + 24)
+
+
+def test_flop_counter_reads_the_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    c = FlopCounter(model, passes=1)
+    # 2 layers of q,k,v,o (64x64, 2x 32x64 kv heads, 64x64) + mlp (3 x 64x128) and the tied LM head
+    per_layer = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 128
+    assert c.linear == linear_params(model) == 2 * per_layer + 64 * model.config.vocab_size
+    assert (c.layers, c.hidden, c.frozen_base) == (2, 64, False)
+    assert c([3]) == training_flops([3], linear=c.linear, layers=2, hidden=64, frozen_base=False)
+
+
+def test_throughput_and_mfu():
+    m = throughput(completion_tokens=100, generate_s=4.0, train_tokens=300, update_s=2.0, flops=1e12, peak=1e12)
+    assert m == {"perf/gen_tokens_per_s": 25.0, "perf/train_tokens_per_s": 150.0, "perf/mfu": 0.5}
+    assert "perf/mfu" not in throughput(completion_tokens=1, generate_s=1, train_tokens=1, update_s=1, flops=1.0)
+    assert throughput(completion_tokens=1, generate_s=0.0, train_tokens=1, update_s=0.0) == {}
+
+
+def test_peak_flops_is_unknown_on_cpu_unless_configured():
+    assert peak_flops(torch.device("cpu"), torch.bfloat16, None) is None
+    assert peak_flops(torch.device("cpu"), torch.float32, 2e12) == 2e12
+
+
+def test_system_monitor():
+    mon = SystemMonitor(torch.device("cpu"))
+    sum(i * i for i in range(200_000))
+    m = mon.metrics()
+    assert set(m) == {"system/rss_gb", "system/cpu_percent"}
+    assert 0.05 < m["system/rss_gb"] < 64 and m["system/cpu_percent"] >= 0
