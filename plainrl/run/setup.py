@@ -38,6 +38,7 @@ from plainrl.run.engines import make_engine
 from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
 from plainrl.train import Critic, Learner
+from plainrl.train.distributed import Parallel
 from plainrl.types import SamplingParams
 
 
@@ -149,12 +150,13 @@ class Run:
         )
 
 
-def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
+def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Parallel | None = None) -> Learner:
     """The policy learner for ``model`` with the config's algorithm, optimiser and sampling
-    temperature; the KL reference is a frozen copy only for full fine-tuning with a KL."""
+    temperature; the KL reference is a frozen copy only for full fine-tuning with a KL.
+    ``parallel``: under torchrun, the model is wrapped for ``train.strategy``."""
     return Learner(model, cfg.algorithm, cfg.train, pad_id=pad_id, temperature=cfg.rollout.temperature,
                    completion_budget=cfg.rollout.completion_budget,
-                   copy_reference=cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled)
+                   copy_reference=cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled, parallel=parallel)
 
 
 def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_id: int) -> Critic:
