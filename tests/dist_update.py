@@ -53,7 +53,7 @@ def episodes(vocab: int):
 def run_case(model_dir: str, strategy: str | None, overrides: list[str]) -> dict:
     from plainrl.config import load_config
     from plainrl.models import load_policy
-    from plainrl.run.distributed import start
+    from plainrl.run.distributed import join
     from plainrl.run.setup import make_learner
     from plainrl.train.distributed import Parallel, full_tensor
 
@@ -61,7 +61,7 @@ def run_case(model_dir: str, strategy: str | None, overrides: list[str]) -> dict
         f"model.name={model_dir}", "model.dtype=float32", "device=cpu", f"train.strategy={strategy or 'ddp'}",
         "train.micro_batch_tokens=48", "train.lr=1e-2", "rollout.prompts_per_step=4", "rollout.group_size=2",
         "rollout.max_new_tokens=40", "algorithm.clip_high=0.2", *overrides])
-    parallel = start(cfg) if strategy else Parallel()
+    parallel = join(cfg) if strategy else Parallel()
     torch.manual_seed(0)  # LoRA's initial A: the same in every process
     model = load_policy(cfg.model, parallel.device)
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

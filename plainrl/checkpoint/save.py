@@ -78,6 +78,7 @@ def save_checkpoint(
     config_yaml: str,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = 3,
+    extra_states: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-<step>/`` atomically and point ``latest`` at it.
 
@@ -105,6 +106,8 @@ def save_checkpoint(
         config_yaml: ``dump_config(cfg)``.
         extra: anything else JSON-serialisable to get back on resume.
         keep_last: complete checkpoints to keep (>= 1), None keeps all.
+        extra_states: ``{file name: object}`` more ``torch.save`` files (in the manifest),
+            e.g. the RNG states of the other ranks under torchrun (``rng-rank1.pt``).
     Returns:
         the checkpoint directory.
     Raises:
@@ -123,7 +126,7 @@ def save_checkpoint(
     check_finite(tensors)
     masters = {n: m.detach().to("cpu").contiguous() for n, _, m in master_pairs(model, optimizer)}
     check_finite(masters)
-    files = REQUIRED_FILES + ((MASTER,) if masters else ())
+    files = REQUIRED_FILES + ((MASTER,) if masters else ()) + tuple(extra_states or {})
     try:
         state_json = json.dumps({
             "format_version": FORMAT_VERSION, "step": step, "weights": kind,
@@ -151,12 +154,35 @@ def save_checkpoint(
         torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
         torch_save(scheduler.state_dict(), tmp / SCHEDULER)
         torch_save(get_rng_state(generator), tmp / RNG)
+        for fname, obj in (extra_states or {}).items():
+            torch_save(obj, tmp / fname)
         write_bytes(tmp / STATE, state_json.encode())
         write_bytes(tmp / CONFIG, config_yaml.encode())
         manifest = {"format_version": FORMAT_VERSION, "step": step,
                     "files": manifest_files(tmp, files)}
         # the manifest is written last: its presence marks the directory complete
         write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"could not write checkpoint {final}: {e}") from e
+        raise
+    commit(tmp, step, keep_last=keep_last, started=started)
+    return final
+
+
+def commit(tmp: Path, step: int, *, keep_last: int | None, started: float) -> Path:
+    """Make the complete checkpoint directory ``tmp`` (its manifest written last) the
+    checkpoint of ``step``: rename it to ``step-<step>`` and point ``latest`` at it (the
+    commit point), then apply ``keep_last`` and remove what interrupted saves left.
+
+    Raises:
+        CheckpointError: the rename failed (``tmp`` is removed; the previous checkpoint is untouched).
+    """
+    root = tmp.parent
+    name = step_dir_name(step)
+    final = root / name
+    try:
         fsync_path(tmp)
         if final.exists():
             # never committed (killed after rename) or saved twice at one step;

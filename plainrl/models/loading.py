@@ -359,16 +359,17 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def save_policy(model, tokenizer, directory: str | Path) -> Path:
+def save_policy(model, tokenizer, directory: str | Path, *, state_dict: dict | None = None) -> Path:
     """Save the policy in Hugging Face format: a peft adapter directory under LoRA
     (loadable with ``PeftModel.from_pretrained(base, dir)``), else full safetensors
     weights (``AutoModelForCausalLM.from_pretrained(dir)``). Written to a temporary
-    directory and renamed so a crash never leaves half a model.
+    directory and renamed so a crash never leaves half a model. ``state_dict``: the
+    weights to write instead of the model's own (FSDP2: the gathered full tensors).
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
     tokenizer.save_pretrained(tmp)
     if directory.exists():
         shutil.rmtree(directory)

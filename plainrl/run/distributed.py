@@ -13,13 +13,15 @@ from __future__ import annotations
 import datetime
 import os
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from plainrl.config import Config, ConfigError
-from plainrl.train.distributed import Parallel
+from plainrl.metrics import MetricsLogger
+from plainrl.train.distributed import Parallel, full_tensor
 from plainrl.types import Episode, RewardOutput
 
 # what torchrun (torch.distributed.run) sets in every worker's environment
@@ -90,7 +92,7 @@ def _device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def start(cfg: Config) -> Parallel:
+def join(cfg: Config) -> Parallel:
     """Join the run's process group when launched by torchrun (``Parallel()`` otherwise).
 
     Checks the launch (:func:`launch_env`, :func:`check_launch`) first; then NCCL on CUDA
@@ -119,7 +121,7 @@ def start(cfg: Config) -> Parallel:
     return Parallel(active=True, strategy=cfg.train.strategy, rank=rank, world_size=world, device=device)
 
 
-def stop(parallel: Parallel) -> None:
+def leave(parallel: Parallel) -> None:
     """Leave the process group (a no-op in one process)."""
     if parallel.active and dist.is_initialized():
         dist.destroy_process_group()
@@ -163,3 +165,133 @@ def main_first(parallel: Parallel) -> Iterator[None]:
     yield
     if parallel.active and parallel.is_main:
         parallel.barrier()
+
+
+class RankLogger(MetricsLogger):
+    """The logger of ranks other than 0: it writes nothing and prints nothing (rank 0 logs
+    the whole batch, which every rank holds)."""
+
+    def __init__(self, run_dir: Path, *, total_steps: int):  # no files, no TensorBoard writer
+        self.run_dir, self.total_steps, self.sinks, self.closed = Path(run_dir), total_steps, [], False
+
+    def add_sink(self, sink) -> None:
+        pass
+
+    @contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        yield
+
+    def resume_at(self, step: int) -> None:
+        pass
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_rollouts(self, step: int, episodes: list[Episode], count: int, tokenizer) -> None:
+        pass
+
+    def log_errors(self, step: int, errors) -> None:
+        pass
+
+    def print(self, msg: str) -> None:
+        pass
+
+    def close(self, final_dir: Path | None = None) -> None:
+        self.closed = True
+
+
+def make_logger(cfg: Config, run_dir: Path, parallel: Parallel) -> MetricsLogger:
+    """Rank 0's (or the one process's) :class:`MetricsLogger`; a :class:`RankLogger` elsewhere."""
+    if not parallel.is_main:
+        return RankLogger(run_dir, total_steps=cfg.train.steps)
+    return MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
+                         progress=cfg.log.progress, ranks=parallel.world_size if parallel.active else 1)
+
+
+class RankEngine:
+    """The rollout engine of a rank under torchrun, when the learner's model cannot serve
+    it directly: under FSDP2 the embedded engine samples with a *replica*, a full copy of
+    the weights on each rank (in the model's dtype), refreshed after every update by
+    gathering the trainable shards (the frozen base once, at start: LoRA then moves only
+    the adapters); a remote engine (``rollout.engine=remote``) gets the weights from rank 0
+    alone, once per step, while the other ranks wait, and every rank sends its own prompts.
+
+    Args:
+        inner: the engine (built on ``replica`` when there is one).
+        parallel: this rank.
+        replica: FSDP2: the copy of the model made before sharding; None under DDP.
+        local: the engine runs in this process (the embedded one); False for remote servers.
+    """
+
+    def __init__(self, inner, parallel: Parallel, replica: torch.nn.Module | None, *, local: bool):
+        self.inner, self.parallel, self.replica, self.local = inner, parallel, replica, local
+        self._frozen_synced = False
+
+    def generate(self, prompts, params, *, generator=None):
+        return self.inner.generate(prompts, params, generator=generator)
+
+    def offload(self) -> None:
+        self.inner.offload()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @torch.no_grad()
+    def _gather(self, model: torch.nn.Module) -> None:
+        target = dict(self.replica.named_parameters())
+        for name, p in model.named_parameters():
+            if p.requires_grad or not self._frozen_synced:
+                full = full_tensor(p.detach())  # a collective: every rank, in the same order
+                target[name].copy_(full)
+        self._frozen_synced = True
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        source = model
+        if self.replica is not None:
+            self._gather(model)
+            source = self.replica
+        if self.local:
+            self.inner.load_weights(source)
+            return
+        if self.parallel.is_main:
+            self.inner.load_weights(source)
+        self.parallel.barrier()  # nobody samples before the servers have the new weights
+
+
+def rank_engine(cfg: Config, model: torch.nn.Module, parallel: Parallel, build) -> tuple[object, torch.nn.Module]:
+    """The engine for this rank: ``build(model_for_the_engine)``, wrapped in a :class:`RankEngine`
+    where needed (FSDP2, or a remote engine under torchrun).
+
+    Returns:
+        ``(engine, model the engine reads)``: under FSDP2 the replica (made here, before the
+        learner shards ``model``), else ``model``.
+    """
+    local = cfg.rollout.engine == "hf"
+    if not parallel.active or (parallel.strategy == "ddp" and local):
+        return build(model), model
+    replica = None
+    if parallel.strategy == "fsdp2":
+        import copy
+
+        replica = copy.deepcopy(model)
+    return RankEngine(build(replica if replica is not None else model), parallel, replica, local=local), replica or model
+
+
+def save_final(parallel: Parallel, model: torch.nn.Module, tokenizer, directory: Path) -> None:
+    """Rank 0 saves ``model`` in Hugging Face format (:func:`plainrl.models.save_policy`);
+    under FSDP2 every rank first takes part in gathering the full trainable weights
+    (``get_model_state_dict``, to rank 0's CPU memory). Every rank returns after the save."""
+    from plainrl.models import save_policy
+
+    state = None
+    if parallel.active and parallel.strategy == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=hasattr(model, "peft_config")))
+    if parallel.is_main:
+        save_policy(model, tokenizer, directory, state_dict=state)
+    parallel.barrier()

@@ -11,10 +11,10 @@ from plainrl.algorithms.estimators import Advantages, compute_advantages, reward
 from plainrl.config import Config
 from plainrl.frames import CompletionFrame, completion_frame
 from plainrl.metrics import StepTimer
-from plainrl.models import save_policy
 from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
 from plainrl.run.collect import dynamic_sampling, shape_overlong
+from plainrl.run.distributed import gather_episodes, join, leave, local_rows
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
 from plainrl.run.setup import Run, setup
 from plainrl.train import UpdateStats
@@ -58,18 +58,25 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
         ``(episodes, rewards of every episode drawn, metrics)``.
     """
     cfg, prep = run.cfg, run.prep
+    scored: list[RewardOutput] = []
 
     def draw() -> list[Episode]:
+        """A rollout batch, scored; under torchrun each rank samples and scores its share of the
+        prompt groups, then every rank gets the whole batch (so every later stage sees it all)."""
         with timer("generate"):
-            return rollout(run.engine, run.sampler.next_batch(), run.params, prep.tokenizer,
-                           group_size=cfg.rollout.group_size, step=step, multi_turn=prep.multi_turn,
-                           generator=run.generator)
-
-    def score(episodes: list[Episode]) -> RewardOutput:
+            episodes = rollout(run.engine, local_rows(run.parallel, run.sampler.next_batch()), run.params,
+                               prep.tokenizer, group_size=cfg.rollout.group_size, step=step,
+                               multi_turn=prep.multi_turn, generator=run.generator)
         with timer("reward"):
-            return score_episodes(episodes, prep.reward_fns, models=run.reward_models,
-                                  timeout_s=cfg.rollout.reward_timeout_s, pool=prep.reward_workers,
-                                  fail_fast=cfg.rollout.fail_fast, combine=prep.reward_combine)
+            rewards = score_episodes(episodes, prep.reward_fns, models=run.reward_models,
+                                     timeout_s=cfg.rollout.reward_timeout_s, pool=prep.reward_workers,
+                                     fail_fast=cfg.rollout.fail_fast, combine=prep.reward_combine)
+        episodes, rewards = gather_episodes(run.parallel, episodes, rewards)
+        scored.append(rewards)
+        return episodes
+
+    def score(episodes: list[Episode]) -> RewardOutput:  # draw() scored them where they were sampled
+        return scored.pop()
 
     if cfg.algorithm.dynamic_sampling:
         episodes, rewards_out, metrics = dynamic_sampling(
@@ -115,21 +122,26 @@ def train(cfg: Config) -> Path:
         from plainrl.tracking import require_wandb
 
         require_wandb()
-    run = setup(cfg)
+    parallel = join(cfg)  # under torchrun: this rank (checks the launch first); else one process
     try:
-        attach_trackers(cfg, run.run_dir, run.logger)
-        return _train(run)
+        run = setup(cfg, parallel)
+        try:
+            if parallel.is_main:
+                attach_trackers(cfg, run.run_dir, run.logger)
+            return _train(run)
+        finally:
+            run.logger.close()  # (once: a finished run closed it already) a failed run's trackers finish too
+            run.prep.close()
+            run.engine.close()
     finally:
-        run.logger.close()  # (once: a finished run closed it already) a failed run's trackers finish too
-        run.prep.close()
-        run.engine.close()
+        leave(parallel)
 
 
 def _train(run: Run) -> Path:
     cfg, prep, logger = run.cfg, run.prep, run.logger
     names = [f.name for f in prep.reward_fns] + [m.name for m in run.reward_models]
     boundary = StepBoundary.for_run(cfg, run.run_dir)
-    with GracefulStop() as stop:
+    with GracefulStop(agree=run.parallel.max if run.parallel.active else None) as stop:
         for step in range(run.start, cfg.train.steps):
             timer = StepTimer()
             episodes, rewards_out, extra = collect(run, step, timer)  # rollout + rewards (+ DAPO's filters)
@@ -155,8 +167,7 @@ def _train(run: Run) -> Path:
     if cfg.eval.after and prep.data.eval:
         logger.log_eval(cfg.train.steps, run.evaluate())
     with logger.phase(f"saving the final policy to {run.run_dir / 'final'}"):
-        save_policy(run.model, prep.tokenizer, run.run_dir / "final")
-        if run.critic is not None:
-            save_policy(run.critic.model, prep.tokenizer, run.run_dir / "critic" / "final")
-    finish_run(cfg, run.run_dir, logger)  # trackers get final/; log.report: report.html
+        run.save_final()  # (and the critic's) by rank 0
+    if run.parallel.is_main:
+        finish_run(cfg, run.run_dir, logger)  # trackers get final/; log.report: report.html
     return run.run_dir

@@ -30,6 +30,7 @@ Sources: PyTorch DistributedDataParallel (``torch.nn.parallel``, comm hooks,
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -230,6 +231,9 @@ class Parallel:
         if isinstance(head, torch.nn.Module):  # a value head reads float32 hidden states
             fully_shard(head, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
         fully_shard(call, mesh=mesh, mp_policy=mp)
+        # the logprobs come back as a view; FSDP2 warns that an in-place op on it would skip its
+        # pre-backward hook, and plainrl never modifies a forward's output in place
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         for m in call.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 m.set_gradient_divide_factor(1.0)  # sum, not mean: the loss is normalised globally
