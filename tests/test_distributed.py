@@ -43,3 +43,62 @@ def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_pa
             for name, w in single["weights"].items():
                 torch.testing.assert_close(got["weights"][name], w, rtol=1e-4, atol=2e-5,
                                            msg=lambda m: f"{case}/{strategy} {name}: {m}")
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path):
+    """A 2-rank FSDP2 run of examples/arithmetic_grpo.yaml (tiny model): SIGKILL of rank 1
+    after the step-2 checkpoint ends the whole job non-zero within 60 s; the same command
+    then resumes from the last checkpoint and finishes, every step logged once, the adapter
+    trained."""
+    import signal
+    import time
+
+    import psutil
+    from safetensors.torch import load_file
+
+    from conftest import tiny_overrides
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "plainrl",
+           "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+           *tiny_overrides(tiny_model_dir, run), "train.steps=8", "checkpoint.every=1", "train.strategy=fsdp2",
+           "train.collective_timeout_s=30", "data.eval_size=2", "train.lr=1e-2", "log.tensorboard=false",
+           # the random tiny model never answers right: a reward that varies (text length) gives it a gradient
+           f"rewards=[{{fn: {REPO / 'tests' / 'data' / 'my_reward.py'}:length_bonus}}]"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "job.log", "w")
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    latest = run / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 300
+        while not (latest.is_file() and latest.read_text().strip() >= "step-000002"):
+            assert job.poll() is None, (tmp_path / "job.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint of step 2 in 300 s"
+            time.sleep(0.1)
+        # torchrun's workers are its own children (their reward workers, forked, inherit RANK too)
+        ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(job.pid).children() if "RANK" in p.environ()}
+        ranks[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = job.wait(timeout=90)
+        assert time.monotonic() - killed < 60
+        assert code != 0, (tmp_path / "job.log").read_text()[-4000:]
+        assert not (run / "final").exists()
+    finally:
+        if job.poll() is None:
+            job.kill()
+        log.close()
+    done = {r["step"] for r in _rows(run) if "loss" in r}
+    assert done and max(done) < 7  # it stopped early
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "resumed from" in proc.stderr + proc.stdout
+    steps = [r["step"] for r in _rows(run) if "loss" in r]
+    assert steps == list(range(8)), steps  # each step once: the rows after the checkpoint were dropped
+    adapter = load_file(run / "final" / "adapter_model.safetensors")
+    assert any(t.abs().max() > 0 for n, t in adapter.items() if "lora_B" in n)  # B starts at 0: it trained
