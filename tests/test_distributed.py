@@ -27,18 +27,25 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None 
 
 
 def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_path):
+    """The heart of data parallelism: on the same rows, the loss, its statistics and the
+    updated weights of 2 ranks (DDP, FSDP2) are the one-process update's, to float32
+    rounding (Adam's first steps amplify gradient rounding a little: 2e-5 on updates of ~1e-2).
+    Policy learner (LoRA; full fine-tuning), PPO's critic, DPO and SFT (tests/dist_update.py)."""
     out = tmp_path / "updates.pt"
     torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out))
     results = torch.load(out, weights_only=False)
-    for case in ("lora", "full"):
+    for case in ("lora", "full", "critic", "dpo", "sft"):
         single = results[(case, "single")]
         moved = max(float((single["weights"][n] - single["initial"][n]).abs().max()) for n in single["weights"])
-        assert moved > 1e-3, "the update must change the weights for the comparison to mean anything"
+        assert moved > 1e-3, f"{case}: the update must change the weights for the comparison to mean anything"
         for strategy in ("ddp", "fsdp2"):
             got = results[(case, strategy)]
-            for key in ("loss", "kl", "entropy", "grad_norm", "clip_frac", "approx_kl", "logprob_diff"):
-                assert got["stats"][key] == pytest.approx(single["stats"][key], rel=1e-5, abs=1e-6), (case, strategy, key)
-            assert got["stats"]["num_tokens"] == single["stats"]["num_tokens"]
+            for key, value in single["stats"].items():
+                if key in ("micro_batches", "optimizer_steps", "skipped") or not isinstance(value, (int, float)):
+                    continue  # micro-batches are packed per rank
+                # a clip fraction counts tokens at a threshold: rounding may move one across it (1/188 here)
+                tol = 0.01 if key.endswith("clip_frac") else 1e-6
+                assert got["stats"][key] == pytest.approx(value, rel=1e-5, abs=tol), (case, strategy, key)
             assert set(got["weights"]) == set(single["weights"])
             for name, w in single["weights"].items():
                 torch.testing.assert_close(got["weights"][name], w, rtol=1e-4, atol=2e-5,
