@@ -109,3 +109,75 @@ def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path)
     assert steps == list(range(8)), steps  # each step once: the rows after the checkpoint were dropped
     adapter = load_file(run / "final" / "adapter_model.safetensors")
     assert any(t.abs().max() > 0 for n, t in adapter.items() if "lora_B" in n)  # B starts at 0: it trained
+
+
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
+
+def _config(*over: str):
+    from plainrl.config import load_config
+
+    return load_config(REPO / "examples" / "arithmetic_grpo.yaml", list(over))
+
+
+def test_bad_launches_stop_before_any_model_loads(monkeypatch):
+    """join() refuses, naming the fix, before the process group or a model: a missing torchrun
+    variable, prompt groups the ranks cannot split, an offline batch they cannot split, vLLM in process."""
+    from plainrl.config import ConfigError
+    from plainrl.run import distributed
+
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda *a, **k: pytest.fail("the process group must not start"))
+    for k, v in TORCHRUN_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ConfigError, match="MASTER_PORT missing.*torchrun --nproc-per-node"):
+        distributed.join(_config())
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    with pytest.raises(ConfigError, match=r"prompts_per_step=3 prompt groups cannot be split evenly over 2 ranks.*"
+                                          r"multiple of 2"):
+        distributed.join(_config("rollout.prompts_per_step=3"))
+    with pytest.raises(ConfigError, match="rollout.engine=remote"):
+        distributed.join(_config("rollout.engine=vllm"))
+    from plainrl.config import load_config
+
+    sft = load_config(REPO / "examples" / "sft_chat.yaml", ["data.path=x.jsonl", "train.batch_size=3"])
+    with pytest.raises(ConfigError, match="train.batch_size=3 rows cannot be split evenly over 2 ranks"):
+        distributed.join(sft)
+
+
+def test_fsdp2_with_a_quantized_base_or_unpacked_shared_prompts_fails_at_load():
+    from plainrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot shard a nf4-quantized base.*train.strategy=ddp"):
+        _config("train.strategy=fsdp2", "model.quantization=nf4")
+    with pytest.raises(ConfigError, match="train.packing=true"):
+        _config("train.strategy=fsdp2", "train.packing=false")
+    assert _config("train.strategy=fsdp2", "train.packing=false", "train.share_prompts=false")
+
+
+def test_one_process_is_unchanged_without_torchrun(monkeypatch):
+    from plainrl.run import distributed
+    from plainrl.train.distributed import ModelCall, Parallel
+
+    for k in TORCHRUN_ENV:
+        monkeypatch.delenv(k, raising=False)
+    parallel = distributed.join(_config())
+    assert parallel == Parallel() and not parallel.active
+    model = torch.nn.Linear(2, 2)
+    call = parallel.wrap(model)
+    assert type(call) is ModelCall and call.model is model  # no DDP, no FSDP
+    assert parallel.sum([1.5, 2.0]) == [1.5, 2.0] and parallel.shard(8) == range(8) and parallel.even_out(3) == 0
+
+
+def test_shards_and_group_split():
+    from plainrl.run.distributed import local_rows
+    from plainrl.train.distributed import Parallel
+
+    shards = [Parallel(active=True, rank=r, world_size=3).shard(8) for r in range(3)]
+    assert shards == [range(0, 3), range(3, 6), range(6, 8)]
+    ranks = [Parallel(active=True, rank=r, world_size=2) for r in range(2)]
+    assert [local_rows(p, list("abcd")) for p in ranks] == [["a", "b"], ["c", "d"]]
+    idx = torch.tensor([5, 0, 7, 2])
+    assert ranks[0].local(idx, 8).tolist() == [0, 2] and ranks[1].local(idx, 8).tolist() == [5, 7]

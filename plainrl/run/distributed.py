@@ -222,12 +222,15 @@ class RankEngine:
     Args:
         inner: the engine (built on ``replica`` when there is one).
         parallel: this rank.
-        replica: FSDP2: the copy of the model made before sharding; None under DDP.
+        replica: FSDP2: the copy of the model made before sharding (on rank 0 only for a remote
+            engine); None under DDP.
         local: the engine runs in this process (the embedded one); False for remote servers.
+        gather: FSDP2: take part in gathering the weights (every rank must, replica or not).
     """
 
-    def __init__(self, inner, parallel: Parallel, replica: torch.nn.Module | None, *, local: bool):
-        self.inner, self.parallel, self.replica, self.local = inner, parallel, replica, local
+    def __init__(self, inner, parallel: Parallel, replica: torch.nn.Module | None, *, local: bool,
+                 gather: bool):
+        self.inner, self.parallel, self.replica, self.local, self.gather = inner, parallel, replica, local, gather
         self._frozen_synced = False
 
     def generate(self, prompts, params, *, generator=None):
@@ -241,16 +244,17 @@ class RankEngine:
 
     @torch.no_grad()
     def _gather(self, model: torch.nn.Module) -> None:
-        target = dict(self.replica.named_parameters())
+        target = dict(self.replica.named_parameters()) if self.replica is not None else {}
         for name, p in model.named_parameters():
             if p.requires_grad or not self._frozen_synced:
                 full = full_tensor(p.detach())  # a collective: every rank, in the same order
-                target[name].copy_(full)
+                if name in target:
+                    target[name].copy_(full)
         self._frozen_synced = True
 
     def load_weights(self, model: torch.nn.Module) -> None:
         source = model
-        if self.replica is not None:
+        if self.gather:
             self._gather(model)
             source = self.replica
         if self.local:
@@ -272,12 +276,14 @@ def rank_engine(cfg: Config, model: torch.nn.Module, parallel: Parallel, build) 
     local = cfg.rollout.engine == "hf"
     if not parallel.active or (parallel.strategy == "ddp" and local):
         return build(model), model
-    replica = None
-    if parallel.strategy == "fsdp2":
+    replica, sharded = None, parallel.strategy == "fsdp2"
+    if sharded and (local or parallel.is_main):  # a remote engine reads the weights on rank 0 only
         import copy
 
         replica = copy.deepcopy(model)
-    return RankEngine(build(replica if replica is not None else model), parallel, replica, local=local), replica or model
+    engine = RankEngine(build(replica if replica is not None else model), parallel, replica, local=local,
+                        gather=sharded)
+    return engine, replica if replica is not None else model
 
 
 def save_final(parallel: Parallel, model: torch.nn.Module, tokenizer, directory: Path) -> None:
