@@ -107,7 +107,9 @@ def _save_dcp(run_dir: Path, step: int, *, model, optimizer, scheduler, rngs: li
     tmp = Path(_from_rank0(tmp))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_dcp_options())
     local = [v.to_local() if hasattr(v, "to_local") else v for v in model_sd.values()]
-    bad = torch.tensor([float(any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in local))])
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces CUDA tensors only
+    bad = torch.tensor([float(any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in local))],
+                       device=on)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
         if dist.get_rank() == 0:
