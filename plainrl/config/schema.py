@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from plainrl.config.section import _Section
-from plainrl.config.train import Strategy, TrainConfig, strategy_problem  # noqa: F401 (re-exported)
+from plainrl.config.train import TrainConfig, strategy_problem
 
 
 class ConfigError(ValueError):

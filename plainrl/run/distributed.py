@@ -117,7 +117,7 @@ def join(cfg: Config) -> Parallel:
         else:
             dist.init_process_group("gloo", timeout=timeout)
     if device.type == "cpu" and cfg.threads is None:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(env["LOCAL_WORLD_SIZE"]))))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, int(env["LOCAL_WORLD_SIZE"]))))
     return Parallel(active=True, strategy=cfg.train.strategy, rank=rank, world_size=world, device=device)
 
 
