@@ -4,6 +4,7 @@
 
     python benchmarks/scaling.py                 # CPU: the cores split over the processes
     python benchmarks/scaling.py --gpu           # 1 GPU: FSDP2 + NCCL in bf16 vs one process
+    python benchmarks/scaling.py rollout.max_new_tokens=24   # any config override applies to every run
 
 Each configuration is a real run (``plainrl train``, or ``torchrun -m plainrl train``) of
 ``--steps`` steps without evaluation; the figures are means over the steps after the first
@@ -56,8 +57,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--gpu", action="store_true", help="1 GPU: FSDP2 over NCCL in bf16 against one process")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = ap.parse_args()
-    common = [f"train.steps={args.steps}", "train.warmup_steps=0", "eval.before=false", "eval.after=false",
+    common = [*args.overrides, f"train.steps={args.steps}", "train.warmup_steps=0", "eval.before=false", "eval.after=false",
               "log.report=false", "log.progress=false", "log.tensorboard=false", "log.rollouts_per_step=0"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     results = []
