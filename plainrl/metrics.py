@@ -184,10 +184,13 @@ class MetricsLogger:
         total_steps: for the ETA.
         tensorboard: also write TensorBoard event files.
         progress: print one status line per step (and eval results).
+        ranks: the world size under torchrun, shown on the progress line when > 1.
     """
 
-    def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, progress: bool = True):
+    def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, progress: bool = True,
+                 ranks: int = 1):
         self.run_dir = Path(run_dir)
+        self.ranks = ranks
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_f = open(self.run_dir / "metrics.jsonl", "a")
         self.rollouts_f = open(self.run_dir / "rollouts.jsonl", "a")
@@ -270,7 +273,8 @@ class MetricsLogger:
         if isinstance(metrics.get("time/step"), (int, float)):
             self.step_times.append(float(metrics["time/step"]))
         if self.progress:
-            self.console.print(progress_line(step, self.total_steps, metrics, self.eta_s(step)),
+            line = progress_line(step, self.total_steps, metrics, self.eta_s(step))
+            self.console.print(line + (f" | {self.ranks} ranks" if self.ranks > 1 else ""),
                                highlight=False, markup=False, soft_wrap=True)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:

@@ -107,8 +107,8 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tiny_model_dir, tmp_pat
     seen = {}
     real_setup = loop.setup
 
-    def spy_setup(cfg):
-        run = real_setup(cfg)
+    def spy_setup(cfg, *rest):
+        run = real_setup(cfg, *rest)
         seen["run"] = run
         seen["before"] = [p.detach().clone() for p in run.learner.params]
         return run

@@ -12,7 +12,9 @@ from typing import Any, Iterable
 
 import torch
 
-from plainrl.checkpoint.layout import FORMAT_VERSION, MANIFEST, REQUIRED_FILES, TMP_PREFIX, CheckpointError
+from plainrl.checkpoint.layout import (
+    DCP_REQUIRED_FILES, FORMAT_VERSION, MANIFEST, REQUIRED_FILES, TMP_PREFIX, CheckpointError,
+)
 
 
 def fsync_path(path: Path) -> None:
@@ -111,7 +113,9 @@ def verify(ckpt_dir: str | Path) -> dict[str, Any]:
     ckpt_dir = Path(ckpt_dir)
     manifest = _read_manifest(ckpt_dir)
     files = manifest["files"]
-    unlisted = [n for n in REQUIRED_FILES if n not in files]
+    # a sharded (torch.distributed.checkpoint) checkpoint holds DCP's files instead of the weights and optimizer
+    required = DCP_REQUIRED_FILES if manifest.get("layout") == "dcp" else REQUIRED_FILES
+    unlisted = [n for n in required if n not in files]
     if unlisted:
         raise CheckpointError(f"{ckpt_dir / MANIFEST}: does not list {', '.join(unlisted)}")
     for name, entry in files.items():

@@ -18,6 +18,10 @@ RNG = "rng.pt"
 STATE = "state.json"
 CONFIG = "config.yaml"
 REQUIRED_FILES = (WEIGHTS, OPTIMIZER, SCHEDULER, RNG, STATE, CONFIG)
+# FSDP2 under torchrun: model and optimizer shards written by torch.distributed.checkpoint
+# (its ``.metadata`` and one ``__<rank>_0.distcp`` per rank) in place of weights and optimizer
+DCP_METADATA = ".metadata"
+DCP_REQUIRED_FILES = (DCP_METADATA, SCHEDULER, RNG, STATE, CONFIG)
 TMP_PREFIX = ".tmp-"
 ALIASES_KEY = "plainrl.aliases"  # safetensors metadata: tied weight names -> the name stored
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -25,6 +29,11 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, found or loaded; the message names the file or field."""
+
+
+def rank_rng_file(rank: int) -> str:
+    """The RNG-state file of ``rank`` under torchrun: rank 0's is ``rng.pt``, as in one process."""
+    return RNG if rank == 0 else f"rng-rank{rank}.pt"
 
 
 def step_dir_name(step: int) -> str:

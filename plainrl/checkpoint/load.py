@@ -12,7 +12,7 @@ import torch
 
 from plainrl.checkpoint.files import torch_load, verify
 from plainrl.checkpoint.layout import (
-    ALIASES_KEY, CONFIG, MASTER, OPTIMIZER, REQUIRED_FILES, RNG, SCHEDULER, STATE, WEIGHTS, CheckpointError,
+    ALIASES_KEY, CONFIG, MANIFEST, MASTER, OPTIMIZER, RNG, SCHEDULER, STATE, WEIGHTS, CheckpointError,
 )
 from plainrl.checkpoint.rng import set_rng_state
 from plainrl.checkpoint.weights import is_peft, master_pairs
@@ -138,6 +138,7 @@ def load_checkpoint(
     scheduler: Any = None,
     generator: torch.Generator | None = None,
     restore_rng: bool = True,
+    verified: bool = False,
 ) -> CheckpointState:
     """Verify a checkpoint, then restore it into the given objects in place.
 
@@ -155,6 +156,7 @@ def load_checkpoint(
             ``learner.scheduler``); without the optimizer, master weights are not touched.
         generator: the sampling generator, restored when given.
         restore_rng: False leaves the global RNGs (and ``generator``) alone.
+        verified: the manifest was checked already (under torchrun rank 0 checks for all).
     Returns:
         step, sampler state, extra and config YAML of the checkpoint.
     Raises:
@@ -163,7 +165,7 @@ def load_checkpoint(
             setting, parameter shapes) or the generator's device.
     """
     ckpt_dir = Path(ckpt_dir)
-    manifest = verify(ckpt_dir)
+    manifest = json.loads((ckpt_dir / MANIFEST).read_text()) if verified else verify(ckpt_dir)
     try:
         state = json.loads((ckpt_dir / STATE).read_text())
         step, kind = int(state["step"]), state["weights"]
@@ -181,5 +183,5 @@ def load_checkpoint(
     return CheckpointState(
         path=ckpt_dir, step=step, sampler_state=state.get("sampler") or {}, extra=state.get("extra") or {},
         config_yaml=(ckpt_dir / CONFIG).read_text(),
-        blobs={n: (ckpt_dir / n).read_bytes() for n in manifest["files"] if n not in (*REQUIRED_FILES, MASTER)},
+        blobs={n: (ckpt_dir / n).read_bytes() for n in state.get("blobs", ()) if n in manifest["files"]},
     )

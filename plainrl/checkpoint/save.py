@@ -79,6 +79,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     blobs: dict[str, bytes] | None = None,
     keep_last: int | None = 3,
+    extra_states: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-<step>/`` atomically and point ``latest`` at it.
 
@@ -108,6 +109,8 @@ def save_checkpoint(
         blobs: file name -> bytes, files of the run's own to get back on resume
             (``CheckpointState.blobs``), e.g. the next step's batch under ``rollout.async_steps``.
         keep_last: complete checkpoints to keep (>= 1), None keeps all.
+        extra_states: ``{file name: object}`` more ``torch.save`` files (in the manifest),
+            e.g. the RNG states of the other ranks under torchrun (``rng-rank1.pt``).
     Returns:
         the checkpoint directory.
     Raises:
@@ -127,15 +130,15 @@ def save_checkpoint(
     masters = {n: m.detach().to("cpu").contiguous() for n, _, m in master_pairs(model, optimizer)}
     check_finite(masters)
     blobs = blobs or {}
-    reserved = set(REQUIRED_FILES) | {MASTER, MANIFEST}
+    reserved = set(REQUIRED_FILES) | {MASTER, MANIFEST} | set(extra_states or {})
     bad = [n for n in blobs if n in reserved or "/" in n or n.startswith(".")]
     if bad:
         raise ValueError(f"blob names {bad} clash with the checkpoint's own files or are not plain names")
-    files = REQUIRED_FILES + ((MASTER,) if masters else ()) + tuple(blobs)
+    files = REQUIRED_FILES + ((MASTER,) if masters else ()) + tuple(extra_states or {}) + tuple(blobs)
     try:
         state_json = json.dumps({
             "format_version": FORMAT_VERSION, "step": step, "weights": kind,
-            "sampler": sampler_state, "extra": extra or {},
+            "sampler": sampler_state, "extra": extra or {}, "blobs": sorted(blobs),
             "torch_version": torch.__version__, "saved_unix": started,
         }, indent=1)
     except (TypeError, ValueError) as e:
@@ -161,12 +164,35 @@ def save_checkpoint(
         torch_save(get_rng_state(generator), tmp / RNG)
         for blob_name, data in blobs.items():
             write_bytes(tmp / blob_name, data)
+        for fname, obj in (extra_states or {}).items():
+            torch_save(obj, tmp / fname)
         write_bytes(tmp / STATE, state_json.encode())
         write_bytes(tmp / CONFIG, config_yaml.encode())
         manifest = {"format_version": FORMAT_VERSION, "step": step,
                     "files": manifest_files(tmp, files)}
         # the manifest is written last: its presence marks the directory complete
         write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"could not write checkpoint {final}: {e}") from e
+        raise
+    commit(tmp, step, keep_last=keep_last, started=started)
+    return final
+
+
+def commit(tmp: Path, step: int, *, keep_last: int | None, started: float) -> Path:
+    """Make the complete checkpoint directory ``tmp`` (its manifest written last) the
+    checkpoint of ``step``: rename it to ``step-<step>`` and point ``latest`` at it (the
+    commit point), then apply ``keep_last`` and remove what interrupted saves left.
+
+    Raises:
+        CheckpointError: the rename failed (``tmp`` is removed; the previous checkpoint is untouched).
+    """
+    root = tmp.parent
+    name = step_dir_name(step)
+    final = root / name
+    try:
         fsync_path(tmp)
         if final.exists():
             # never committed (killed after rename) or saved twice at one step;

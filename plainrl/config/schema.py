@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from plainrl.config.base import ConfigError, _Section  # noqa: F401  (ConfigError is re-exported)
 from plainrl.config.chat import ChatTemplateKwargs
 from plainrl.config.rollout import BUILTIN_ENVS, RemoteConfig, RolloutConfig, VLLMConfig  # noqa: F401
+from plainrl.config.train import TrainConfig, strategy_problem
 
 
 class LoraConfig(_Section):
@@ -218,30 +219,6 @@ class CriticConfig(_Section):
     warmup_steps: int = Field(0, ge=0)  # the first N steps train only the critic
 
 
-class TrainConfig(_Section):
-    """Optimisation (AdamW, linear warm-up then constant or cosine)."""
-
-    steps: int = Field(50, gt=0)
-    lr: float = Field(1e-5, gt=0.0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float | None = Field(1.0, gt=0.0)
-    micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one forward/backward
-    # RL: samples of one prompt in a micro-batch run the prompt once (plainrl.models.shared_prompt_hidden)
-    share_prompts: bool = True
-    # recompute each decoder layer's activations in backward instead of keeping them
-    # (plainrl.models.enable_gradient_checkpointing): less memory, about one more forward
-    gradient_checkpointing: bool = False
-    # RL: pack a micro-batch's episodes end to end (position ids restart, attention kept within
-    # each episode) so no compute is spent on padding (plainrl.models.packing); on by default:
-    # faster on the demo batch (benchmarks/packing.py; figures in docs/benchmarks.md)
-    packing: bool = True
-    batch_size: int = Field(8, gt=0)  # sft/dpo/rm: rows (pairs) per optimiser step; RL uses the rollout's
-    max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row
-
-
 class EvalConfig(_Section):
     """Held-out evaluation: greedy pass@1, and mean@k when k > 1 (sampled)."""
 
@@ -312,6 +289,8 @@ class Config(_Section):
             raise ValueError(
                 f"train.warmup_steps={self.train.warmup_steps} exceeds train.steps={self.train.steps}; lower it"
             )
+        if problem := strategy_problem(self.train, self.model.quantization, rl=not a.offline):
+            raise ValueError(problem)
         if a.offline:
             return self._check_offline()
         d = self.data

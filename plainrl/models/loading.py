@@ -279,7 +279,7 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
 
 
 def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef | None = None,
-                card: str | None = None) -> Path:
+                card: str | None = None, state_dict: dict | None = None) -> Path:
     """Save the policy in Hugging Face format: a peft adapter directory under LoRA
     (loadable with ``PeftModel.from_pretrained(base, dir)``), else full safetensors
     weights (``AutoModelForCausalLM.from_pretrained(dir)``). Written to a temporary
@@ -289,12 +289,14 @@ def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef |
         base: what the model was trained on; the adapter then names it portably (its hub
             id, not a cache path: :func:`plainrl.models.portable.record_base`).
         card: the model card (``README.md``), replacing the one peft writes.
+        state_dict: the weights to write instead of the model's own (FSDP2: the gathered
+            full tensors).
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
         tokenizer.save_pretrained(tmp)
         if base is not None:
             record_base(tmp, base)

@@ -12,6 +12,8 @@ from typing import Literal
 from plainrl.checkpoint.weights import is_peft
 from plainrl.config import Config, dump_config
 from plainrl.models import BaseModelRef, describe_base, resolve_model_path, save_policy
+from plainrl.run.distributed import full_state_dict
+from plainrl.train.distributed import Parallel
 
 Role = Literal["policy", "critic", "merged"]
 
@@ -64,18 +66,27 @@ def final_dir(run_dir: Path, role: Role = "policy") -> Path:
     return run_dir / "critic" / "final" if role == "critic" else run_dir / "final"
 
 
-def save_final(cfg: Config, model, tokenizer, run_dir: Path, *, role: Role = "policy") -> Path:
+def save_final(cfg: Config, model, tokenizer, run_dir: Path, *, role: Role = "policy",
+               parallel: Parallel | None = None) -> Path:
     """Save ``model`` (peft adapter or full weights) to :func:`final_dir` with its base
     named by hub id where one is known, ``plainrl_base.json`` and a model card.
 
     Call it after the last evaluation has been logged: the card reads ``metrics.jsonl``.
+    Under torchrun every rank calls it: FSDP2 gathers the full weights first, rank 0
+    writes, and every rank returns after the write.
     """
-    name = (cfg.critic.model or cfg.model.name) if role == "critic" else cfg.model.name
-    base = describe_base(name, resolve_model_path(name, cfg.model.cache_dir))
-    adapter = is_peft(model)
-    task = model.peft_config["default"].task_type if adapter else None
-    card = model_card(cfg, run_dir, base, role=role, adapter=adapter, task_type=task)
-    return save_policy(model, tokenizer, final_dir(run_dir, role), base=base, card=card)
+    directory = final_dir(run_dir, role)
+    state = full_state_dict(parallel, model) if parallel is not None else None
+    if parallel is None or parallel.is_main:
+        name = (cfg.critic.model or cfg.model.name) if role == "critic" else cfg.model.name
+        base = describe_base(name, resolve_model_path(name, cfg.model.cache_dir))
+        adapter = is_peft(model)
+        task = model.peft_config["default"].task_type if adapter else None
+        card = model_card(cfg, run_dir, base, role=role, adapter=adapter, task_type=task)
+        save_policy(model, tokenizer, directory, base=base, card=card, state_dict=state)
+    if parallel is not None:
+        parallel.barrier()
+    return directory
 
 
 def _eval_table(run_dir: Path) -> tuple[list[str], list[list[str]], dict[str, float]]:

@@ -58,7 +58,20 @@ class Diverged(RuntimeError):
 
 class GracefulStop:
     """The first SIGTERM/SIGINT asks the loop to stop at the next step boundary; a second
-    SIGINT interrupts at once (KeyboardInterrupt). Handlers are restored on exit."""
+    SIGINT interrupts at once (KeyboardInterrupt). Handlers are restored on exit.
+
+    ``agree``: under torchrun, the largest value over the ranks (``Parallel.max``): a signal
+    that reached one rank stops them all at the same boundary (:meth:`requested`)."""
+
+    def __init__(self, agree: Callable[[int], int] | None = None):
+        self._agree = agree
+
+    def requested(self) -> int | None:
+        """The signal asking to stop, or None; under torchrun agreed by all ranks (a
+        collective: every rank calls it at every step boundary)."""
+        if self._agree is None:
+            return self.signum
+        return self._agree(self.signum or 0) or None
 
     def __enter__(self) -> "GracefulStop":
         self.signum: int | None = None
@@ -78,9 +91,10 @@ class GracefulStop:
             signal.signal(sig, handler)
 
 
-def open_run(cfg: Config) -> tuple[Path, Path | None, list[str]]:
+def open_run(cfg: Config, *, write: bool = True) -> tuple[Path, Path | None, list[str]]:
     """Create ``run_dir``, find the checkpoint to resume from (before anything is
-    written over), save the resolved config, set threads and seeds.
+    written over), save the resolved config (``write``: False on ranks other than 0),
+    set threads and seeds.
 
     Returns:
         (run_dir, checkpoint to resume from or None, warnings about changed settings).
@@ -88,7 +102,8 @@ def open_run(cfg: Config) -> tuple[Path, Path | None, list[str]]:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resume_from, resume_warnings = check_resume(cfg, run_dir)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    if write:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
@@ -129,12 +144,13 @@ class StepBoundary:
         if evaluate is not None and self.eval_every and done % self.eval_every == 0 and done < self.total_steps:
             logger.log_eval(done, evaluate())
         every = self.checkpoint_every
-        if stop.signum is not None or (every and (done % every == 0 or done == self.total_steps)):
+        signum = stop.requested()
+        if signum is not None or (every and (done % every == 0 or done == self.total_steps)):
             with logger.phase(f"checkpoint after step {done}"):
                 path = save(done)
-            if stop.signum is not None:
+            if signum is not None:
                 logger.close()
-                raise Preempted(done, stop.signum, path)
+                raise Preempted(done, signum, path)
 
 
 def attach_trackers(cfg: Config, run_dir: Path, logger: MetricsLogger) -> None:

@@ -14,7 +14,7 @@ from plainrl.metrics import StepTimer
 from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
 from plainrl.run.collect import dynamic_sampling, shape_overlong
-from plainrl.run.final import save_final
+from plainrl.run.distributed import gather_episodes, join, leave, local_rows
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
 from plainrl.run.overlap import Rollouts
 from plainrl.run.setup import Run, setup
@@ -59,18 +59,25 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
         ``(episodes, rewards of every episode drawn, metrics)``.
     """
     cfg, prep = run.cfg, run.prep
+    scored: list[RewardOutput] = []
 
     def draw() -> list[Episode]:
+        """A rollout batch, scored; under torchrun each rank samples and scores its share of the
+        prompt groups, then every rank gets the whole batch (so every later stage sees it all)."""
         with timer("generate"):
-            return rollout(run.engine, run.sampler.next_batch(), run.params, prep.tokenizer,
-                           group_size=cfg.rollout.group_size, step=step, multi_turn=prep.multi_turn,
-                           generator=run.generator)
-
-    def score(episodes: list[Episode]) -> RewardOutput:
+            episodes = rollout(run.engine, local_rows(run.parallel, run.sampler.next_batch()), run.params,
+                               prep.tokenizer, group_size=cfg.rollout.group_size, step=step,
+                               multi_turn=prep.multi_turn, generator=run.generator)
         with timer("reward"):
-            return score_episodes(episodes, prep.reward_fns, models=run.reward_models,
-                                  timeout_s=cfg.rollout.reward_timeout_s, pool=prep.reward_workers,
-                                  fail_fast=cfg.rollout.fail_fast, combine=prep.reward_combine)
+            rewards = score_episodes(episodes, prep.reward_fns, models=run.reward_models,
+                                     timeout_s=cfg.rollout.reward_timeout_s, pool=prep.reward_workers,
+                                     fail_fast=cfg.rollout.fail_fast, combine=prep.reward_combine)
+        episodes, rewards = gather_episodes(run.parallel, episodes, rewards)
+        scored.append(rewards)
+        return episodes
+
+    def score(episodes: list[Episode]) -> RewardOutput:  # draw() scored them where they were sampled
+        return scored.pop()
 
     if cfg.algorithm.dynamic_sampling:
         episodes, rewards_out, metrics = dynamic_sampling(
@@ -116,14 +123,19 @@ def train(cfg: Config) -> Path:
         from plainrl.tracking import require_wandb
 
         require_wandb()
-    run = setup(cfg)
+    parallel = join(cfg)  # under torchrun: this rank (checks the launch first); else one process
     try:
-        attach_trackers(cfg, run.run_dir, run.logger)
-        return _train(run)
+        run = setup(cfg, parallel)
+        try:
+            if parallel.is_main:
+                attach_trackers(cfg, run.run_dir, run.logger)
+            return _train(run)
+        finally:
+            run.logger.close()  # (once: a finished run closed it already) a failed run's trackers finish too
+            run.prep.close()
+            run.engine.close()
     finally:
-        run.logger.close()  # (once: a finished run closed it already) a failed run's trackers finish too
-        run.prep.close()
-        run.engine.close()
+        leave(parallel)
 
 
 def _train(run: Run) -> Path:
@@ -135,7 +147,7 @@ def _train(run: Run) -> Path:
     if run.in_flight is not None:
         rollouts.restore(run.in_flight, run.start)
     try:
-        with GracefulStop() as stop:
+        with GracefulStop(agree=run.parallel.max if run.parallel.active else None) as stop:
             for step in range(run.start, cfg.train.steps):
                 timer = StepTimer()
                 batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: one step ahead
@@ -168,8 +180,7 @@ def _train(run: Run) -> Path:
     if cfg.eval.after and prep.data.eval:
         logger.log_eval(cfg.train.steps, run.evaluate())
     with logger.phase(f"saving the final policy to {run.run_dir / 'final'}"):
-        save_final(cfg, run.model, prep.tokenizer, run.run_dir)  # + model card, portable base name
-        if run.critic is not None:
-            save_final(cfg, run.critic.model, prep.tokenizer, run.run_dir, role="critic")
-    finish_run(cfg, run.run_dir, logger)  # trackers get final/; log.report: report.html
+        run.save_final()  # (and the critic's) by rank 0
+    if run.parallel.is_main:
+        finish_run(cfg, run.run_dir, logger)  # trackers get final/; log.report: report.html
     return run.run_dir

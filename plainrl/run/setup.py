@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from plainrl.algorithms.estimators import AdvantageParams
 from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint, save_checkpoint, step_dir_name
+from plainrl.checkpoint.ranked import load_ranked, save_ranked
 from plainrl.config import Config, ConfigError, dump_config
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.metrics import MetricsLogger
@@ -35,11 +36,14 @@ from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs import Environment, EnvWorkers
+from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
+from plainrl.run.final import save_final
 from plainrl.run.engines import make_engine
 from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
 from plainrl.run.overlap import IN_FLIGHT
 from plainrl.train import Critic, Learner
+from plainrl.train.distributed import Parallel
 from plainrl.types import SamplingParams
 
 
@@ -140,8 +144,16 @@ class Run:
     critic: Critic | None = None  # algorithm.advantage: gae
     reward_models: list[RewardModel] = field(default_factory=list)  # rewards: [{model: ...}]
     in_flight: bytes | None = None  # async_steps=1, resumed: the checkpoint's batch for step `start`
+    parallel: Parallel = field(default_factory=Parallel)  # under torchrun: this rank
 
     def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy. Under torchrun every rank runs it with its own engine (nobody
+        waits); with remote servers rank 0 alone sends the requests and shares the result."""
+        if self.parallel.active and self.cfg.rollout.engine != "hf":
+            return self.parallel.broadcast(self._evaluate() if self.parallel.is_main else None)
+        return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         c = self.cfg
         return evaluate(
             self.engine, self.prep.data.eval, self.prep.tokenizer,
@@ -156,27 +168,64 @@ class Run:
         if self.critic is not None:
             # written first: the policy's checkpoint is the commit point, so a critic
             # checkpoint always exists for the step that `latest` names
-            save_checkpoint(
-                self.run_dir / "critic", step, model=self.critic.model, optimizer=self.critic.optimizer,
-                scheduler=self.critic.scheduler, sampler_state={}, generator=None, config_yaml=dump_config(self.cfg),
-                keep_last=self.cfg.checkpoint.keep_last,
-            )
-        return save_checkpoint(
-            self.run_dir, step, model=self.model, optimizer=self.learner.optimizer, scheduler=self.learner.scheduler,
-            sampler_state=self.sampler.state_dict(), generator=self.generator, config_yaml=dump_config(self.cfg),
-            blobs={IN_FLIGHT: in_flight} if in_flight is not None else None, keep_last=self.cfg.checkpoint.keep_last,
-        )
+            self._save(self.run_dir / "critic", step, self.critic.model, self.critic.optimizer,
+                       self.critic.scheduler, {}, None)
+        return self._save(self.run_dir, step, self.model, self.learner.optimizer, self.learner.scheduler,
+                          self.sampler.state_dict(), self.generator,
+                          blobs={IN_FLIGHT: in_flight} if in_flight is not None else None)
+
+    def _save(self, run_dir: Path, step: int, model, optimizer, scheduler, sampler_state, generator,
+              blobs: dict[str, bytes] | None = None) -> Path:
+        kw = dict(model=model, optimizer=optimizer, scheduler=scheduler, sampler_state=sampler_state,
+                  generator=generator, config_yaml=dump_config(self.cfg), keep_last=self.cfg.checkpoint.keep_last)
+        if self.parallel.active:
+            return save_ranked(run_dir, step, strategy=self.parallel.strategy, **kw)  # (async_steps: not under torchrun)
+        return save_checkpoint(run_dir, step, blobs=blobs, **kw)
+
+    def load(self, ckpt: Path, model, optimizer, scheduler, generator, *, restore_rng: bool = True):
+        """Restore a checkpoint written by :meth:`save`; returns its state (warnings printed)."""
+        if not self.parallel.active:
+            return load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler,
+                                   generator=generator, restore_rng=restore_rng)
+        state, warnings = load_ranked(ckpt, strategy=self.parallel.strategy, model=model, optimizer=optimizer,
+                                      scheduler=scheduler, generator=generator, restore_rng=restore_rng,
+                                      generator_seed=rank_seed(self.cfg.seed, self.parallel) + state_step(ckpt))
+        for w in warnings:
+            self.logger.print(f"warning: {w}")
+        return state
+
+    def save_final(self) -> None:
+        """``final/`` (and PPO's ``critic/final/``) in Hugging Face format, by rank 0."""
+        tok = self.prep.tokenizer
+        save_final(self.cfg, self.model, tok, self.run_dir, parallel=self.parallel)  # + model card, portable base
+        if self.critic is not None:
+            save_final(self.cfg, self.critic.model, tok, self.run_dir, role="critic", parallel=self.parallel)
 
 
-def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int) -> Learner:
+def rank_seed(seed: int, parallel: Parallel) -> int:
+    """The sampling generator's seed of this rank: ``seed`` on rank 0 (and in one process),
+    distinct streams elsewhere (the ranks sample different prompts)."""
+    return seed + 1_000_003 * parallel.rank
+
+
+def state_step(ckpt: Path) -> int:
+    """The step number in a checkpoint directory's name."""
+    from plainrl.checkpoint.layout import step_of
+
+    return step_of(ckpt.name) or 0
+
+
+def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Parallel | None = None) -> Learner:
     """The policy learner for ``model`` with the config's algorithm, optimiser and sampling
-    temperature; the KL reference is a frozen copy only for full fine-tuning with a KL."""
+    temperature; the KL reference is a frozen copy only for full fine-tuning with a KL.
+    ``parallel``: under torchrun, the model is wrapped for ``train.strategy``."""
     return Learner(model, cfg.algorithm, cfg.train, pad_id=pad_id, temperature=cfg.rollout.temperature,
                    completion_budget=cfg.rollout.completion_budget,
-                   copy_reference=cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled)
+                   copy_reference=cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled, parallel=parallel)
 
 
-def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_id: int) -> Critic:
+def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_id: int,
+                parallel: Parallel | None = None) -> Critic:
     """PPO's critic: ``critic.model`` / ``critic.lora`` over the policy's ``model`` section.
 
     With LoRA on both and the same base, the critic reuses the policy's frozen base
@@ -187,13 +236,20 @@ def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_
         update["name"] = cfg.critic.model
     model_cfg = cfg.model.model_copy(update=update)
     shared = cfg.model.lora.enabled and model_cfg.lora.enabled and model_cfg.name == cfg.model.name
+    shared = shared and not _sharded(parallel)  # FSDP2 replaced the policy's parameters by its shards
     model = load_value_model(model_cfg, device, per_token=True, share_with=policy if shared else None)
-    return Critic(model, cfg.algorithm, cfg.train, lr=cfg.critic.lr, pad_id=pad_id)
+    return Critic(model, cfg.algorithm, cfg.train, lr=cfg.critic.lr, pad_id=pad_id, parallel=parallel)
 
 
-def setup(cfg: Config) -> Run:
+def _sharded(parallel: Parallel | None) -> bool:
+    return parallel is not None and parallel.active and parallel.strategy == "fsdp2"
+
+
+def setup(cfg: Config, parallel: Parallel | None = None) -> Run:
     """Everything before the first step: checks, data, model, engine, learner (and PPO's
-    critic); resume or eval-before. The caller closes ``run.prep`` when done."""
+    critic); resume or eval-before. The caller closes ``run.prep`` when done.
+    ``parallel``: under torchrun, this rank (:func:`plainrl.run.distributed.start`)."""
+    parallel = parallel or Parallel()
     if cfg.rollout.engine == "vllm":  # a missing vLLM fails before the run dir, data and model
         from plainrl.rollout.engines.vllm_local import import_vllm
 
@@ -201,19 +257,22 @@ def setup(cfg: Config) -> Run:
     if cfg.model.quantization != "none":  # an unsupported device fails before the run dir, data and model
         device = resolve_device(cfg.device)
         check_quantization(cfg.model.quantization, device, model_dtype(cfg.model.dtype, device))
-    run_dir, resume_from, resume_warnings = open_run(cfg)
-    prep = prepare(cfg)
+    run_dir, resume_from, resume_warnings = open_run(cfg, write=parallel.is_main)
+    with main_first(parallel):  # rank 0 fills the model cache (the embedded model's conversion) first
+        prep = prepare(cfg)
     try:
-        return _setup(cfg, prep, run_dir, resume_from, resume_warnings)
+        return _setup(cfg, prep, run_dir, resume_from, resume_warnings, parallel)
     except BaseException:
         prep.close()
         raise
 
 
-def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None, resume_warnings: list[str]) -> Run:
-    device = resolve_device(cfg.device)
-    logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
-                           progress=cfg.log.progress)
+def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None, resume_warnings: list[str],
+           parallel: Parallel) -> Run:
+    device = parallel.device if parallel.active else resolve_device(cfg.device)
+    logger = make_logger(cfg, run_dir, parallel)
+    if parallel.active:
+        logger.print(f"distributed: {parallel.world_size} ranks, train.strategy={parallel.strategy}, {device.type}")
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
     logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
     if cfg.model.quantization != "none":
@@ -229,22 +288,21 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     # vLLM's start (loading, compiling) or the servers' checks take a while: not in silence
     hf = cfg.rollout.engine == "hf"
     with nullcontext() if hf else logger.phase(f"starting the {cfg.rollout.engine} engine"):
-        engine = make_engine(cfg, model, prep.tokenizer, device)
+        # under FSDP2 the embedded engine samples with a full replica made here, before the learner shards
+        engine, _ = rank_engine(cfg, model, parallel, lambda m: make_engine(cfg, m, prep.tokenizer, device))
     run = Run(
-        cfg, run_dir, prep, logger, model, engine, make_learner(cfg, model, pad_token_id(prep.tokenizer)),
+        cfg, run_dir, prep, logger, model, engine, make_learner(cfg, model, pad_token_id(prep.tokenizer), parallel),
         PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),
-        torch.Generator(device=device).manual_seed(cfg.seed), sampling_params(cfg.rollout), advantage_params(cfg),
-        start=0,
+        torch.Generator(device=device).manual_seed(rank_seed(cfg.seed, parallel)), sampling_params(cfg.rollout),
+        advantage_params(cfg), start=0, parallel=parallel,
     )
     if cfg.algorithm.advantage == "gae":
-        run.critic = load_critic(cfg, model, device, pad_token_id(prep.tokenizer))
-    run.reward_models = [
-        RewardModel.load(spec, cfg.model, prep.tokenizer, device, share_with=model if cfg.model.lora.enabled else None)
-        for spec in cfg.rewards if spec.model is not None
-    ]
+        run.critic = load_critic(cfg, model, device, pad_token_id(prep.tokenizer), parallel)
+    share = model if cfg.model.lora.enabled and not _sharded(parallel) else None
+    run.reward_models = [RewardModel.load(spec, cfg.model, prep.tokenizer, device, share_with=share)
+                         for spec in cfg.rewards if spec.model is not None]
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model=model, optimizer=run.learner.optimizer,
-                                scheduler=run.learner.scheduler, generator=run.generator)
+        state = run.load(resume_from, model, run.learner.optimizer, run.learner.scheduler, run.generator)
         run.sampler.load_state_dict(state.sampler_state)
         run.start = state.step
         run.in_flight = state.blobs.get(IN_FLIGHT)
@@ -252,11 +310,11 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
             critic_ckpt = resume_from.parent.parent / "critic" / CHECKPOINTS_DIR / step_dir_name(state.step)
             if not critic_ckpt.is_dir():
                 raise CheckpointError(f"cannot resume the critic: {critic_ckpt} is missing")
-            load_checkpoint(critic_ckpt, model=run.critic.model, optimizer=run.critic.optimizer,
-                            scheduler=run.critic.scheduler, restore_rng=False)
+            run.load(critic_ckpt, run.critic.model, run.critic.optimizer, run.critic.scheduler, None,
+                     restore_rng=False)
         logger.resume_at(run.start)
         logger.print(f"resumed from {resume_from} at step {run.start}")
-    if cfg.rollout.engine != "hf":
+    if cfg.rollout.engine != "hf" or isinstance(engine, RankEngine):
         with logger.phase(f"pushing the policy's weights to the {cfg.rollout.engine} engine"):
             engine.load_weights(model)
     if resume_from is None and cfg.eval.before and prep.data.eval:  # (on resume it ran already: the RNG would shift)

@@ -10,6 +10,7 @@ its own optimiser, fitted to GAE's lambda-returns.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -19,6 +20,7 @@ from plainrl.config import AlgorithmConfig, TrainConfig
 from plainrl.frames import make_micro_batches, to_completion_frame
 from plainrl.models import enable_gradient_checkpointing, token_values, trainable_parameters
 from plainrl.train.learner import mini_batch_indices
+from plainrl.train.distributed import Parallel
 from plainrl.train.optim import MasterAdamW
 from plainrl.types import Episode, MicroBatch
 
@@ -34,14 +36,18 @@ class Critic:
             ``gradient_checkpointing``, ``packing``).
         lr: ``critic.lr`` (None: ``train.lr``).
         pad_id: padding token id.
+        parallel: under torchrun, as :class:`~plainrl.train.Learner`'s: the whole batch on
+            every rank, each computing on its shard, the loss normalised globally.
     """
 
     def __init__(self, model: torch.nn.Module, algorithm: AlgorithmConfig, train: TrainConfig, *,
-                 lr: float | None, pad_id: int):
+                 lr: float | None, pad_id: int, parallel: Parallel | None = None):
         self.model, self.algorithm, self.train, self.pad_id = model, algorithm, train, pad_id
-        self.opt = MasterAdamW(trainable_parameters(model), train, lr=lr)
+        self.parallel = parallel or Parallel()
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        self.call = self.parallel.wrap(model)  # every forward runs through it (DDP / FSDP2 hooks)
+        self.opt = MasterAdamW(trainable_parameters(model), train, lr=lr)
         self.optimizer, self.scheduler = self.opt.optimizer, self.opt.scheduler
 
     @property
@@ -61,15 +67,33 @@ class Critic:
             [N, L] float32 in the completion frame (:mod:`plainrl.frames`).
         """
         out = torch.zeros(len(episodes), max((len(e.completion_ids) for e in episodes), default=0))
-        for mb in self._batches(episodes):
-            to_completion_frame(self._values(mb), mb, out)
-        return out
+        rows = self.parallel.shard(len(episodes))
+        mine = [episodes[i] for i in rows]
+        mbs = self._batches(mine) if mine else []
+        real = len(mbs)
+        mbs += self._padding(episodes, self.parallel.even_out(real))
+        local = out[rows.start: rows.stop]  # a view: the frame writes into out
+        for i, mb in enumerate(mbs):
+            v = self._values(mb)
+            if i < real:
+                to_completion_frame(v, mb, local)
+        return self.parallel.sum_tensor(out)
+
+    def _padding(self, episodes: list[Episode], count: int) -> list[MicroBatch]:
+        """Micro-batches that add nothing (this rank's first episode, loss mask zeroed), so
+        every rank runs as many as the busiest (see :class:`~plainrl.train.distributed.Parallel`)."""
+        if not count:
+            return []
+        first = episodes[self.parallel.shard(len(episodes)).start]
+        ep = dataclasses.replace(first, loss_mask=[0] * len(first.loss_mask))
+        zeros = torch.zeros(1, len(first.completion_ids))
+        return self._batches([ep], old_values=zeros, returns=zeros) * count
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.device
         lens = mb.prompt_lens.to(dev) if self.train.share_prompts and mb.prompt_lens is not None else None
-        return token_values(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), lens,
-                            packing=self.train.packing)  # [B, T-1]
+        return self.call(token_values, mb.input_ids.to(dev), mb.attention_mask.to(dev), lens,
+                         packing=self.train.packing)  # [B, T-1]
 
     def update(self, episodes: list[Episode], returns: torch.Tensor, old_values: torch.Tensor,
                mask: torch.Tensor) -> dict[str, float]:
@@ -86,23 +110,28 @@ class Critic:
             ``critic/loss``, ``critic/clip_frac``, ``critic/grad_norm`` (means over optimiser
             steps), ``critic/value_mean``, ``critic/return_mean`` (over loss tokens).
         """
-        a, dev = self.algorithm, self.device
+        a, dev, par = self.algorithm, self.device, self.parallel
         valid = torch.tensor([e.reward is not None for e in episodes], dtype=torch.float32)
         losses, clips, norms = [], [], []
         self.model.train()
-        for idx in mini_batch_indices(len(episodes), a.ppo_epochs, a.mini_batches):
-            eps = [episodes[i] for i in idx]
-            mbs = self._batches(eps, old_values=old_values[idx], returns=returns[idx])
-            masks = [mb.loss_mask * valid[idx][mb.index][:, None] for mb in mbs]  # [B, T-1] each
-            num_tokens = int(sum(m.sum().item() for m in masks))
+        for idx in par.broadcast(mini_batch_indices(len(episodes), a.ppo_epochs, a.mini_batches)):
+            mine = par.local(idx, len(episodes))
+            eps = [episodes[i] for i in mine]
+            mbs = self._batches(eps, old_values=old_values[mine], returns=returns[mine]) if eps else []
+            masks = [mb.loss_mask * valid[mine][mb.index][:, None] for mb in mbs]  # [B, T-1] each
+            pad = self._padding(episodes, par.even_out(len(mbs)))
+            mbs, masks = mbs + pad, masks + [mb.loss_mask for mb in pad]
+            num_tokens = int(par.sum([sum(m.sum().item() for m in masks)])[0])
             loss_sum = clip_sum = 0.0
-            for mb, mb_mask in zip(mbs, masks):
-                v = self._values(mb)  # [B, T-1]
-                loss, stats = value_loss(v, mb.old_values.to(dev), mb.returns.to(dev), mb_mask.to(dev),
-                                         clip=a.value_clip, agg="token-mean", num_tokens=num_tokens)
-                loss.backward()
+            for i, (mb, mb_mask) in enumerate(zip(mbs, masks)):
+                with par.no_sync(self.call, last=i == len(mbs) - 1):
+                    v = self._values(mb)  # [B, T-1]
+                    loss, stats = value_loss(v, mb.old_values.to(dev), mb.returns.to(dev), mb_mask.to(dev),
+                                             clip=a.value_clip, agg="token-mean", num_tokens=num_tokens)
+                    loss.backward()
                 loss_sum += loss.item()
                 clip_sum += float(stats["clip_frac"]) * float(mb_mask.sum())
+            loss_sum, clip_sum = par.sum([loss_sum, clip_sum])
             grad_norm, _ = self.opt.step(loss_finite=math.isfinite(loss_sum))
             losses.append(loss_sum)
             clips.append(clip_sum / max(1, num_tokens))

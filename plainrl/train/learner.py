@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from plainrl.algorithms import aggregate_loss, kl_estimate, policy_loss, truncat
 from plainrl.config import AlgorithmConfig, TrainConfig
 from plainrl.frames import completion_frame, make_micro_batches, to_completion_frame
 from plainrl.models import enable_gradient_checkpointing, sequence_logps, trainable_parameters
+from plainrl.train.distributed import Parallel, connected_positions
 from plainrl.train.optim import MasterAdamW
 from plainrl.types import Episode, MicroBatch
 
@@ -95,19 +97,28 @@ class Learner:
         copy_reference: keep a frozen copy of the model as the KL reference (full
             fine-tuning with ``kl_coef > 0``); under LoRA the reference is the model with
             its adapters disabled.
+        parallel: under torchrun, this rank's :class:`~plainrl.train.distributed.Parallel`:
+            the model is wrapped for ``train.strategy`` here (before the optimiser is built),
+            every rank gets the whole batch and computes on its shard, and the loss is
+            normalised by the global counts, so the update is the one-process update.
+            Default: one process.
     """
 
     def __init__(self, model: torch.nn.Module, algorithm: AlgorithmConfig, train: TrainConfig, *, pad_id: int,
-                 temperature: float, completion_budget: int, copy_reference: bool):
+                 temperature: float, completion_budget: int, copy_reference: bool, parallel: Parallel | None = None):
         self.model, self.algorithm, self.train, self.pad_id = model, algorithm, train, pad_id
-        self.opt = MasterAdamW(trainable_parameters(model), train)
-        self.params, self.master = self.opt.params, self.opt.master
-        self.optimizer, self.scheduler = self.opt.optimizer, self.opt.scheduler
+        self.parallel = parallel or Parallel()
         self.temperature = temperature or 1.0
         self.completion_budget = completion_budget
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if copy_reference else None
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        # every forward runs through these (DDP / FSDP2 hooks; in one process a plain call)
+        self.call = self.parallel.wrap(model)
+        self.ref_call = None if self.ref_model is None else self.parallel.wrap(self.ref_model, trainable=False)
+        self.opt = MasterAdamW(trainable_parameters(model), train)  # FSDP2: on the sharded parameters
+        self.params, self.master = self.opt.params, self.opt.master
+        self.optimizer, self.scheduler = self.opt.optimizer, self.opt.scheduler
 
     @property
     def device(self) -> torch.device:
@@ -127,34 +138,48 @@ class Learner:
         return make_micro_batches(episodes, advantages, pad_id=self.pad_id, token_budget=t.micro_batch_tokens,
                                   old_logps=old_logps, packing=t.packing, share_prompts=t.share_prompts)
 
+    def _logps(self, call: torch.nn.Module, mb: MicroBatch, positions: torch.Tensor, with_entropy: bool = False):
+        dev = self.device
+        return call(sequence_logps, mb.input_ids.to(dev), mb.attention_mask.to(dev), temperature=self.temperature,
+                    positions=connected_positions(positions.to(dev), self.parallel), with_entropy=with_entropy,
+                    prompt_lens=self._prompt_lens(mb), packing=self.train.packing)
+
     @torch.no_grad()
     def _ref_logps(self, mb: MicroBatch) -> torch.Tensor:
-        dev = self.device
         with self._ref_context():
-            return sequence_logps(self.ref_model or self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev),
-                                  temperature=self.temperature, positions=mb.loss_mask.to(dev) > 0,
-                                  prompt_lens=self._prompt_lens(mb), packing=self.train.packing)
+            return self._logps(self.ref_call or self.call, mb, mb.loss_mask > 0)
+
+    def _padding(self, episodes: list[Episode], count: int, old_logps: torch.Tensor | None = None) -> list[MicroBatch]:
+        """``count`` micro-batches that add nothing (this rank's first episode with its loss
+        mask zeroed), so every rank runs as many as the busiest (:meth:`Parallel.even_out`)."""
+        if not count:
+            return []
+        first = self.parallel.shard(len(episodes)).start
+        ep = dataclasses.replace(episodes[first], loss_mask=[0] * len(episodes[first].loss_mask))
+        old = None if old_logps is None else old_logps[first: first + 1]
+        return self._micro_batches([ep], torch.zeros(1), old) * count
 
     @torch.no_grad()
     def completion_logps(self, episodes: list[Episode], *, reference: bool = False) -> torch.Tensor:
         """Logprobs of the episodes' loss tokens under the current policy (or the
-        reference), without gradient.
+        reference), without gradient; under torchrun each rank computes its shard of the
+        rows and the result is assembled on every rank.
 
         Returns:
             [N, L] float32 in the completion frame (:mod:`plainrl.frames`), 0 off the loss mask.
         """
         out = torch.zeros(len(episodes), max((len(e.completion_ids) for e in episodes), default=0))
-        mbs = self._micro_batches(episodes, torch.zeros(len(episodes)))
-        dev = self.device
-        for mb in mbs:
-            if reference:
-                lp = self._ref_logps(mb)
-            else:
-                lp = sequence_logps(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev),
-                                    temperature=self.temperature, positions=mb.loss_mask.to(dev) > 0,
-                                    prompt_lens=self._prompt_lens(mb), packing=self.train.packing)
-            to_completion_frame(lp, mb, out)
-        return out
+        rows = self.parallel.shard(len(episodes))
+        mine = [episodes[i] for i in rows]
+        mbs = self._micro_batches(mine, torch.zeros(len(mine))) if mine else []
+        real = len(mbs)
+        mbs += self._padding(episodes, self.parallel.even_out(real))
+        local = out[rows.start: rows.stop]  # a view: the frame writes into out
+        for i, mb in enumerate(mbs):
+            lp = self._ref_logps(mb) if reference else self._logps(self.call, mb, mb.loss_mask > 0)
+            if i < real:
+                to_completion_frame(lp, mb, local)
+        return self.parallel.sum_tensor(out)
 
     def update(self, episodes: list[Episode], advantages: torch.Tensor) -> UpdateStats:
         """Optimise the policy on one rollout batch; steps the LR schedule once.
@@ -172,8 +197,10 @@ class Learner:
         a = self.algorithm
         old = self.completion_logps(episodes) if a.multi_pass else None  # [N, L]
         steps = []
-        for idx in mini_batch_indices(len(episodes), a.ppo_epochs, a.mini_batches):
-            steps.append(self._step([episodes[i] for i in idx], advantages[idx], None if old is None else old[idx]))
+        # one plan for all ranks (rank 0's draw), over the whole batch as in one process
+        plan = self.parallel.broadcast(mini_batch_indices(len(episodes), a.ppo_epochs, a.mini_batches))
+        for idx in plan:
+            steps.append(self._step(episodes, idx, advantages, old))
         self.scheduler.step()
         stats = UpdateStats.merge(steps)
         if old is not None:
@@ -190,55 +217,67 @@ class Learner:
         return UpdateStats(loss=0.0, grad_norm=0.0, kl=0.0, clip_frac=0.0, lr=lr, num_tokens=0, micro_batches=0,
                            skipped=False, optimizer_steps=0)
 
-    def _step(self, episodes: list[Episode], advantages: torch.Tensor, old_logps: torch.Tensor | None) -> UpdateStats:
-        """One optimiser step on a mini-batch, its loss normalised over the whole mini-batch."""
-        a, dev = self.algorithm, self.device
-        mbs = self._micro_batches(episodes, advantages, old_logps)
-        num_tokens = int(sum(mb.loss_mask.sum().item() for mb in mbs))
-        agg = dict(num_tokens=num_tokens, num_seqs=len(episodes), normalizer=self.completion_budget)
-        loss_sum = kl_sum = ent_sum = clip_sum = approx_kl_sum = diff_sum = tis_sum = 0.0
+    def _step(self, episodes: list[Episode], idx: torch.Tensor, advantages: torch.Tensor,
+              old_logps: torch.Tensor | None) -> UpdateStats:
+        """One optimiser step on the mini-batch ``idx`` (indices into the whole batch), its
+        loss normalised over the whole mini-batch (all ranks' shares of it)."""
+        a, dev, par = self.algorithm, self.device, self.parallel
+        mine = par.local(idx, len(episodes))
+        mbs = self._micro_batches([episodes[i] for i in mine], advantages[mine],
+                                  None if old_logps is None else old_logps[mine]) if len(mine) else []
+        real = len(mbs)
+        mbs += self._padding(episodes, par.even_out(real), old_logps)
+        num_tokens = int(par.sum([sum(mb.loss_mask.sum().item() for mb in mbs)])[0])
+        agg = dict(num_tokens=num_tokens, num_seqs=len(idx), normalizer=self.completion_budget)
+        sums = torch.zeros(7, dtype=torch.float64)  # loss, kl, entropy, clip, approx_kl, |logp diff|, tis
         self.model.train()
-        for mb in mbs:
-            ids, attn = mb.input_ids.to(dev), mb.attention_mask.to(dev)
-            mask, adv = mb.loss_mask.to(dev), mb.advantages.to(dev)
-            out = sequence_logps(self.model, ids, attn, temperature=self.temperature, positions=mask > 0,
-                                 with_entropy=a.entropy_coef > 0, prompt_lens=self._prompt_lens(mb),
-                                 packing=self.train.packing)
-            logps, entropy = out if a.entropy_coef > 0 else (out, None)  # [B, T-1]
-            engine = mb.engine_logps.to(dev)
-            if old_logps is None:  # on-policy: logps are the rollout policy's, as the learner computes it
-                diff_sum += float(((logps.detach() - engine).abs() * mask).sum())
-            # pi_old is always the learner's own (detached, or recomputed before several passes), never
-            # the engine's: an engine computes the same policy with other kernels or precision
-            old = logps.detach() if old_logps is None else mb.old_logps.to(dev)
-            is_weights = None
-            if a.tis_cap is not None:
-                is_weights, truncated = truncated_is_weights(old, engine, mask, a.tis_cap)
-                tis_sum += float(truncated) * float(mask.sum())
-            loss, stats = policy_loss(
-                logps, old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                dual_clip=a.dual_clip, ratio_level=a.ratio_level, agg=a.loss_agg, is_weights=is_weights, **agg,
-            )
-            if a.kl_coef > 0 and a.kl_placement == "loss":
-                kl = kl_estimate(logps, self._ref_logps(mb), a.kl_estimator)  # [B, T-1]
-                kl_loss = aggregate_loss(kl, mask, a.loss_agg, **agg)
-                loss = loss + a.kl_coef * kl_loss
-                kl_sum += kl_loss.item()
-            if entropy is not None:
-                ent = aggregate_loss(entropy, mask, a.loss_agg, **agg)
-                loss = loss - a.entropy_coef * ent  # a bonus: higher entropy lowers the loss
-                ent_sum += ent.item()
-            if loss.requires_grad:  # no loss token in this micro-batch (e.g. all filtered): nothing to learn
-                loss.backward()
-            loss_sum += loss.item()
-            tokens = float(mask.sum())
-            clip_sum += float(stats["clip_frac"]) * tokens
-            approx_kl_sum += float(stats["approx_kl"]) * tokens
+        for i, mb in enumerate(mbs):
+            with par.no_sync(self.call, last=i == len(mbs) - 1):
+                sums += torch.tensor(self._micro_step(mb, agg, on_policy=old_logps is None), dtype=torch.float64)
+        loss_sum, kl_sum, ent_sum, clip_sum, approx_kl_sum, diff_sum, tis_sum = par.sum(sums.tolist())
         lr = self.opt.lr
+        # the global loss: every rank takes the same decision to skip
         grad_norm, skipped = self.opt.step(loss_finite=math.isfinite(loss_sum))
         return UpdateStats(
             loss=loss_sum, grad_norm=grad_norm, kl=kl_sum, clip_frac=clip_sum / max(1, num_tokens),
-            lr=lr, num_tokens=num_tokens, micro_batches=len(mbs), skipped=skipped, entropy=ent_sum,
+            lr=lr, num_tokens=num_tokens, micro_batches=int(par.sum([real])[0]), skipped=skipped, entropy=ent_sum,
             approx_kl=approx_kl_sum / max(1, num_tokens), logprob_diff=diff_sum / max(1, num_tokens),
             tis_clip_frac=tis_sum / max(1, num_tokens),
         )
+
+    def _micro_step(self, mb: MicroBatch, agg: dict, *, on_policy: bool) -> tuple[float, ...]:
+        """Forward and backward of one micro-batch (gradients accumulate); returns its loss,
+        KL and entropy terms and its loss-token sums of clip fraction, approx KL, |learner -
+        engine logprob| (on-policy only) and truncated importance weights."""
+        a, dev = self.algorithm, self.device
+        mask, adv = mb.loss_mask.to(dev), mb.advantages.to(dev)
+        out = self._logps(self.call, mb, mask > 0, with_entropy=a.entropy_coef > 0)
+        logps, entropy = out if a.entropy_coef > 0 else (out, None)  # [B, T-1]
+        engine = mb.engine_logps.to(dev)
+        diff = float(((logps.detach() - engine).abs() * mask).sum()) if on_policy else 0.0
+        # pi_old is always the learner's own (detached, or recomputed before several passes), never
+        # the engine's: an engine computes the same policy with other kernels or precision
+        old = logps.detach() if on_policy else mb.old_logps.to(dev)
+        is_weights, tis = None, 0.0
+        if a.tis_cap is not None:
+            is_weights, truncated = truncated_is_weights(old, engine, mask, a.tis_cap)
+            tis = float(truncated) * float(mask.sum())
+        loss, stats = policy_loss(
+            logps, old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
+            dual_clip=a.dual_clip, ratio_level=a.ratio_level, agg=a.loss_agg, is_weights=is_weights, **agg,
+        )
+        kl_value = ent_value = 0.0
+        if a.kl_coef > 0 and a.kl_placement == "loss":
+            kl = kl_estimate(logps, self._ref_logps(mb), a.kl_estimator)  # [B, T-1]
+            kl_loss = aggregate_loss(kl, mask, a.loss_agg, **agg)
+            loss = loss + a.kl_coef * kl_loss
+            kl_value = kl_loss.item()
+        if entropy is not None:
+            ent = aggregate_loss(entropy, mask, a.loss_agg, **agg)
+            loss = loss - a.entropy_coef * ent  # a bonus: higher entropy lowers the loss
+            ent_value = ent.item()
+        if loss.requires_grad:  # no loss token in this micro-batch (e.g. all filtered): nothing to learn
+            loss.backward()
+        tokens = float(mask.sum())
+        return (loss.item(), kl_value, ent_value, float(stats["clip_frac"]) * tokens,
+                float(stats["approx_kl"]) * tokens, diff, tis)

@@ -20,6 +20,7 @@ from plainrl.config import Config
 from plainrl.data.offline import Example
 from plainrl.frames import pack_by_length
 from plainrl.models import enable_gradient_checkpointing, sequence_logps, sequence_scores, trainable_parameters
+from plainrl.train.distributed import Parallel, connected_positions
 from plainrl.train.optim import MasterAdamW
 
 __all__ = ["OBJECTIVES", "Batch", "OfflineTrainer", "Totals", "collate", "micro_batches"]
@@ -83,15 +84,17 @@ Objective = Callable[["OfflineTrainer", Batch, Totals], tuple[torch.Tensor, dict
 
 
 def _sft(t: "OfflineTrainer", b: Batch, n: Totals) -> tuple[torch.Tensor, dict[str, float]]:
-    logps = sequence_logps(t.model, b.input_ids, b.attention_mask, positions=b.mask > 0)  # [B, T-1]
+    logps = t.call(sequence_logps, b.input_ids, b.attention_mask,
+                   positions=connected_positions(b.mask > 0, t.parallel))  # [B, T-1]
     loss = aggregate_loss(-logps, b.mask, t.cfg.algorithm.loss_agg, num_tokens=n.tokens, num_seqs=n.seqs,
                           normalizer=t.cfg.model.max_context)
     nll = float(-(logps * b.mask).sum())
     return loss, {"nll": nll / max(1, n.tokens)}
 
 
-def _response_logps(model, b: Batch) -> torch.Tensor:
-    logps = sequence_logps(model, b.input_ids, b.attention_mask, positions=b.mask > 0)  # [2P, T-1]
+def _response_logps(t: "OfflineTrainer", call, b: Batch) -> torch.Tensor:
+    logps = call(sequence_logps, b.input_ids, b.attention_mask,
+                 positions=connected_positions(b.mask > 0, t.parallel))  # [2P, T-1]
     return (logps * b.mask).sum(dim=1)  # [2P] log pi(y | x)
 
 
@@ -101,9 +104,9 @@ def _pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, pairs: int) -> d
 
 
 def _dpo(t: "OfflineTrainer", b: Batch, n: Totals) -> tuple[torch.Tensor, dict[str, float]]:
-    policy = _response_logps(t.model, b).chunk(2)
-    with torch.no_grad(), t.reference() as ref_model:
-        ref = _response_logps(ref_model, b).chunk(2)
+    policy = _response_logps(t, t.call, b).chunk(2)
+    with torch.no_grad(), t.reference() as ref_call:
+        ref = _response_logps(t, ref_call, b).chunk(2)
     losses, chosen, rejected = dpo_loss(policy[0], policy[1], ref[0], ref[1], beta=t.cfg.algorithm.beta)
     return losses.sum() / n.pairs, {**_pair_metrics(chosen, rejected, n.pairs),
                                     "chosen_reward": float(chosen.sum()) / n.pairs,
@@ -111,7 +114,7 @@ def _dpo(t: "OfflineTrainer", b: Batch, n: Totals) -> tuple[torch.Tensor, dict[s
 
 
 def _rm(t: "OfflineTrainer", b: Batch, n: Totals) -> tuple[torch.Tensor, dict[str, float]]:
-    chosen, rejected = sequence_scores(t.model, b.input_ids, b.attention_mask, b.last).chunk(2)
+    chosen, rejected = t.call(sequence_scores, b.input_ids, b.attention_mask, b.last).chunk(2)
     loss = bradley_terry_loss(chosen, rejected).sum() / n.pairs
     return loss, _pair_metrics(chosen.detach(), rejected.detach(), n.pairs)
 
@@ -126,17 +129,23 @@ class OfflineTrainer:
 
     The reference policy of DPO is the model with adapters disabled under LoRA (no
     second copy), or a frozen copy of the initial weights for full fine-tuning.
+
+    ``parallel``: under torchrun, every rank gets the whole batch and computes on its
+    shard, normalised by the global totals (as :class:`~plainrl.train.Learner`).
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, *, pad_id: int):
+    def __init__(self, model: torch.nn.Module, cfg: Config, *, pad_id: int, parallel: Parallel | None = None):
         self.model, self.cfg, self.pad_id = model, cfg, pad_id
+        self.parallel = parallel or Parallel()
         self.objective = OBJECTIVES[cfg.algorithm.name]
-        self.opt = MasterAdamW(trainable_parameters(model), cfg.train)
         self.ref_model = None
         if cfg.algorithm.name == "dpo" and not cfg.model.lora.enabled:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if cfg.train.gradient_checkpointing:  # sft, dpo and rm all train the model under autograd
             enable_gradient_checkpointing(model)
+        self.call = self.parallel.wrap(model)  # every forward runs through it (DDP / FSDP2 hooks)
+        self.ref_call = None if self.ref_model is None else self.parallel.wrap(self.ref_model, trainable=False)
+        self.opt = MasterAdamW(trainable_parameters(model), cfg.train)  # FSDP2: on the sharded parameters
 
     @property
     def device(self) -> torch.device:
@@ -144,31 +153,48 @@ class OfflineTrainer:
 
     @contextlib.contextmanager
     def reference(self):
-        """Yields the reference policy (see the class docstring)."""
-        if self.ref_model is not None:
-            yield self.ref_model
+        """Yields the reference policy's call (see the class docstring)."""
+        if self.ref_call is not None:
+            yield self.ref_call
         else:
             with self.model.disable_adapter():
-                yield self.model
+                yield self.call
 
     def _run(self, examples: list[Example]) -> tuple[float, dict[str, float]]:
-        """Forward (and backward, under grad) every micro-batch; returns the loss and metric sums."""
-        groups = micro_batches(examples, self.cfg.train.micro_batch_tokens)
+        """Forward (and backward, under grad) every micro-batch of this rank's share of
+        ``examples``; returns the loss and metric sums over all ranks.
+
+        Under torchrun a rank short of micro-batches runs copies of its first example with
+        the loss weighted 0 (every rank runs as many forwards and backwards)."""
+        par = self.parallel
+        rows = par.shard(len(examples))
+        mine = examples[rows.start: rows.stop]
+        groups = micro_batches(mine, self.cfg.train.micro_batch_tokens) if mine else []
         batches = [collate(g, self.pad_id) for g in groups]
+        real = len(batches)
+        if extra := par.even_out(real):
+            empty = collate([examples[rows.start]], self.pad_id)
+            batches += [Batch(empty.input_ids, empty.attention_mask, torch.zeros_like(empty.mask), empty.last)] * extra
         pairs = len(examples) if len(examples[0].seqs) == 2 else 0
-        totals = Totals(tokens=int(sum(b.mask.sum() for b in batches)), seqs=sum(len(b.last) for b in batches),
-                        pairs=max(1, pairs))
+        tokens, seqs = par.sum([float(sum(b.mask.sum() for b in batches[:real])),
+                                float(sum(len(b.last) for b in batches[:real]))])
+        totals = Totals(tokens=int(tokens), seqs=int(seqs), pairs=max(1, pairs))
         loss_sum, sums = 0.0, {}
-        for b in batches:
+        for i, b in enumerate(batches):
             dev = self.device
             b = Batch(b.input_ids.to(dev), b.attention_mask.to(dev), b.mask.to(dev), b.last.to(dev))
-            loss, metrics = self.objective(self, b, totals)
-            if torch.is_grad_enabled():
-                loss.backward()
+            weight = 1.0 if i < real else 0.0  # a padding micro-batch: in the graph, out of the loss
+            with par.no_sync(self.call, last=i == len(batches) - 1):
+                loss, metrics = self.objective(self, b, totals)
+                loss = loss * weight if weight != 1.0 else loss
+                if torch.is_grad_enabled():
+                    loss.backward()
             loss_sum += loss.item()
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-        return loss_sum, {**sums, "tokens": float(totals.tokens)}
+                sums[k] = sums.get(k, 0.0) + v * weight
+        keys = sorted(sums)
+        loss_sum, *values = par.sum([loss_sum, *(sums[k] for k in keys)])
+        return loss_sum, {**dict(zip(keys, values)), "tokens": float(totals.tokens)}
 
     def step(self, examples: list[Example]) -> dict[str, float]:
         """One optimiser step on ``examples`` (the loss normalised over all of them)."""

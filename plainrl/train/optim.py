@@ -65,6 +65,8 @@ class MasterAdamW:
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         grad_norm = torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm or float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards, replicated
+            grad_norm = grad_norm.full_tensor()
         skipped = not torch.isfinite(grad_norm).item() or not loss_finite
         if not skipped:
             self.optimizer.step()

@@ -1,0 +1,302 @@
+"""A run under ``torchrun``: reading the launcher's environment and checking it against the
+config before any model loads, the process group (with a collective timeout), this rank's
+device and threads, and what differs between ranks in a run (rank 0 alone logs and
+writes; the step's prompts are split by whole groups; episodes are gathered so every rank
+sees the whole batch). Without torchrun, :func:`start` returns ``Parallel()`` and nothing
+here changes the single-process run.
+
+See docs/distributed.md for launch commands.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from plainrl.config import Config, ConfigError
+from plainrl.metrics import MetricsLogger
+from plainrl.train.distributed import Parallel, full_tensor
+from plainrl.types import Episode, RewardOutput
+
+# what torchrun (torch.distributed.run) sets in every worker's environment
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_env(env: Mapping[str, str] | None = None) -> dict[str, int | str] | None:
+    """The torchrun variables of this process, None when it was not launched by torchrun
+    (none of them set).
+
+    Raises:
+        ConfigError: some are set and others missing (a hand-made launch, or a scheduler
+            script that forgot one), naming the missing ones.
+    """
+    env = os.environ if env is None else env
+    present = [v for v in TORCHRUN_VARS if v in env]
+    if not present:
+        return None
+    missing = [v for v in TORCHRUN_VARS if v not in env]
+    if missing:
+        raise ConfigError(
+            f"distributed launch: {', '.join(present)} set but {', '.join(missing)} missing; launch with "
+            "`torchrun --nproc-per-node N -m plainrl train CONFIG` (several nodes: add --nnodes and "
+            "--rdzv-endpoint HOST:PORT; see docs/distributed.md), or unset them for one process"
+        )
+    try:
+        out: dict[str, int | str] = {v: int(env[v]) for v in TORCHRUN_VARS if v not in ("MASTER_ADDR",)}
+    except ValueError as e:
+        raise ConfigError(f"distributed launch: a torchrun variable is not an integer: {e}") from e
+    out["MASTER_ADDR"] = env["MASTER_ADDR"]
+    return out
+
+
+def check_launch(cfg: Config, world_size: int) -> None:
+    """Refuse a config that cannot run on ``world_size`` ranks, before any model loads.
+
+    Raises:
+        ConfigError: the ranks cannot split the step's prompt groups (RL) or rows (sft/dpo/rm)
+            evenly, or the engine cannot run under torchrun.
+    """
+    if cfg.algorithm.offline:
+        if cfg.train.batch_size % world_size:
+            raise ConfigError(
+                f"train.batch_size={cfg.train.batch_size} rows cannot be split evenly over {world_size} ranks; "
+                f"use a multiple of {world_size} (or another --nproc-per-node)")
+        return
+    groups = cfg.rollout.prompts_per_step
+    if groups % world_size:
+        # a group on one rank keeps its statistics exact (GRPO's mean and std, RLOO's leave-one-out)
+        raise ConfigError(
+            f"rollout.prompts_per_step={groups} prompt groups cannot be split evenly over {world_size} ranks "
+            f"(a group is never split); set rollout.prompts_per_step to a multiple of {world_size}, or launch "
+            f"with --nproc-per-node (x --nnodes) dividing {groups}")
+    if cfg.rollout.async_steps:
+        raise ConfigError(
+            "rollout.async_steps=1 is not supported under torchrun (the rollout thread's episode gathering would "
+            "race the learner's gradient collectives); set rollout.async_steps=0")
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError(
+            "rollout.engine=vllm starts vLLM inside the training process, which is not supported under torchrun; "
+            "run `plainrl serve` servers and set rollout.engine=remote (docs/distributed.md), or use rollout.engine=hf")
+
+
+def _device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device=cuda but CUDA is not available on this node; set device=cpu or auto")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs; "
+                          "lower --nproc-per-node to the number of GPUs")
+    return torch.device("cuda", local_rank)
+
+
+def join(cfg: Config) -> Parallel:
+    """Join the run's process group when launched by torchrun (``Parallel()`` otherwise).
+
+    Checks the launch (:func:`launch_env`, :func:`check_launch`) first; then NCCL on CUDA
+    (``cuda:LOCAL_RANK``) or gloo on CPU, with ``train.collective_timeout_s`` as the
+    timeout of every collective, so a dead or stuck rank ends the run instead of hanging it.
+    On CPU, without ``threads``, each rank takes its share of the cores.
+
+    Raises:
+        ConfigError: see :func:`launch_env` and :func:`check_launch`; an unusable device.
+    """
+    env = launch_env()
+    if env is None:
+        return Parallel()
+    world, rank, local = int(env["WORLD_SIZE"]), int(env["RANK"]), int(env["LOCAL_RANK"])
+    check_launch(cfg, world)
+    device = _device(cfg.device, local)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=cfg.train.collective_timeout_s)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+    if device.type == "cpu" and cfg.threads is None:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, int(env["LOCAL_WORLD_SIZE"]))))
+    return Parallel(active=True, strategy=cfg.train.strategy, rank=rank, world_size=world, device=device)
+
+
+def leave(parallel: Parallel) -> None:
+    """Leave the process group (a no-op in one process)."""
+    if parallel.active and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def local_rows(parallel: Parallel, rows: list) -> list:
+    """This rank's share of the step's prompts (whole groups: a prompt's samples are drawn on one rank)."""
+    if not parallel.active:
+        return rows
+    s = parallel.shard(len(rows))
+    return rows[s.start: s.stop]
+
+
+def gather_episodes(parallel: Parallel, episodes: list[Episode], rewards: RewardOutput
+                    ) -> tuple[list[Episode], RewardOutput]:
+    """Every rank's scored episodes, in rank order (the order one process would have drawn
+    them in), on every rank, with groups renumbered over the whole batch; their rewards too.
+    Episodes are a few kilobytes each: token ids, logprobs, the data row."""
+    if not parallel.active:
+        return episodes, rewards
+    parts = parallel.gather((episodes, rewards))
+    out: list[Episode] = []
+    for eps, _ in parts:
+        offset = 1 + max((e.group for e in out), default=-1)
+        for e in eps:
+            e.group += offset
+        out.extend(eps)
+    outs = [r for _, r in parts]
+    merged = RewardOutput(total=[t for r in outs for t in r.total],
+                          parts={k: [v for r in outs for v in r.parts[k]] for k in outs[0].parts},
+                          errors=[m for r in outs for m in r.errors])
+    return out, merged
+
+
+@contextmanager
+def main_first(parallel: Parallel) -> Iterator[None]:
+    """Rank 0 runs the block before the others (e.g. converting the embedded model into the
+    shared cache once); the others wait for it at a barrier."""
+    if parallel.active and not parallel.is_main:
+        parallel.barrier()
+    yield
+    if parallel.active and parallel.is_main:
+        parallel.barrier()
+
+
+class RankLogger(MetricsLogger):
+    """The logger of ranks other than 0: it writes nothing and prints nothing (rank 0 logs
+    the whole batch, which every rank holds)."""
+
+    def __init__(self, run_dir: Path, *, total_steps: int):  # no files, no TensorBoard writer
+        self.run_dir, self.total_steps, self.sinks, self.closed = Path(run_dir), total_steps, [], False
+
+    def add_sink(self, sink) -> None:
+        pass
+
+    @contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        yield
+
+    def resume_at(self, step: int) -> None:
+        pass
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_rollouts(self, step: int, episodes: list[Episode], count: int, tokenizer) -> None:
+        pass
+
+    def log_errors(self, step: int, errors) -> None:
+        pass
+
+    def print(self, msg: str) -> None:
+        pass
+
+    def close(self, final_dir: Path | None = None) -> None:
+        self.closed = True
+
+
+def make_logger(cfg: Config, run_dir: Path, parallel: Parallel) -> MetricsLogger:
+    """Rank 0's (or the one process's) :class:`MetricsLogger`; a :class:`RankLogger` elsewhere."""
+    if not parallel.is_main:
+        return RankLogger(run_dir, total_steps=cfg.train.steps)
+    return MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
+                         progress=cfg.log.progress, ranks=parallel.world_size if parallel.active else 1)
+
+
+class RankEngine:
+    """The rollout engine of a rank under torchrun, when the learner's model cannot serve
+    it directly: under FSDP2 the embedded engine samples with a *replica*, a full copy of
+    the weights on each rank (in the model's dtype), refreshed after every update by
+    gathering the trainable shards (the frozen base once, at start: LoRA then moves only
+    the adapters); a remote engine (``rollout.engine=remote``) gets the weights from rank 0
+    alone, once per step, while the other ranks wait, and every rank sends its own prompts.
+
+    Args:
+        inner: the engine (built on ``replica`` when there is one).
+        parallel: this rank.
+        replica: FSDP2: the copy of the model made before sharding (on rank 0 only for a remote
+            engine); None under DDP.
+        local: the engine runs in this process (the embedded one); False for remote servers.
+        gather: FSDP2: take part in gathering the weights (every rank must, replica or not).
+    """
+
+    def __init__(self, inner, parallel: Parallel, replica: torch.nn.Module | None, *, local: bool,
+                 gather: bool):
+        self.inner, self.parallel, self.replica, self.local, self.gather = inner, parallel, replica, local, gather
+        self._frozen_synced = False
+
+    def generate(self, prompts, params, *, generator=None):
+        return self.inner.generate(prompts, params, generator=generator)
+
+    def offload(self) -> None:
+        self.inner.offload()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @torch.no_grad()
+    def _gather(self, model: torch.nn.Module) -> None:
+        target = dict(self.replica.named_parameters()) if self.replica is not None else {}
+        for name, p in model.named_parameters():
+            if p.requires_grad or not self._frozen_synced:
+                full = full_tensor(p.detach())  # a collective: every rank, in the same order
+                if name in target:
+                    target[name].copy_(full)
+        self._frozen_synced = True
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        source = model
+        if self.gather:
+            self._gather(model)
+            source = self.replica
+        if self.local:
+            self.inner.load_weights(source)
+            return
+        if self.parallel.is_main:
+            self.inner.load_weights(source)
+        self.parallel.barrier()  # nobody samples before the servers have the new weights
+
+
+def rank_engine(cfg: Config, model: torch.nn.Module, parallel: Parallel, build) -> tuple[object, torch.nn.Module]:
+    """The engine for this rank: ``build(model_for_the_engine)``, wrapped in a :class:`RankEngine`
+    where needed (FSDP2, or a remote engine under torchrun).
+
+    Returns:
+        ``(engine, model the engine reads)``: under FSDP2 the replica (made here, before the
+        learner shards ``model``), else ``model``.
+    """
+    local = cfg.rollout.engine == "hf"
+    if not parallel.active or (parallel.strategy == "ddp" and local):
+        return build(model), model
+    replica, sharded = None, parallel.strategy == "fsdp2"
+    if sharded and (local or parallel.is_main):  # a remote engine reads the weights on rank 0 only
+        import copy
+
+        replica = copy.deepcopy(model)
+    engine = RankEngine(build(replica if replica is not None else model), parallel, replica, local=local,
+                        gather=sharded)
+    return engine, replica if replica is not None else model
+
+
+def full_state_dict(parallel: Parallel, model: torch.nn.Module) -> dict | None:
+    """Under FSDP2, the full trainable weights gathered to rank 0's CPU memory
+    (``get_model_state_dict``; every rank must call it); None otherwise (the model's own
+    state is whole)."""
+    if not (parallel.active and parallel.strategy == "fsdp2"):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=hasattr(model, "peft_config")))

@@ -1,0 +1,262 @@
+"""Data parallelism for the trainers: how a model is wrapped for ``train.strategy`` (DDP or
+FSDP2) and the few collectives a trainer needs to make its update equal to the
+one-process update on the same batch.
+
+Every trainer (:class:`~plainrl.train.Learner`, :class:`~plainrl.train.Critic`,
+:class:`~plainrl.train.offline.OfflineTrainer`) is handed the *whole* step's batch on every
+rank and a :class:`Parallel`. It computes on its :meth:`Parallel.shard` of the rows and
+normalises its loss by the *global* count (loss tokens, sequences, pairs: :meth:`Parallel.sum`),
+so the gradients summed over the ranks are the gradient of the one-process loss. Both wrappers
+average gradients over the ranks by default; here they sum instead (a DDP communication hook,
+FSDP2's gradient divide factor 1), which is exact for any world size.
+
+Every forward goes through one module, :class:`ModelCall` (``call(fn, *args)`` runs
+``fn(model, *args)``), because plainrl's forwards reach inside the model (the decoder, then
+the LM head in chunks, :mod:`plainrl.models.forward`): DDP prepares its gradient reduction in
+its own ``forward``, and FSDP2 gathers the parameters outside the decoder layers (embeddings,
+final norm, LM head) in the root module's. Under FSDP2 every forward and backward is a
+sequence of collectives, so all ranks run the same number of micro-batches
+(:meth:`Parallel.even_out` pads with zero-weight ones) and every backward reaches every
+trainable parameter (:func:`connected_positions`).
+
+In one process (``Parallel()``, ``active`` False) every collective is the identity and the
+model is not wrapped: the single-process path is unchanged.
+
+Sources: PyTorch DistributedDataParallel (``torch.nn.parallel``, comm hooks,
+``no_sync``); FSDP2, ``torch.distributed.fsdp.fully_shard`` (per-module sharding, its
+``MixedPrecisionPolicy``); Rajbhandari et al. 2020 (ZeRO, arXiv:1910.02054) for what is sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from plainrl.config.train import Strategy
+
+
+class ModelCall(torch.nn.Module):
+    """The one module a wrapper sees: ``call(fn, *args, **kwargs)`` is ``fn(model, *args,
+    **kwargs)``, so DDP's and FSDP2's forward hooks run around any plainrl forward
+    (:func:`~plainrl.models.sequence_logps`, :func:`~plainrl.models.token_values`, ...)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable[..., Any], *args, **kwargs):
+        return fn(self.model, *args, **kwargs)
+
+
+def _sum_hook(group, bucket):
+    """DDP communication hook: all-reduce SUM (the default one divides by the world size)."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers causal LM or value model (peft-wrapped or not):
+    FSDP2's unit of sharding.
+
+    Raises:
+        ValueError: the model has no ``get_decoder().layers`` (not a decoder-only transformer).
+    """
+    from plainrl.models import unwrap
+
+    base = unwrap(model)
+    layers = getattr(base.get_decoder(), "layers", None) if hasattr(base, "get_decoder") else None
+    if layers is None:
+        raise ValueError(f"train.strategy=fsdp2: {type(base).__name__} has no decoder layers to shard "
+                         "(get_decoder().layers); use train.strategy=ddp")
+    return list(layers)
+
+
+@dataclass
+class Parallel:
+    """This process's place in a data-parallel run, and the collectives trainers use.
+
+    ``Parallel()`` is one process: nothing is wrapped and every collective returns its input.
+
+    Attributes:
+        active: launched by torchrun (the default process group is initialised), even with one rank.
+        strategy: ``train.strategy``.
+        rank, world_size: of the default process group.
+        device: where this rank computes (``cuda:LOCAL_RANK`` or cpu); collectives run on it
+            (NCCL needs CUDA tensors, gloo takes CPU ones).
+    """
+
+    active: bool = False
+    strategy: Strategy = "ddp"
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that logs and writes."""
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ rows
+
+    def shard(self, n: int) -> range:
+        """This rank's contiguous block of ``n`` rows (the first ``n % world_size`` ranks get one more)."""
+        base, extra = divmod(n, self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        return range(start, start + base + (self.rank < extra))
+
+    def local(self, indices: torch.Tensor, n: int) -> torch.Tensor:
+        """The entries of ``indices`` (into ``n`` rows) that fall in this rank's :meth:`shard`, in order."""
+        if not self.active:
+            return indices
+        s = self.shard(n)
+        return indices[(indices >= s.start) & (indices < s.stop)]
+
+    # ------------------------------------------------------------------ collectives
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over the ranks of a few float64 numbers (counts, metric sums)."""
+        if not self.active:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def max(self, value: int) -> int:
+        """The largest ``value`` over the ranks."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks (a new tensor on ``t``'s device); ranks that fill
+        disjoint rows of a zero tensor assemble the whole this way, exactly."""
+        if not self.active:
+            return t
+        out = t.to(self.device, copy=True)
+        dist.all_reduce(out)
+        return out.to(t.device)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (a picklable object)."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (picklable objects)."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def even_out(self, count: int) -> int:
+        """How many empty micro-batches this rank adds so that every rank runs the same
+        number (each forward and backward is a collective under FSDP2, and DDP needs one
+        synchronised backward on every rank)."""
+        return self.max(count) - count if self.active else 0
+
+    def no_sync(self, call: torch.nn.Module, last: bool):
+        """DDP: skip the gradient all-reduce on every micro-batch but the last (gradients
+        accumulate locally, one reduction per optimiser step). FSDP2 reduce-scatters after
+        every backward, keeping only sharded gradients."""
+        if self.active and self.strategy == "ddp" and not last:
+            return call.no_sync()
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ wrapping
+
+    def wrap(self, model: torch.nn.Module, *, trainable: bool = True) -> torch.nn.Module:
+        """``model`` inside a :class:`ModelCall`, wrapped for ``strategy``; the model's own
+        modules keep their names, so state dicts and peft keep working.
+
+        In one process: the bare :class:`ModelCall`. DDP: ``DistributedDataParallel`` with
+        a SUM hook, no buffer broadcast (a forward must not be a collective: ranks run
+        different numbers of no-grad forwards) and rank 0's weights broadcast at
+        construction; a frozen model (``trainable=False``, a reference) is not wrapped.
+        FSDP2: rank 0's weights broadcast, then ``fully_shard`` on each decoder layer, on a
+        value model's ``score`` head (kept float32), and on the root; trainable parameters
+        are cast to float32 first (the sharded copies are the optimiser's master weights)
+        and computed in the model's dtype (``MixedPrecisionPolicy``, gradients reduced in
+        float32). Build the optimiser on the parameters after this call.
+        """
+        call = ModelCall(model)
+        if not self.active:
+            return call
+        if self.strategy == "ddp":
+            if not trainable:
+                return call
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ddp = DDP(call, device_ids=None, broadcast_buffers=False)
+            ddp.register_comm_hook(None, _sum_hook)
+            return ddp
+        return self._fully_shard(call, model)
+
+    def _fully_shard(self, call: ModelCall, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from plainrl.models import unwrap
+
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+        params = [p for p in model.parameters() if p.is_floating_point()]
+        compute = next((p.dtype for p in params if p.requires_grad), params[0].dtype)
+        for p in params:
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+        mp = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
+                                  reduce_dtype=torch.float32)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        head = getattr(unwrap(model), "score", None)
+        if isinstance(head, torch.nn.Module):  # a value head reads float32 hidden states
+            fully_shard(head, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+        fully_shard(call, mesh=mesh, mp_policy=mp)
+        # the logprobs come back as a view; FSDP2 warns that an in-place op on it would skip its
+        # pre-backward hook, and plainrl never modifies a forward's output in place
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        for m in call.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(1.0)  # sum, not mean: the loss is normalised globally
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (a factor of 1 needs none)
+        return call
+
+
+def connected_positions(positions: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """The LM-head positions of a micro-batch, with one added when it has none under
+    data parallelism: a backward that misses the LM head (no loss token on this rank, or a
+    padding micro-batch) would skip its gradient reduction, which the other ranks wait for.
+    The added position is off the loss mask, so it adds 0 to the loss and its gradient.
+
+    Args:
+        positions: [B, T-1] bool.
+    """
+    if not parallel.active or bool(positions.any()):
+        return positions
+    out = positions.clone()
+    out.view(-1)[0] = True
+    return out
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered to a plain tensor (a collective: every rank calls it); a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

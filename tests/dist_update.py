@@ -1,0 +1,157 @@
+"""One learner update on fixed episodes as a rank of ``torchrun`` (the worker of
+tests/test_distributed.py): the same episodes and advantages on every rank, so the results
+are comparable with the one-process update, which rank 0 also computes (``Parallel()``: the
+single-process path, no collective).
+
+    torchrun --standalone --nproc-per-node 2 tests/dist_update.py MODEL_DIR OUT.pt
+
+Writes (rank 0) ``{(case, "single" | "ddp" | "fsdp2"): {"stats": UpdateStats as dict,
+"weights": {name: full tensor}, "initial": {name: tensor}}}``.
+Cases: the policy learner with LoRA, two mini-batches and a KL to the adapter-free
+reference (token-mean), and with full fine-tuning, two PPO epochs, a KL to a frozen copy
+and an entropy bonus (seq-mean-token-mean); PPO's critic (LoRA, two epochs); DPO with full
+fine-tuning (a frozen reference copy) and SFT with LoRA. Micro-batches are small and the
+first ranks' rows long, so the ranks run different numbers of micro-batches; one episode has
+no loss token, one no completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+CASES = {
+    "lora": ["model.lora.enabled=true", "algorithm.mini_batches=2", "algorithm.kl_coef=0.1",
+             "algorithm.loss_agg=token-mean"],
+    "full": ["model.lora.enabled=false", "algorithm.ppo_epochs=2", "algorithm.kl_coef=0.05",
+             "algorithm.entropy_coef=0.01", "algorithm.loss_agg=seq-mean-token-mean", "train.max_grad_norm=0.5"],
+}
+
+
+def episodes(vocab: int):
+    """4 groups of 2: long episodes first (rank 0's share is the heavier one)."""
+    from plainrl.types import Episode
+
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(8):
+        prompt = torch.randint(5, vocab, (6 + i % 3,), generator=g).tolist()
+        n = 0 if i == 5 else (24 if i < 4 else 4) + i
+        comp = torch.randint(5, vocab, (n,), generator=g).tolist()
+        lp = (-torch.rand(n, generator=g) * 3).tolist()
+        mask = [0] * n if i == 6 else [1] * n
+        out.append(Episode(sample_id=str(i), group=i // 2, row={}, prompt_ids=prompt, completion_ids=comp,
+                           logprobs=lp, loss_mask=mask, finish_reason="eos"))
+    adv = torch.linspace(-1.0, 1.5, 8)
+    return out, adv
+
+
+def run_case(model_dir: str, strategy: str | None, overrides: list[str]) -> dict:
+    from plainrl.config import load_config
+    from plainrl.models import load_policy
+    from plainrl.run.distributed import join
+    from plainrl.run.setup import make_learner
+    from plainrl.train.distributed import Parallel, full_tensor
+
+    cfg = load_config(REPO / "examples" / "arithmetic_grpo.yaml", [
+        f"model.name={model_dir}", "model.dtype=float32", "device=cpu", f"train.strategy={strategy or 'ddp'}",
+        "train.micro_batch_tokens=48", "train.lr=1e-2", "rollout.prompts_per_step=4", "rollout.group_size=2",
+        "rollout.max_new_tokens=40", "algorithm.clip_high=0.2", *overrides])
+    parallel = join(cfg) if strategy else Parallel()
+    torch.manual_seed(0)  # LoRA's initial A: the same in every process
+    model = load_policy(cfg.model, parallel.device)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    learner = make_learner(cfg, model, pad_id=0, parallel=parallel)
+    eps, adv = episodes(model.config.vocab_size if hasattr(model, "config") else 100)
+    torch.manual_seed(1)  # the mini-batch shuffle
+    stats = learner.update([dataclasses.replace(e) for e in eps], adv)
+    weights = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"stats": dataclasses.asdict(stats), "weights": weights, "initial": initial}
+
+
+def critic_case(model_dir: str, strategy: str | None) -> dict:
+    from plainrl.config import load_config
+    from plainrl.frames import completion_frame
+    from plainrl.models import load_value_model
+    from plainrl.run.distributed import join
+    from plainrl.run.setup import load_critic
+    from plainrl.train.distributed import Parallel, full_tensor
+
+    cfg = load_config(REPO / "examples" / "arithmetic_ppo.yaml", [
+        f"model.name={model_dir}", "model.dtype=float32", "device=cpu", f"train.strategy={strategy or 'ddp'}",
+        "train.micro_batch_tokens=48", "train.lr=1e-2", "rollout.prompts_per_step=4", "rollout.group_size=2",
+        "rollout.max_new_tokens=40", "algorithm.ppo_epochs=2", "critic.lr=1e-2"])
+    parallel = join(cfg) if strategy else Parallel()
+    torch.manual_seed(0)
+    del load_value_model  # (built by load_critic, as a run builds it)
+    critic = load_critic(cfg, None, parallel.device, 0, parallel)
+    initial = {n: p.detach().clone() for n, p in critic.model.named_parameters() if p.requires_grad}
+    eps, _ = episodes(critic.model.config.vocab_size)
+    for i, e in enumerate(eps):
+        e.reward = None if i == 3 else float(i)  # one unscorable episode: out of the value loss
+    frame = completion_frame(eps)
+    values = critic.values(eps)  # [N, L]
+    returns = torch.linspace(-1, 1, frame.mask.numel()).view_as(frame.mask) * frame.mask
+    torch.manual_seed(1)
+    stats = critic.update(eps, returns, values, frame.mask)
+    stats["values_sum"] = float(values.sum())
+    weights = {n: full_tensor(p.detach()).clone() for n, p in critic.model.named_parameters() if p.requires_grad}
+    return {"stats": stats, "weights": weights, "initial": initial}
+
+
+def offline_case(model_dir: str, strategy: str | None, name: str) -> dict:
+    from plainrl.config import load_config
+    from plainrl.data.offline import ChatTokens, Example
+    from plainrl.models import load_policy
+    from plainrl.run.distributed import join
+    from plainrl.train.distributed import Parallel, full_tensor
+    from plainrl.train.offline import OfflineTrainer
+
+    lora = "false" if name == "dpo" else "true"
+    cfg = load_config(REPO / "examples" / ("dpo_ultrafeedback.yaml" if name == "dpo" else "sft_chat.yaml"), [
+        f"model.name={model_dir}", "model.dtype=float32", "device=cpu", f"train.strategy={strategy or 'ddp'}",
+        "train.micro_batch_tokens=64", "train.lr=1e-2", "train.batch_size=4", f"model.lora.enabled={lora}"])
+    parallel = join(cfg) if strategy else Parallel()
+    torch.manual_seed(0)
+    model = load_policy(cfg.model, parallel.device)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer = OfflineTrainer(model, cfg, pad_id=0, parallel=parallel)
+    g = torch.Generator().manual_seed(3)
+
+    def chat(n: int, trained: int) -> ChatTokens:
+        return ChatTokens(torch.randint(5, 500, (n,), generator=g).tolist(), [0] * (n - trained) + [1] * trained)
+
+    seqs = 2 if name == "dpo" else 1
+    rows = [Example(tuple(chat(30 - 5 * i + j, 6 + j) for j in range(seqs)), i) for i in range(4)]
+    metrics = trainer.step(rows)
+    metrics.update({f"eval_{k}": v for k, v in trainer.evaluate(rows).items()})
+    weights = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"stats": metrics, "weights": weights, "initial": initial}
+
+
+def main() -> None:
+    import os
+
+    model_dir, out = sys.argv[1:3]
+    rank = int(os.environ["RANK"])
+    results = {}
+    cases = {name: (lambda strategy, over=over: run_case(model_dir, strategy, over)) for name, over in CASES.items()}
+    cases["critic"] = lambda strategy: critic_case(model_dir, strategy)
+    for name in ("dpo", "sft"):
+        cases[name] = lambda strategy, name=name: offline_case(model_dir, strategy, name)
+    for name, case in cases.items():
+        if rank == 0:
+            results[(name, "single")] = case(None)
+        for strategy in ("ddp", "fsdp2"):
+            results[(name, strategy)] = case(strategy)
+    if rank == 0:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main()

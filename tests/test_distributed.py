@@ -1,0 +1,199 @@
+"""Data-parallel training under real ``torchrun`` with the gloo backend, 2 processes on CPU:
+the DDP and FSDP2 updates equal the one-process update on the same episodes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc-per-node NPROC ARGS`` with this
+    checkout on PYTHONPATH and one thread per rank."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_path):
+    """The heart of data parallelism: on the same rows, the loss, its statistics and the
+    updated weights of 2 ranks (DDP, FSDP2) are the one-process update's, to float32
+    rounding (Adam's first steps amplify gradient rounding a little: 2e-5 on updates of ~1e-2).
+    Policy learner (LoRA; full fine-tuning), PPO's critic, DPO and SFT (tests/dist_update.py)."""
+    out = tmp_path / "updates.pt"
+    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out))
+    results = torch.load(out, weights_only=False)
+    for case in ("lora", "full", "critic", "dpo", "sft"):
+        single = results[(case, "single")]
+        moved = max(float((single["weights"][n] - single["initial"][n]).abs().max()) for n in single["weights"])
+        assert moved > 1e-3, f"{case}: the update must change the weights for the comparison to mean anything"
+        for strategy in ("ddp", "fsdp2"):
+            got = results[(case, strategy)]
+            for key, value in single["stats"].items():
+                if key in ("micro_batches", "optimizer_steps", "skipped") or not isinstance(value, (int, float)):
+                    continue  # micro-batches are packed per rank
+                # a clip fraction counts tokens at a threshold: rounding may move one across it (1/188 here)
+                tol = 0.01 if key.endswith("clip_frac") else 1e-6
+                assert got["stats"][key] == pytest.approx(value, rel=1e-5, abs=tol), (case, strategy, key)
+            assert set(got["weights"]) == set(single["weights"])
+            for name, w in single["weights"].items():
+                torch.testing.assert_close(got["weights"][name], w, rtol=1e-4, atol=2e-5,
+                                           msg=lambda m: f"{case}/{strategy} {name}: {m}")
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path):
+    """A 2-rank FSDP2 run of examples/arithmetic_grpo.yaml (tiny model): SIGKILL of rank 1,
+    once a step past the last checkpoint is logged, ends the whole job non-zero within 60 s;
+    the same command then resumes from the last checkpoint and finishes, every step logged
+    once, the adapter trained, and the step redone after the resume equals the one the killed
+    run logged (exact resume at the same world size: weights, optimizer, RNGs, data position)."""
+    import signal
+    import time
+
+    import psutil
+    from safetensors.torch import load_file
+
+    from conftest import tiny_overrides
+
+    run = tmp_path / "run"
+    # the collective timeout is not what ends the job (gloo fails the survivor's next collective at
+    # once and torchrun stops it); it only has to outlast a slow start on a loaded machine
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "plainrl",
+           "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+           *tiny_overrides(tiny_model_dir, run), "train.steps=8", "checkpoint.every=2", "train.strategy=fsdp2",
+           "train.collective_timeout_s=120", "data.eval_size=2", "train.lr=1e-2", "log.tensorboard=false",
+           # the random tiny model never answers right: a reward that varies (text length) gives it a gradient
+           f"rewards=[{{fn: {REPO / 'tests' / 'data' / 'my_reward.py'}:length_bonus}}]"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "job.log", "w")
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    latest = run / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 300
+
+        def past_checkpoint() -> bool:  # a step after the latest checkpoint is logged
+            if not latest.is_file() or not (run / "metrics.jsonl").is_file():
+                return False
+            saved = int(latest.read_text().strip().split("-")[1])  # steps done at the checkpoint
+            return any(r["step"] >= saved for r in _rows(run) if "loss" in r)
+
+        while not past_checkpoint():
+            assert job.poll() is None, (tmp_path / "job.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no step past a checkpoint in 300 s"
+            time.sleep(0.05)
+        # torchrun's workers are its own children (their reward workers, forked, inherit RANK too)
+        ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(job.pid).children() if "RANK" in p.environ()}
+        ranks[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = job.wait(timeout=90)
+        assert time.monotonic() - killed < 60
+        assert code != 0, (tmp_path / "job.log").read_text()[-4000:]
+        assert not (run / "final").exists()
+    finally:
+        if job.poll() is None:
+            job.kill()
+        log.close()
+    before = {r["step"]: r for r in _rows(run) if "loss" in r}
+    resume_at = int(latest.read_text().strip().split("-")[1])
+    assert max(before) < 7  # it stopped early
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "resumed from" in proc.stderr + proc.stdout
+    after = {r["step"]: r for r in _rows(run) if "loss" in r}
+    assert sorted(after) == list(range(8))  # each step once: the rows after the checkpoint were dropped
+    # the killed run logged the step after its last checkpoint (unless a checkpoint was committed in
+    # the milliseconds between seeing that row and the kill)
+    if resume_at in before:
+        for key in ("loss", "reward/mean", "grad_norm", "response_length/mean", "tokens/completion"):
+            assert after[resume_at][key] == pytest.approx(before[resume_at][key], rel=1e-6), key
+    adapter = load_file(run / "final" / "adapter_model.safetensors")
+    assert any(t.abs().max() > 0 for n, t in adapter.items() if "lora_B" in n)  # B starts at 0: it trained
+
+
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
+
+def _config(*over: str):
+    from plainrl.config import load_config
+
+    return load_config(REPO / "examples" / "arithmetic_grpo.yaml", list(over))
+
+
+def test_bad_launches_stop_before_any_model_loads(monkeypatch):
+    """join() refuses, naming the fix, before the process group or a model: a missing torchrun
+    variable, prompt groups the ranks cannot split, an offline batch they cannot split, vLLM in process."""
+    from plainrl.config import ConfigError
+    from plainrl.run import distributed
+
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda *a, **k: pytest.fail("the process group must not start"))
+    for k, v in TORCHRUN_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ConfigError, match="MASTER_PORT missing.*torchrun --nproc-per-node"):
+        distributed.join(_config())
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    with pytest.raises(ConfigError, match=r"prompts_per_step=3 prompt groups cannot be split evenly over 2 ranks.*"
+                                          r"multiple of 2"):
+        distributed.join(_config("rollout.prompts_per_step=3"))
+    with pytest.raises(ConfigError, match="rollout.engine=remote"):
+        distributed.join(_config("rollout.engine=vllm"))
+    from plainrl.config import load_config
+
+    sft = load_config(REPO / "examples" / "sft_chat.yaml", ["data.path=x.jsonl", "train.batch_size=3"])
+    with pytest.raises(ConfigError, match="train.batch_size=3 rows cannot be split evenly over 2 ranks"):
+        distributed.join(sft)
+
+
+def test_fsdp2_with_a_quantized_base_or_unpacked_shared_prompts_fails_at_load():
+    from plainrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot shard a nf4-quantized base.*train.strategy=ddp"):
+        _config("train.strategy=fsdp2", "model.quantization=nf4")
+    with pytest.raises(ConfigError, match="train.packing=true"):
+        _config("train.strategy=fsdp2", "train.packing=false")
+    assert _config("train.strategy=fsdp2", "train.packing=false", "train.share_prompts=false")
+
+
+def test_one_process_is_unchanged_without_torchrun(monkeypatch):
+    from plainrl.run import distributed
+    from plainrl.train.distributed import ModelCall, Parallel
+
+    for k in TORCHRUN_ENV:
+        monkeypatch.delenv(k, raising=False)
+    parallel = distributed.join(_config())
+    assert parallel == Parallel() and not parallel.active
+    model = torch.nn.Linear(2, 2)
+    call = parallel.wrap(model)
+    assert type(call) is ModelCall and call.model is model  # no DDP, no FSDP
+    assert parallel.sum([1.5, 2.0]) == [1.5, 2.0] and parallel.shard(8) == range(8) and parallel.even_out(3) == 0
+
+
+def test_shards_and_group_split():
+    from plainrl.run.distributed import local_rows
+    from plainrl.train.distributed import Parallel
+
+    shards = [Parallel(active=True, rank=r, world_size=3).shard(8) for r in range(3)]
+    assert shards == [range(0, 3), range(3, 6), range(6, 8)]
+    ranks = [Parallel(active=True, rank=r, world_size=2) for r in range(2)]
+    assert [local_rows(p, list("abcd")) for p in ranks] == [["a", "b"], ["c", "d"]]
+    idx = torch.tensor([5, 0, 7, 2])
+    assert ranks[0].local(idx, 8).tolist() == [0, 2] and ranks[1].local(idx, 8).tolist() == [5, 7]
