@@ -38,6 +38,8 @@ class TrainConfig(_Section):
     packing: bool = True
     batch_size: int = Field(8, gt=0)  # sft/dpo/rm: rows (pairs) per optimiser step; RL uses the rollout's
     max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row
+    # the device's peak FLOP/s for perf/mfu (plainrl.perf); default: a table of CUDA devices in 16-bit
+    peak_flops: float | None = Field(None, gt=0)
     # under torchrun (ignored in one process): how the ranks share the model
     strategy: Strategy = "ddp"
     # under torchrun: the longest wait of a collective (a dead or stuck rank ends the run after it)

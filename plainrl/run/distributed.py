@@ -243,6 +243,9 @@ class RankEngine:
     def offload(self) -> None:
         self.inner.offload()
 
+    def take_metrics(self) -> dict[str, float]:
+        return self.inner.take_metrics()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -11,6 +11,7 @@ from plainrl.algorithms.estimators import Advantages, compute_advantages, reward
 from plainrl.config import Config
 from plainrl.frames import CompletionFrame, completion_frame
 from plainrl.metrics import StepTimer
+from plainrl.perf import throughput
 from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
 from plainrl.run.collect import dynamic_sampling, shape_overlong
@@ -91,6 +92,19 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
     return episodes, rewards_out, metrics
 
 
+def resource_metrics(run: Run, episodes: list[Episode], times: dict[str, float]) -> dict[str, float]:
+    """``system/*`` and ``perf/*`` of the step (:mod:`plainrl.perf`): memory and CPU, tokens per
+    second of generation and of the update, and MFU where the device's peak is known."""
+    lengths = [len(e.prompt_ids) + len(e.completion_ids) for e in episodes]
+    flops = run.flops(lengths) if run.flops is not None and run.peak_flops else None
+    out = run.monitor.metrics() if run.monitor is not None else {}
+    out.update(throughput(completion_tokens=sum(len(e.completion_ids) for e in episodes),
+                          generate_s=times.get("time/generate", 0.0),
+                          train_tokens=sum(lengths) * run.cfg.algorithm.ppo_epochs,
+                          update_s=times.get("time/update", 0.0), flops=flops, peak=run.peak_flops))
+    return out
+
+
 def estimate(run: Run, episodes: list[Episode], frame: CompletionFrame
              ) -> tuple[Advantages, torch.Tensor | None, dict[str, float]]:
     """Advantages per ``algorithm.advantage``, with what the estimator needs: the KL to
@@ -168,6 +182,7 @@ def _train(run: Run) -> Path:
                 times = dict(batch.times)  # the batch's sampling and scoring, then this step's phases
                 for k, v in timer.metrics().items():
                     times[k] = times.get(k, 0.0) + v
+                extra.update(resource_metrics(run, episodes, times))
                 logger.log(step, step_metrics(episodes, names, rewards_out, stats, times, extra))
                 logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
                 logger.log_errors(step, rewards_out.errors)

@@ -32,6 +32,7 @@ from plainrl.models.quantization import check_support as check_quantization
 from plainrl.rewards import RewardFn, RewardLoadError, RewardWorkers, build_reward_fns, correctness, load_reward_fn
 from plainrl.rewards.combine import RewardCombine, load_reward_combine
 from plainrl.rewards.judge import bind_judges
+from plainrl.perf import FlopCounter, SystemMonitor, peak_flops
 from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
@@ -144,6 +145,9 @@ class Run:
     critic: Critic | None = None  # algorithm.advantage: gae
     reward_models: list[RewardModel] = field(default_factory=list)  # rewards: [{model: ...}]
     in_flight: bytes | None = None  # async_steps=1, resumed: the checkpoint's batch for step `start`
+    monitor: SystemMonitor | None = None  # system/* metrics
+    flops: FlopCounter | None = None  # perf/mfu: the update's model FLOPs
+    peak_flops: float | None = None  # perf/mfu's denominator (None: not logged)
     parallel: Parallel = field(default_factory=Parallel)  # under torchrun: this rank
 
     def evaluate(self) -> dict[str, float]:
@@ -296,6 +300,8 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         torch.Generator(device=device).manual_seed(rank_seed(cfg.seed, parallel)), sampling_params(cfg.rollout),
         advantage_params(cfg), start=0, parallel=parallel,
     )
+    run.monitor, run.flops = SystemMonitor(device), FlopCounter(model, passes=cfg.algorithm.ppo_epochs)
+    run.peak_flops = peak_flops(device, model_dtype(cfg.model.dtype, device), cfg.train.peak_flops)
     if cfg.algorithm.advantage == "gae":
         run.critic = load_critic(cfg, model, device, pad_token_id(prep.tokenizer), parallel)
     share = model if cfg.model.lora.enabled and not _sharded(parallel) else None
