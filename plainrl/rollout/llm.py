@@ -103,6 +103,11 @@ class LLM:
         return seg.context if seg is not None else []
 
     @property
+    def conversation(self) -> list[dict[str, Any]] | None:
+        """The latest chat call's messages plus its reply; None when the latest call was ``generate``."""
+        return [dict(m) for m in self.chat_messages] if self._chat is not None and self.chat_messages else None
+
+    @property
     def calls(self) -> int:
         return sum(s.calls for s in self.trajectory.segments)
 
