@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -26,7 +27,7 @@ from plainrl.rollout.llm import LLM
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import SamplingParams
 
-__all__ = ["EpisodeRun", "Runner", "run_episodes"]
+__all__ = ["DaemonThreads", "EpisodeRun", "Runner", "run_episodes"]
 
 Runner = Callable[[LLM, PromptRow], Awaitable[Any]]
 
@@ -119,7 +120,7 @@ def run_episodes(
 
     def loop_thread() -> None:
         try:
-            box["runs"] = asyncio.run(main())
+            box["runs"] = _run_in_new_loop(main)
         except BaseException as e:  # raised again in the caller's thread
             box["error"] = e
         finally:
@@ -142,6 +143,47 @@ def run_episodes(
     if "error" in box:
         raise box["error"]
     return box["runs"]
+
+
+class DaemonThreads(ThreadPoolExecutor):
+    """An executor that runs each call in a daemon thread of its own: a call that never returns
+    (a hung tool) neither holds the rollout's end nor the process's exit, as a pool's threads
+    would (they are joined at exit). The event loop's default executor (asyncio wants a
+    ``ThreadPoolExecutor``; this one never starts the pool's threads), so an agent's
+    ``asyncio.to_thread`` uses it too."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+
+        def target() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to whoever awaits it
+                fut.set_exception(e)
+
+        threading.Thread(target=target, name="plainrl-call", daemon=True).start()
+        return fut
+
+
+def _run_in_new_loop(main: Callable[[], Awaitable[Any]]) -> Any:
+    """``asyncio.run`` without its waits for ever: tasks that ignore cancellation get 5 s, and
+    threads still running calls are left behind (daemon threads) instead of joined."""
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(DaemonThreads())
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        try:
+            leftovers = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in leftovers:
+                t.cancel()
+            if leftovers:
+                loop.run_until_complete(asyncio.wait(leftovers, timeout=5))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
 
 
 def _messages(p: PromptRow, system_prompt: str | None, prompt_template: str) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ sampled: model tokens are never decoded and re-tokenised, and each observation
 is tokenised once, on its own, when it is inserted.
 
 An environment episode is an agent of the agent loop (:mod:`plainrl.rollout.episode_loop`):
-each episode runs on its own, its environment calls in a thread pool, and the model
+each episode runs on its own, its environment calls in threads of their own, and the model
 calls of all episodes are batched whenever the engine is free; the token bookkeeping
 is the :class:`~plainrl.rollout.llm.LLM` handle's.
 """
@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import functools
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,15 +29,12 @@ from plainrl.rollout.chat import build_env_prompt, encode_rendered, render_chat_
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs.base import EnvState, Environment, StepResult
 from plainrl.rollout.envs.isolated import EnvWorkerError
-from plainrl.rollout.episode_loop import run_episodes
+from plainrl.rollout.episode_loop import DaemonThreads, run_episodes
 from plainrl.rollout.llm import LLM
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import EnvOutcome, Episode, FinishReason, Generation, SamplingParams
 
 __all__ = ["env_metrics", "multi_turn_rollout"]
-
-MAX_ENV_THREADS = 64  # threads running environment calls (each blocks on a worker's pipe or a tool)
-
 
 # --------------------------------------------------------------------------- rollout
 
@@ -104,14 +100,13 @@ def multi_turn_rollout(
     generator: torch.Generator | None = None,
     system_prompt: str | None = None,
     prompt_template: str = "{prompt}",
-    max_workers: int | None = None,
     max_live: int | None = None,
     max_in_flight: int = 1,
 ) -> list[Episode]:
     """Sample ``group_size`` multi-turn episodes per prompt, each episode on its own.
 
     Each episode: generate over its full context (``prompt_ids + completion so far``),
-    then ``env.step(turn_text, state)`` (in a thread pool, so tool runs overlap), and
+    then ``env.step(turn_text, state)`` (in a thread, so tool runs overlap), and
     again; the model calls of all episodes that are waiting are batched into one
     ``engine.generate`` call whenever the engine is free (one call per distinct set of
     env stop strings; :class:`~plainrl.rollout.batcher.RequestBatcher`), so an episode
@@ -186,8 +181,6 @@ def multi_turn_rollout(
         generator: RNG for sampling.
         system_prompt, prompt_template: the data config's, used only when the env
             re-renders the prompt (see :func:`build_env_prompt`) and for ``state.messages``.
-        max_workers: threads running environment calls concurrently (None: one per
-            live episode, at most 64).
         max_live: the most episodes in flight at once (None: all); the next one starts
             when one ends, in order. With :class:`~plainrl.rollout.envs.isolated.EnvWorkers`
             it bounds the worker processes (one per live episode).
@@ -212,15 +205,14 @@ def multi_turn_rollout(
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
     flat = [q for q in prompts for _ in range(group_size)]
-    threads = max_workers or max(1, min(max_live or len(flat), MAX_ENV_THREADS))
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="plainrl-env")
+    pool = DaemonThreads()  # environment calls block (a worker's pipe, a tool): each in a thread
     user_stop = tuple(params.stop)
 
     async def runner(llm: LLM, prompt: PromptRow) -> _Run:
         r = _Run(prompt=prompt, state=EnvState(row=prompt.row), max_turns=max_turns)
         loop = asyncio.get_running_loop()
 
-        def blocking(fn, *args, **kw):  # environment calls block (a worker's pipe, a tool): off the loop
+        def blocking(fn, *args, **kw):
             return loop.run_in_executor(pool, functools.partial(fn, *args, **kw))
 
         try:
@@ -236,12 +228,9 @@ def multi_turn_rollout(
                 await blocking(_close, r)
         return r
 
-    try:
-        runs = run_episodes(engine, flat, runner, params, tokenizer, max_total_tokens=max_total_tokens,
-                            generator=generator, max_live=max_live, max_in_flight=max_in_flight,
-                            system_prompt=system_prompt, prompt_template=prompt_template)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    runs = run_episodes(engine, flat, runner, params, tokenizer, max_total_tokens=max_total_tokens,
+                        generator=generator, max_live=max_live, max_in_flight=max_in_flight,
+                        system_prompt=system_prompt, prompt_template=prompt_template)
     episodes = []
     for i, run in enumerate(runs):
         if run.error is not None:  # a bug of the adapter itself: environment errors are recorded, not raised
