@@ -14,7 +14,6 @@ import torch
 from conftest import REPO, learner_logps, tiny_overrides
 from plainrl.data import PromptRow, build_prompt_ids
 from plainrl.rollout import AgentError, ContextLengthError, agent_rollout, env_metrics, render_chat_continuation
-from plainrl.rollout.batcher import EngineCalls, RequestBatcher
 from plainrl.rollout.trajectory import Trajectory
 from plainrl.types import Generation, SamplingParams
 

@@ -74,8 +74,8 @@ class RolloutConfig(_Section):
     # a reset/step past this many seconds is killed, making the episode unscorable
     # (null: environments run in this process, without a limit that can kill)
     env_timeout_s: float | None = Field(60.0, gt=0)
-    # environment worker processes, one per episode in flight: a step with more episodes
-    # runs them in waves of this many (generation batches shrink to match)
+    # environment worker processes, one per episode in flight: in a step with more episodes
+    # the next one starts when one ends (generation batches shrink to match)
     env_workers: int = Field(64, gt=0)
     # per reward call: reward functions run in worker processes and a call past this
     # many seconds is killed, making the sample unscorable (null: in process, no limit)

@@ -14,13 +14,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import numbers
-import threading
 from typing import Any, Callable
 
 import torch
 
 from plainrl.data import PromptRow
-from plainrl.rollout.batcher import _settle
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs.base import EnvError
 from plainrl.rollout.episode_loop import EpisodeRun, run_episodes
@@ -135,23 +133,10 @@ def agent_rollout(
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a daemon thread of its own (an agent that never returns cannot hold
-    the process at exit), awaited from the loop."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def target() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:
-            result, error = None, e
-        try:
-            loop.call_soon_threadsafe(_settle, fut, result, error)
-        except RuntimeError:  # the loop is closed: the episode was given up (timed out)
-            pass
-
-    threading.Thread(target=target, name="plainrl-agent", daemon=True).start()
-    value = await fut
+    """``fn(*args)`` in a daemon thread of its own (the loop's default executor,
+    :class:`~plainrl.rollout.episode_loop.DaemonThreads`: an agent that never returns cannot
+    hold the process at exit), awaited from the loop."""
+    value = await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args))
     if inspect.isawaitable(value):
         if inspect.iscoroutine(value):
             value.close()

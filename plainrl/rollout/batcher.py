@@ -14,17 +14,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import queue
-import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from plainrl.rollout.engines.base import Engine
 from plainrl.types import Generation, SamplingParams
 
-__all__ = ["EngineCalls", "EngineFailure", "RequestBatcher"]
+__all__ = ["EngineCalls", "EngineFailure", "RequestBatcher", "settle_future"]
 
 
 class EngineFailure(RuntimeError):
@@ -102,14 +102,16 @@ class EngineCalls:
         except BaseException as e:  # handed to the loop; KeyboardInterrupt too, so the rollout stops
             result, error = None, e
         try:
-            job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+            job.loop.call_soon_threadsafe(settle_future, job.future, result, error)
         except RuntimeError:  # the loop is closed: the rollout ended (or failed) meanwhile
             pass
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise error
 
 
-def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
+def settle_future(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Give an asyncio future its result or error, unless it is already done (cancelled);
+    call it in the future's loop (``loop.call_soon_threadsafe`` from other threads)."""
     if fut.done():
         return
     if error is not None:
@@ -129,9 +131,11 @@ class _Request:
 class RequestBatcher:
     """Collects the pending model calls of all live episodes and sends them to the engine in batches.
 
-    A batch goes out when the engine has room for another call and either every live
-    episode is waiting on the model, or no new request arrived for ``quiet_s`` seconds
-    (an episode busy in a slow tool is left out, and joins a later batch). With
+    A batch goes out when the engine has room for another call and no live episode is
+    *briefly busy*: every episode is either waiting on the model or has been busy with its
+    own work (a tool) for at least ``busy_wait_s`` seconds. So episodes whose tools are fast
+    share every batch, and an episode in a slow tool delays a batch once, by at most
+    ``busy_wait_s``, then is left out until it calls the model again. With
     ``max_in_flight > 1`` (an engine that takes concurrent calls) a batch goes out as soon
     as requests are pending. Requests with different sampling settings (stop strings, top-k/p)
     go out as separate engine calls; requests that differ only in ``max_new_tokens`` share
@@ -140,12 +144,12 @@ class RequestBatcher:
 
     Args:
         calls: where the engine calls go.
-        quiet_s: how long a batch waits for episodes still busy with their own work.
+        busy_wait_s: how long a batch waits for episodes still busy with their own work.
     """
 
-    def __init__(self, calls: EngineCalls, *, quiet_s: float = 0.05) -> None:
-        self.calls, self.quiet_s = calls, quiet_s
-        self.live = 0  # episodes that may still send a request
+    def __init__(self, calls: EngineCalls, *, busy_wait_s: float = 0.05) -> None:
+        self.calls, self.busy_wait_s = calls, busy_wait_s
+        self._busy_since: dict[int, float] = {}  # live episodes not waiting on the model: since when
         self.fatal: BaseException | None = None
         self.batches: list[int] = []  # requests per engine call, for metrics and tests
         self._pending: list[_Request] = []
@@ -153,8 +157,14 @@ class RequestBatcher:
         self._event = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
-    def notify(self) -> None:
-        """Something changed (an episode ended): re-check whether a batch should go out."""
+    def start_episode(self, order: int) -> None:
+        """Episode ``order`` is live: busy with its own work until it calls the model."""
+        self._busy_since[order] = time.monotonic()
+        self._event.set()
+
+    def end_episode(self, order: int) -> None:
+        """Episode ``order`` will send no more requests."""
+        self._busy_since.pop(order, None)
         self._event.set()
 
     async def generate(self, order: int, ids: list[int], params: SamplingParams) -> Generation:
@@ -169,7 +179,8 @@ class RequestBatcher:
             raise EngineFailure(f"the engine failed: {self.fatal}")
         fut = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(order, list(ids), params, fut))
-        self.notify()
+        self._busy_since.pop(order, None)
+        self._event.set()
         return await fut  # a cancelled episode cancels this future: the request is dropped
 
     async def run(self) -> None:
@@ -178,11 +189,15 @@ class RequestBatcher:
             while not (self._waiting() and self._in_flight < self.calls.max_in_flight):
                 await self._wait()
             if self.calls.max_in_flight == 1:
-                while len(self._waiting()) < self.live:
-                    try:
-                        await self._wait(self.quiet_s)
-                    except TimeoutError:
+                while True:  # wait for the episodes that became busy less than busy_wait_s ago
+                    now = time.monotonic()
+                    recent = [t for t in self._busy_since.values() if now - t < self.busy_wait_s]
+                    if not recent:
                         break
+                    try:
+                        await self._wait(min(recent) + self.busy_wait_s - now)
+                    except TimeoutError:
+                        pass
             else:
                 await asyncio.sleep(0)  # requests made in the same tick share the call
             batch, self._pending = self._waiting(), []
@@ -218,9 +233,11 @@ class RequestBatcher:
                 gens = await self.calls.generate([r.ids for r in reqs], params)
                 if len(gens) != len(reqs):
                     raise EngineFailure(f"engine returned {len(gens)} generations for {len(reqs)} prompts")
+                now = time.monotonic()
                 for r, g in zip(reqs, gens):
                     if not r.future.done():
                         r.future.set_result(_cut(g, r.params.max_new_tokens))
+                        self._busy_since[r.order] = now  # its own work starts
         except BaseException as e:
             self.fatal = e
             for r in batch:
@@ -228,7 +245,7 @@ class RequestBatcher:
                     r.future.set_exception(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
         finally:
             self._in_flight -= 1
-            self.notify()
+            self._event.set()
 
 
 def _cut(g: Generation, limit: int) -> Generation:

@@ -63,7 +63,7 @@ def run_episodes(
     max_live: int | None = None,
     timeout_s: float | None = None,
     max_in_flight: int = 1,
-    quiet_s: float = 0.05,
+    busy_wait_s: float = 0.05,
     system_prompt: str | None = None,
     prompt_template: str = "{prompt}",
 ) -> list[EpisodeRun]:
@@ -89,7 +89,8 @@ def run_episodes(
             tools); past it the episode is cancelled and fails. None: no limit.
         max_in_flight: engine calls at once (1 for the embedded and in-process engines; more
             for servers, which batch concurrent requests themselves).
-        quiet_s: how long a batch waits for episodes still busy (:class:`RequestBatcher`).
+        busy_wait_s: how long a batch waits for an episode that just got busy with its own work
+            (:class:`RequestBatcher`).
         system_prompt, prompt_template: the data config's, for ``llm.prompt_messages``.
     Returns:
         One :class:`EpisodeRun` per prompt.
@@ -116,7 +117,7 @@ def run_episodes(
 
     async def main() -> list[EpisodeRun]:
         box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()
-        return await _run_all(prompts, runner, make_llm, calls, max_live or len(prompts), timeout_s, quiet_s)
+        return await _run_all(prompts, runner, make_llm, calls, max_live or len(prompts), timeout_s, busy_wait_s)
 
     def loop_thread() -> None:
         try:
@@ -194,8 +195,8 @@ def _messages(p: PromptRow, system_prompt: str | None, prompt_template: str) -> 
 
 
 async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[[RequestBatcher, int], LLM],
-                   calls: EngineCalls, max_live: int, timeout_s: float | None, quiet_s: float) -> list[EpisodeRun]:
-    batcher = RequestBatcher(calls, quiet_s=quiet_s)
+                   calls: EngineCalls, max_live: int, timeout_s: float | None, busy_wait_s: float) -> list[EpisodeRun]:
+    batcher = RequestBatcher(calls, busy_wait_s=busy_wait_s)
     slots = asyncio.Semaphore(max_live)
     runs: list[EpisodeRun | None] = [None] * len(prompts)
     expired: dict[int, asyncio.Future] = {}  # live episodes: set when one runs out of time
@@ -205,7 +206,7 @@ async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[
         async with slots:
             llm = make_llm(batcher, i)
             run = runs[i] = EpisodeRun(llm)
-            batcher.live += 1
+            batcher.start_episode(i)
             live[i], expired[i] = llm, asyncio.get_running_loop().create_future()
             inner = asyncio.create_task(runner(llm, prompts[i]))
             try:
@@ -230,8 +231,7 @@ async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[
                 run.seconds = time.monotonic() - llm.started
                 live.pop(i, None)
                 expired.pop(i, None)
-                batcher.live -= 1
-                batcher.notify()
+                batcher.end_episode(i)
 
     async def watchdog() -> None:
         interval = min(0.1, timeout_s / 10)
