@@ -271,6 +271,23 @@ def test_engine_calls_run_concurrently_for_engines_that_take_them(tokenizer):
     assert all(e.env.error is None for e in eps) and server.peak >= 3
 
 
+def test_max_live_bounds_the_episodes_in_flight(tokenizer, tiny):
+    live, peak = [0], [0]
+
+    async def agent(llm, row):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        await llm.generate(llm.prompt_ids, max_new_tokens=2)
+        await asyncio.sleep(0.05)
+        live[0] -= 1
+        return 1.0
+
+    eps = run(hf(tiny, tokenizer), tokenizer, agent, [{"prompt": f"T{i}", "answer": "1"} for i in range(3)],
+              group_size=2, max_live=2)
+    assert peak[0] == 2 and [e.group for e in eps] == [0, 0, 1, 1, 2, 2]
+    assert all(e.env.error is None for e in eps) and eps[5].sample_id == "s0-r2-1"
+
+
 # -------------------------------------------------------------------- bad input
 
 
