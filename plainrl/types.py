@@ -48,11 +48,11 @@ class Generation:
 
 @dataclass
 class EnvOutcome:
-    """What an episode's environment reported (multi-turn rollouts only).
+    """What an episode's environment, or its agent (``rollout.agent``), reported (multi-turn rollouts only).
 
     reward: the sum of the steps' rewards; None when no step gave one.
-    error:  ``"Type: message (at file:line)"`` when the environment failed (the episode is
-            then unscorable), else None.
+    error:  ``"Type: message (at file:line)"`` when the environment or agent failed (the episode
+            is then unscorable), else None.
     info:   the steps' info merged (numbers summed), plus ``turns``, ``generate_calls``,
             ``model_tokens``, ``observation_tokens`` and ``end_reason``.
     """

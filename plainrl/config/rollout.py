@@ -39,7 +39,7 @@ class RemoteConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    """Sampling settings for the rollout engine."""
+    """Sampling settings for the rollout engine, multi-turn environments and agents."""
 
     # hf: the embedded engine (the learner's own model); vllm: vLLM's LLM in this process;
     # remote: servers started by `plainrl serve` at rollout.remote.urls
@@ -74,15 +74,23 @@ class RolloutConfig(_Section):
     # a reset/step past this many seconds is killed, making the episode unscorable
     # (null: environments run in this process, without a limit that can kill)
     env_timeout_s: float | None = Field(60.0, gt=0)
-    # environment worker processes, one per episode in flight: a step with more episodes
-    # runs them in waves of this many (generation batches shrink to match)
+    # environment worker processes, one per episode in flight: in a step with more episodes
+    # the next one starts when one ends (generation batches shrink to match)
     env_workers: int = Field(64, gt=0)
     # per reward call: reward functions run in worker processes and a call past this
     # many seconds is killed, making the sample unscorable (null: in process, no limit)
     reward_timeout_s: float | None = Field(60.0, gt=0)
     reward_workers: int = Field(1, gt=0)  # reward worker processes (kept for the run) scoring in parallel
     fail_fast: bool = False  # an unscorable sample stops the run instead of being counted
-
+    # Bring your own agent loop: "module:fn" / "file.py:fn", `async def fn(llm, row)` (or a plain
+    # function) calling `await llm.chat(messages)` as often as it likes and returning a reward,
+    # {"reward": r, **info} or None (see docs/agents.md); exclusive with rollout.env
+    agent: str | None = None
+    # episodes in flight at once (rollout.agent and rollout.env); null: a whole step's
+    max_concurrent_episodes: int | None = Field(None, gt=0)
+    # per agent episode: seconds it may spend outside model calls (its code, its tools) before it
+    # is cancelled as a failed episode (null: no limit)
+    agent_timeout_s: float | None = Field(600.0, gt=0)
 
     @field_validator("env")
     @classmethod
@@ -92,8 +100,20 @@ class RolloutConfig(_Section):
                              "or a factory 'module:fn' / 'path/to/file.py:fn'")
         return v
 
+    @field_validator("agent")
+    @classmethod
+    def _agent_reference(cls, v: str | None) -> str | None:
+        if v is not None and ":" not in v:
+            raise ValueError(f"rollout.agent={v!r}: write 'module:fn' or 'path/to/file.py:fn' naming "
+                             "`async def fn(llm, row)` (see docs/agents.md)")
+        return v
+
     @model_validator(mode="after")
     def _engine_settings(self) -> "RolloutConfig":
+        if self.agent is not None and self.env is not None:
+            raise ValueError(f"rollout.agent={self.agent!r} and rollout.env={self.env!r}: an episode runs either "
+                             "your agent or an environment; keep one (an agent can call the environment's tools "
+                             "itself)")
         if self.engine == "remote" and not self.remote.urls:
             raise ValueError("rollout.engine=remote needs rollout.remote.urls, e.g. "
                              "rollout.remote.urls='[http://127.0.0.1:8000]' (start one with `plainrl serve CONFIG.yaml`)")

@@ -305,14 +305,16 @@ class Config(_Section):
                 f"{self.rollout.max_total_tokens} for multi-turn) must be smaller than model.max_context="
                 f"{self.model.max_context}; raise model.max_context or lower the completion budget"
             )
-        if self.rollout.env is None and self.rollout.max_total_tokens is not None:
+        if self.rollout.env is None and self.rollout.agent is None and self.rollout.max_total_tokens is not None:
             raise ValueError(
-                "rollout.max_total_tokens applies to multi-turn rollouts only; set rollout.env or remove it"
+                "rollout.max_total_tokens applies to multi-turn rollouts only; set rollout.env or "
+                "rollout.agent, or remove it"
             )
-        if not self.rewards:
+        if not self.rewards and self.rollout.agent is None:  # an agent's own reward needs no function
             raise ValueError(
                 "rewards: no reward function given; add at least one, e.g. "
-                "rewards: [{fn: plainrl.rewards.builtins:correctness, weight: 1.0}]"
+                "rewards: [{fn: plainrl.rewards.builtins:correctness, weight: 1.0}] (or set rollout.agent: "
+                "the reward your agent returns scores its episodes)"
             )
         if self.rollout.group_size < 2 and (a.advantage in ("grpo", "rloo") or a.dynamic_sampling):
             why = "dynamic sampling keeps groups" if a.dynamic_sampling else "group-relative advantages need"

@@ -47,35 +47,66 @@ def make_env_factory(cfg: RolloutConfig):
     return factory if cfg.env_timeout_s is None else EnvWorkers(factory, timeout_s=cfg.env_timeout_s)
 
 
-def max_live_episodes(cfg: RolloutConfig) -> int | None:
-    """Multi-turn episodes in flight at once: a step's worth, at most ``rollout.env_workers``
-    when environments run in worker processes (one each); None (all) otherwise."""
-    if cfg.env_timeout_s is None:
+def make_agent(cfg: RolloutConfig):
+    """``rollout.agent`` -> the agent callable, or None.
+
+    Raises:
+        RewardLoadError: the reference cannot be loaded or does not take ``(llm, row)``.
+    """
+    if cfg.agent is None:
         return None
-    return min(cfg.prompts_per_step * cfg.group_size, cfg.env_workers)
+    from plainrl.rollout.agents import load_agent
+
+    return load_agent(cfg.agent)
+
+
+def max_live_episodes(cfg: RolloutConfig) -> int | None:
+    """Multi-turn episodes in flight at once: a step's worth, at most ``rollout.max_concurrent_episodes``
+    and, when environments run in worker processes (one each), ``rollout.env_workers``; None (all)
+    when nothing bounds them."""
+    bounds = [cfg.max_concurrent_episodes]
+    if cfg.env is not None and cfg.env_timeout_s is not None:
+        bounds.append(cfg.env_workers)
+    bounds = [b for b in bounds if b is not None]
+    return min([cfg.prompts_per_step * cfg.group_size, *bounds]) if bounds else None
 
 
 @dataclass(frozen=True)
 class MultiTurn:
-    """How episodes run in an environment (``rollout.env``), in training and held-out eval:
-    the arguments of :func:`plainrl.rollout.multi_turn_rollout` that the config sets.
+    """How episodes run in an environment (``rollout.env``) or an agent (``rollout.agent``), in
+    training and held-out eval: the arguments of :func:`plainrl.rollout.multi_turn_rollout` and
+    :func:`plainrl.rollout.agents.agent_rollout` that the config sets. Exactly one of
+    ``env_factory`` and ``agent`` is set.
 
     env_factory:      () -> a fresh environment per episode (an ``EnvWorkers`` runs each
                       in a worker process).
-    max_turns:        the most model turns per episode (None: the environment's limit).
-    max_total_tokens: the completion budget in tokens, model and observation tokens together.
+    max_turns:        the most model turns per episode (None: the environment's limit; environments only).
+    max_total_tokens: the completion budget in tokens, model and observation tokens together
+                      (per segment for agents).
     max_live:         the most episodes in flight at once (the pre-forked environment
                       workers serve them), None for all.
+    agent:            ``fn(llm, row)``, the user's interaction loop.
+    max_context:      the model's context (agents: a call past it fails the episode).
+    timeout_s:        agents: seconds an episode may spend outside model calls (None: no limit).
+    max_in_flight:    engine calls at once (1, or more for inference servers).
     chat_template_kwargs: ``data.chat_template_kwargs``, variables for the chat template.
     """
 
-    env_factory: Callable[[], Any]
+    env_factory: Callable[[], Any] | None
     max_turns: int | None
     max_total_tokens: int
     system_prompt: str | None = None
     prompt_template: str = "{prompt}"
     max_live: int | None = None
+    agent: Callable[..., Any] | None = None
+    max_context: int | None = None
+    timeout_s: float | None = None
+    max_in_flight: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.env_factory is None) == (self.agent is None):
+            raise ValueError("MultiTurn needs exactly one of env_factory and agent")
 
 
 def rollout(
@@ -90,23 +121,36 @@ def rollout(
     generator: torch.Generator | None = None,
 ) -> list[Episode]:
     """Sample ``group_size`` completions for each prompt, single-turn or, with ``multi_turn``,
-    in an environment (:func:`plainrl.rollout.multi_turn_rollout`).
+    in an environment (:func:`plainrl.rollout.multi_turn_rollout`) or the user's agent
+    (:func:`plainrl.rollout.agents.agent_rollout`).
 
     Returns:
         len(prompts) * group_size episodes, the samples of one prompt contiguous.
         ``completion_text`` is decoded for reward functions and logs only; training
         uses ``completion_ids`` exactly as sampled. An episode whose environment raised
-        is unscorable (``reward`` stays None after scoring).
+        (or whose agent failed) is unscorable (``reward`` stays None after scoring).
+    Raises:
+        AgentError: every episode of an agent rollout failed.
     """
-    if multi_turn is not None:
+    m = multi_turn
+    if m is not None and m.agent is not None:
+        from plainrl.rollout.agents import agent_rollout
+
+        return agent_rollout(
+            engine, prompts, m.agent, params, tokenizer, group_size=group_size, step=step,
+            max_total_tokens=m.max_total_tokens, max_context=m.max_context, generator=generator,
+            max_live=m.max_live, timeout_s=m.timeout_s, max_in_flight=m.max_in_flight,
+            system_prompt=m.system_prompt, prompt_template=m.prompt_template,
+            chat_template_kwargs=m.chat_template_kwargs,
+        )
+    if m is not None:
         from plainrl.rollout.multiturn import multi_turn_rollout
 
-        m = multi_turn
         return multi_turn_rollout(
             engine, prompts, m.env_factory, params, tokenizer, group_size=group_size, step=step,
             max_turns=m.max_turns, max_total_tokens=m.max_total_tokens, generator=generator,
             system_prompt=m.system_prompt, prompt_template=m.prompt_template, max_live=m.max_live,
-            chat_template_kwargs=m.chat_template_kwargs,
+            max_in_flight=m.max_in_flight, chat_template_kwargs=m.chat_template_kwargs,
         )
     flat = [p for p in prompts for _ in range(group_size)]
     gens = engine.generate([p.prompt_ids for p in flat], params, generator=generator)

@@ -1,4 +1,4 @@
-"""Multi-turn rollout: model turns and environment observations, token-exact.
+"""Multi-turn rollout in an environment: model turns and environment observations, token-exact.
 
 Every episode's sequence is ``prompt_ids + completion_ids``, where the completion
 interleaves model tokens (``loss_mask`` 1, the engine's logprobs) and observation
@@ -6,48 +6,49 @@ tokens (``loss_mask`` 0, logprob 0.0). Each turn the engine is given exactly tha
 sequence so far, so the ids the learner trains on are the ids the engine saw and
 sampled: model tokens are never decoded and re-tokenised, and each observation
 is tokenised once, on its own, when it is inserted.
+
+An environment episode is an agent of the agent loop (:mod:`plainrl.rollout.episode_loop`):
+each episode runs on its own, its environment calls in threads of their own, and the model
+calls of all episodes are batched whenever the engine is free; the token bookkeeping
+is the :class:`~plainrl.rollout.llm.LLM` handle's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 
 from plainrl.data import PromptRow
+from plainrl.rollout.chat import build_env_prompt, encode_rendered, render_chat_continuation
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs.base import EnvState, Environment, StepResult
 from plainrl.rollout.envs.isolated import EnvWorkerError
-from plainrl.rollout.chat import build_env_prompt, encode_rendered, render_chat_continuation
-from plainrl.types import EnvOutcome, Episode, FinishReason, Generation, SamplingParams
+from plainrl.rollout.episode_loop import DaemonThreads, run_episodes
+from plainrl.rollout.llm import LLM
 from plainrl.rollout.workers import describe_exception
+from plainrl.types import EnvOutcome, Episode, FinishReason, Generation, SamplingParams
 
 __all__ = ["env_metrics", "multi_turn_rollout"]
-
 
 # --------------------------------------------------------------------------- rollout
 
 
 @dataclass
 class _Run:
-    """One episode in flight."""
+    """One episode in flight (its tokens are in the LLM handle's trajectory)."""
 
     prompt: PromptRow
-    sample_id: str
-    group: int
-    env: Environment | None  # None: the factory raised
-    prompt_ids: list[int]
-    state: EnvState
-    stop: tuple[str, ...]
-    max_turns: int | None
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)  # the env may re-render the prompt
+    env: Environment | None = None  # None: not built yet, or the factory raised
+    state: EnvState = field(default_factory=lambda: EnvState(row={}))
+    stop: tuple[str, ...] = ()
+    max_turns: int | None = None
     turn_ids: list[int] = field(default_factory=list)
     turn_text: str = ""
     reason: FinishReason = "length"
@@ -56,6 +57,7 @@ class _Run:
     rewards: list[float] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    chat_kwargs: dict[str, Any] = field(default_factory=dict)  # data.chat_template_kwargs
     open_assistant: bool = False
     calls: int = 0
     obs_tokens: int = 0
@@ -99,20 +101,21 @@ def multi_turn_rollout(
     generator: torch.Generator | None = None,
     system_prompt: str | None = None,
     prompt_template: str = "{prompt}",
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-    max_workers: int = 8,
+    chat_template_kwargs: dict[str, Any] | None = None,
     max_live: int | None = None,
+    max_in_flight: int = 1,
 ) -> list[Episode]:
-    """Sample ``group_size`` multi-turn episodes per prompt, all episodes batched per turn.
+    """Sample ``group_size`` multi-turn episodes per prompt, each episode on its own.
 
-    Each round: one ``engine.generate`` call over the full context
-    (``prompt_ids + completion so far``) of every live episode (one call per
-    distinct set of env stop strings), then ``env.step(turn_text, state)`` for
-    each of them (in a thread pool: sandboxed tool runs overlap). The sampled ids
+    Each episode: generate over its full context (``prompt_ids + completion so far``),
+    then ``env.step(turn_text, state)`` (in a thread, so tool runs overlap), and
+    again; the model calls of all episodes that are waiting are batched into one
+    ``engine.generate`` call whenever the engine is free (one call per distinct set of
+    env stop strings; :class:`~plainrl.rollout.batcher.RequestBatcher`), so an episode
+    whose environment is slow does not hold the others. The sampled ids
     are appended with ``loss_mask`` 1 and the engine's logprobs; an observation
     is tokenised once and appended with ``loss_mask`` 0 and logprob 0.0. An
     episode ends when:
-
     - ``StepResult.done`` (the observation is then not inserted);
     - the model ended its turn (EOS) and the env had no observation;
     - the turn ended on ``length`` (``params.max_new_tokens`` per generate call);
@@ -150,6 +153,29 @@ def multi_turn_rollout(
             observations, rendering chat observations).
         group_size: episodes per prompt (contiguous in the output).
         step: the RL step, for sample ids.
+
+    At the end of each episode its env is closed (its ``close()``, when it has one),
+    also when the rollout raised.
+
+    Generation stops at the env's ``stop`` strings plus ``params.stop``; each
+    call samples at most ``min(params.max_new_tokens, room)`` tokens, room being
+    what is left of the episode's ``max_total_tokens`` (episodes batched into one
+    engine call share the largest limit, and each is cut to its own, which keeps
+    them token-exact: a prefix of a sample is a sample with a smaller limit).
+
+    Args:
+        engine: any :class:`~plainrl.rollout.engines.base.Engine`.
+        prompts: the step's prompts.
+        env_factory: called once per episode for a fresh environment
+            (``lambda: CalculatorEnv()``); the built-in envs are stateless, so
+            ``lambda: env`` sharing one instance works too. An
+            :class:`~plainrl.rollout.envs.isolated.EnvWorkers` runs each episode's env
+            in a worker process, every call under a time limit.
+        params: sampling settings; ``max_new_tokens`` is the per-turn limit.
+        tokenizer: the policy's tokenizer (decoding turns for the env, tokenising
+            observations, rendering chat observations).
+        group_size: episodes per prompt (contiguous in the output).
+        step: the RL step, for sample ids.
         max_turns: the most model turns per episode (None: only the env's limit).
         max_total_tokens: the most completion tokens (model + observation) per
             episode; keep ``len(prompt_ids) + max_total_tokens`` within the
@@ -159,10 +185,10 @@ def multi_turn_rollout(
             re-renders the prompt (see :func:`build_env_prompt`) and for ``state.messages``.
         chat_template_kwargs: ``data.chat_template_kwargs``, for every chat rendering
             (a re-rendered prompt, chat observations).
-        max_workers: threads running ``env.step`` concurrently.
-        max_live: the most episodes in flight at once (None: all); more run in
-            waves of this many, in order. With :class:`~plainrl.rollout.envs.isolated.EnvWorkers`
+        max_live: the most episodes in flight at once (None: all); the next one starts
+            when one ends, in order. With :class:`~plainrl.rollout.envs.isolated.EnvWorkers`
             it bounds the worker processes (one per live episode).
+        max_in_flight: engine calls at once (more than 1 for inference servers).
     Returns:
         ``len(prompts) * group_size`` :class:`Episode`\\ s. ``completion_ids`` [L]
         are all tokens after the prompt, ``loss_mask`` [L] is 1 exactly on model
@@ -180,52 +206,65 @@ def multi_turn_rollout(
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if max_total_tokens < 1:
-        raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
-
-    if max_live is not None and max_live < 1:
-        raise ValueError(f"max_live must be >= 1 or None, got {max_live}")
     flat = [q for q in prompts for _ in range(group_size)]
-    chat_kwargs = dict(chat_template_kwargs or {})
-    wave = max_live or max(1, len(flat))
-    episodes: list[Episode] = []
-    for first in range(0, len(flat), wave):
-        runs: list[_Run] = []
+    pool = DaemonThreads()  # environment calls block (a worker's pipe, a tool): each in a thread
+    user_stop = tuple(params.stop)
+
+    async def runner(llm: LLM, prompt: PromptRow) -> _Run:
+        r = _Run(prompt=prompt, state=EnvState(row=prompt.row), max_turns=max_turns,
+                 chat_kwargs=dict(chat_template_kwargs or {}))
+        loop = asyncio.get_running_loop()
+
+        def blocking(fn, *args, **kw):
+            return loop.run_in_executor(pool, functools.partial(fn, *args, **kw))
+
         try:
-            for i in range(first, min(first + wave, len(flat))):
-                p = flat[i]
-                runs.append(_start(p, f"s{step}-r{p.source_index}-{i % group_size}", i // group_size, env_factory,
-                                   tokenizer, max_turns, system_prompt, prompt_template, chat_kwargs))
-            _run_turns(runs, engine, params, tokenizer, max_total_tokens, generator, max_workers, chat_kwargs)
+            if await blocking(_start, r, env_factory, tokenizer, system_prompt, prompt_template, max_turns):
+                llm.trajectory.start(r.prompt_ids)
+            while r.end is None:
+                turn_params = dataclasses.replace(params, stop=tuple(dict.fromkeys(user_stop + r.stop)))
+                _absorb(r, await llm.sample(turn_params), llm, tokenizer)
+                res, err = await blocking(_do_step, r)
+                _apply(r, res, err, llm, tokenizer, max_total_tokens, user_stop)
         finally:
-            for r in runs:
-                _close(r)
-        episodes += [_episode(r, tokenizer) for r in runs]
+            if r.env is not None:
+                await blocking(_close, r)
+        return r
+
+    runs = run_episodes(engine, flat, runner, params, tokenizer, max_total_tokens=max_total_tokens,
+                        generator=generator, max_live=max_live, max_in_flight=max_in_flight,
+                        system_prompt=system_prompt, prompt_template=prompt_template,
+                        chat_template_kwargs=chat_template_kwargs)
+    episodes = []
+    for i, run in enumerate(runs):
+        if run.error is not None:  # a bug of the adapter itself: environment errors are recorded, not raised
+            raise RuntimeError(f"multi-turn episode {i} failed: {run.error}")
+        p = flat[i]
+        episodes.append(_episode(run.value, run.llm, tokenizer, f"s{step}-r{p.source_index}-{i % group_size}",
+                                 i // group_size))
     return episodes
 
 
-def _start(p: PromptRow, sample_id: str, group: int, env_factory: Callable[[], Environment], tokenizer,
-           max_turns: int | None, system_prompt: str | None, prompt_template: str,
-           chat_kwargs: dict[str, Any]) -> _Run:
-    """A new episode: a fresh environment and its prompt; one whose environment could not
-    be built or reset is over at once, with the error recorded (unscorable)."""
-    env = None
+def _start(r: _Run, env_factory: Callable[[], Environment], tokenizer, system_prompt: str | None,
+           prompt_template: str, max_turns: int | None) -> bool:
+    """Build the episode's environment and its prompt; False (the episode is over, the error
+    recorded: unscorable) when it could not be built or reset."""
+    r.prompt_ids = list(r.prompt.prompt_ids)
     try:
-        env = env_factory()
-        prompt_ids, messages = build_env_prompt(p, env, tokenizer, system_prompt=system_prompt,
-                                                prompt_template=prompt_template, chat_template_kwargs=chat_kwargs)
+        r.env = env_factory()
+        prompt_ids, messages = build_env_prompt(r.prompt, r.env, tokenizer, system_prompt=system_prompt,
+                                                prompt_template=prompt_template, chat_template_kwargs=r.chat_kwargs)
     except Exception as e:
-        r = _Run(prompt=p, sample_id=sample_id, group=group, env=env, prompt_ids=list(p.prompt_ids),
-                 state=EnvState(row=p.row), stop=(), max_turns=max_turns)
         r.error = _describe(e)
         _finish(r, "env_error")
-        return r
-    limits = [m for m in (max_turns, getattr(env, "max_turns", None)) if m is not None]
-    return _Run(prompt=p, sample_id=sample_id, group=group, env=env, prompt_ids=prompt_ids,
-                state=EnvState(row=p.row, messages=messages), stop=tuple(getattr(env, "stop", ()) or ()),
-                max_turns=min(limits) if limits else None)
+        return False
+    limits = [m for m in (max_turns, getattr(r.env, "max_turns", None)) if m is not None]
+    r.prompt_ids, r.state.messages = prompt_ids, messages
+    r.stop = tuple(getattr(r.env, "stop", ()) or ())
+    r.max_turns = min(limits) if limits else None
+    return True
 
 
 def _close(r: _Run) -> None:
@@ -243,48 +282,19 @@ def _describe(e: Exception) -> str:
     return str(e) if isinstance(e, EnvWorkerError) else describe_exception(e)
 
 
-def _run_turns(runs: list[_Run], engine: Engine, params: SamplingParams, tokenizer, max_total_tokens: int,
-               generator: torch.Generator | None, max_workers: int, chat_kwargs: dict[str, Any]) -> None:
-    """Generate and step every live episode, a round at a time, until all have ended."""
-    user_stop = tuple(params.stop)
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(runs) or 1)),
-                            thread_name_prefix="plainrl-env") as pool:
-        while live := [r for r in runs if r.end is None]:
-            by_stop: dict[tuple[str, ...], list[_Run]] = {}
-            for r in live:
-                by_stop.setdefault(r.stop, []).append(r)
-            for stop, group in by_stop.items():
-                room = max(max_total_tokens - len(r.ids) for r in group)
-                turn_params = dataclasses.replace(
-                    params, max_new_tokens=min(params.max_new_tokens, room),
-                    stop=tuple(dict.fromkeys(user_stop + stop)),
-                )
-                gens = engine.generate([r.prompt_ids + r.ids for r in group], turn_params, generator=generator)
-                if len(gens) != len(group):
-                    raise RuntimeError(f"engine returned {len(gens)} generations for {len(group)} prompts")
-                for r, g in zip(group, gens):
-                    _absorb(r, g, tokenizer, max_total_tokens)
-            results = list(pool.map(_do_step, live))
-            for r, (res, err) in zip(live, results):
-                _apply(r, res, err, tokenizer, max_total_tokens, user_stop, chat_kwargs)
+def _completion(llm: LLM) -> list[int]:
+    seg = llm.trajectory.current
+    return seg.completion_ids if seg is not None else []
 
 
-def _absorb(r: _Run, g: Generation, tokenizer, max_total_tokens: int) -> None:
-    ids, lps, reason = list(g.token_ids), [float(x) for x in g.logprobs], g.finish_reason
-    if len(ids) != len(lps):
-        raise RuntimeError(f"engine returned {len(ids)} token ids but {len(lps)} logprobs")
-    room = max_total_tokens - len(r.ids)
-    if len(ids) > room:
-        ids, lps, reason = ids[:room], lps[:room], "length"
-    r.ids += ids
-    r.logprobs += lps
-    r.mask += [1] * len(ids)
-    r.turn_ids, r.reason = ids, reason
+def _absorb(r: _Run, g: Generation, llm: LLM, tokenizer) -> None:
+    """Take in one generate call (the handle recorded its ids, cut to the room left)."""
+    r.turn_ids, r.reason = list(g.token_ids), g.finish_reason
     r.calls += 1
-    r.turn_text = tokenizer.decode(ids, skip_special_tokens=True)
+    r.turn_text = tokenizer.decode(r.turn_ids, skip_special_tokens=True)
     # decoded whole, not glued from pieces: a multi-byte character can straddle a turn boundary
-    r.state.text = tokenizer.decode(r.ids, skip_special_tokens=True)
-    r.state.finish_reason = reason
+    r.state.text = tokenizer.decode(_completion(llm), skip_special_tokens=True)
+    r.state.finish_reason = r.reason
     if r.open_assistant:
         r.state.messages[-1]["content"] += r.turn_text
     else:
@@ -292,8 +302,8 @@ def _absorb(r: _Run, g: Generation, tokenizer, max_total_tokens: int) -> None:
         r.open_assistant = True
 
 
-def _apply(r: _Run, res: StepResult | None, err: str | None, tokenizer, max_total_tokens: int,
-           user_stop: tuple[str, ...], chat_kwargs: dict[str, Any]) -> None:
+def _apply(r: _Run, res: StepResult | None, err: str | None, llm: LLM, tokenizer, max_total_tokens: int,
+           user_stop: tuple[str, ...]) -> None:
     if err is not None:
         r.error = err
         return _finish(r, "env_error")
@@ -308,12 +318,13 @@ def _apply(r: _Run, res: StepResult | None, err: str | None, tokenizer, max_tota
         tail = tokenizer.decode(r.turn_ids[-(max(len(s) for s in user_stop) + 4):])
         if any(s in tail for s in user_stop):
             return _finish(r, "stop")
+    used = len(_completion(llm))
     if r.reason == "length":
-        return _finish(r, "budget" if len(r.ids) >= max_total_tokens else "length")
+        return _finish(r, "budget" if used >= max_total_tokens else "length")
     if not obs:
         if r.reason == "eos":
             return _finish(r, "eos")
-        if len(r.ids) >= max_total_tokens:
+        if used >= max_total_tokens:
             return _finish(r, "budget")
         if not r.turn_ids:  # an engine that returns nothing would loop forever
             return _finish(r, "empty_turn")
@@ -325,17 +336,15 @@ def _apply(r: _Run, res: StepResult | None, err: str | None, tokenizer, max_tota
     else:
         eos_text = tokenizer.decode(r.turn_ids[-1:]) if r.reason == "eos" else ""
         text = render_chat_continuation(tokenizer, r.state.messages, list(obs), eos_text=eos_text,
-                                        chat_template_kwargs=chat_kwargs)
+                                        chat_template_kwargs=r.chat_kwargs)
     obs_ids = encode_rendered(tokenizer, text)
-    room = max_total_tokens - len(r.ids)
+    room = max_total_tokens - used
     cut = len(obs_ids) >= room
     obs_ids = obs_ids[:room]
-    r.ids += obs_ids
-    r.logprobs += [0.0] * len(obs_ids)
-    r.mask += [0] * len(obs_ids)
+    llm.trajectory.insert(obs_ids)
     r.obs_tokens += len(obs_ids)
     r.state.turn += 1
-    r.state.text = tokenizer.decode(r.ids, skip_special_tokens=True)
+    r.state.text = tokenizer.decode(_completion(llm), skip_special_tokens=True)
     if isinstance(obs, str):  # verbatim text continues the assistant's own message
         r.state.messages[-1]["content"] += obs
     else:
@@ -346,14 +355,17 @@ def _apply(r: _Run, res: StepResult | None, err: str | None, tokenizer, max_tota
     return None
 
 
-def _episode(r: _Run, tokenizer) -> Episode:
+def _episode(r: _Run, llm: LLM, tokenizer, sample_id: str, group: int) -> Episode:
+    seg = llm.trajectory.current
+    ids = seg.completion_ids if seg is not None else []
+    mask = seg.loss_mask if seg is not None else []
     info = dict(r.info)
-    info.update(turns=r.state.turn + 1, generate_calls=r.calls, model_tokens=sum(r.mask),
+    info.update(turns=r.state.turn + 1, generate_calls=r.calls, model_tokens=sum(mask),
                 observation_tokens=r.obs_tokens, end_reason=r.end)
     return Episode(
-        sample_id=r.sample_id, group=r.group, row=r.prompt.row, prompt_ids=r.prompt_ids, completion_ids=r.ids,
-        logprobs=r.logprobs, loss_mask=r.mask, finish_reason=r.finish,
-        completion_text=tokenizer.decode(r.ids, skip_special_tokens=True),
+        sample_id=sample_id, group=group, row=r.prompt.row, prompt_ids=r.prompt_ids, completion_ids=ids,
+        logprobs=seg.logprobs if seg is not None else [], loss_mask=mask, finish_reason=r.finish,
+        completion_text=tokenizer.decode(ids, skip_special_tokens=True),
         env=EnvOutcome(reward=sum(r.rewards) if r.rewards else None, error=r.error, info=info),
         messages=[dict(m) for m in r.state.messages],
     )
@@ -363,7 +375,9 @@ def env_metrics(episodes: list[Episode]) -> dict[str, float]:
     """Step metrics from the episodes' :class:`~plainrl.types.EnvOutcome`: ``env/<key>`` = mean of each
     numeric info value over the episodes (0 where an episode lacks it),
     ``env/end/<reason>`` = fraction of episodes that ended that way,
-    ``env/error_rate`` and ``env/reward_mean`` (over episodes with a reward)."""
+    ``env/error_rate`` and ``env/reward_mean`` (over episodes with a reward); for
+    ``rollout.agent`` episodes also ``rollout/agent_failures``, the number of episodes whose
+    agent failed (raised, timed out, returned a wrong type or never called the model)."""
     if not episodes:
         return {}
     n = len(episodes)
@@ -381,4 +395,7 @@ def env_metrics(episodes: list[Episode]) -> dict[str, float]:
     rewards = [o.reward for o in outcomes if o.reward is not None]
     if rewards:
         out["env/reward_mean"] = sum(rewards) / len(rewards)
+    agent = [o for o in outcomes if str(o.info.get("end_reason", "")).startswith("agent_")]
+    if agent:
+        out["rollout/agent_failures"] = float(sum(o.error is not None for o in agent))
     return out

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -29,6 +30,20 @@ __all__ = ["Worker", "WorkerDied", "WorkerPool", "WorkerTimeout", "describe_exce
 # would otherwise wait for them for ever).
 _LIVE: dict[Connection, Worker] = {}
 _LIVE_LOCK = threading.Lock()
+# Linux sends a worker its parent-death signal when the *thread* that forked it exits, not
+# the process: workers forked from a short-lived thread (a rollout's thread pool) are forked
+# by this one lasting thread instead, so they live as long as the trainer.
+_FORKER: ThreadPoolExecutor | None = None
+
+
+def _from_a_lasting_thread(fn: Callable[[], Any]) -> Any:
+    global _FORKER
+    if threading.current_thread() is threading.main_thread():
+        return fn()
+    with _LIVE_LOCK:
+        if _FORKER is None:
+            _FORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plainrl-forker")
+    return _FORKER.submit(fn).result()
 
 
 @atexit.register
@@ -125,7 +140,7 @@ class Worker:
             _LIVE[self.conn] = self
         self.proc = ctx.Process(target=_worker_main, args=(child, parent_ends, os.getpid(), handler),
                                 name=name, daemon=False)
-        self.proc.start()
+        _from_a_lasting_thread(self.proc.start)
         child.close()
 
     def send(self, task: Any) -> None:

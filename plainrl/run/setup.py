@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from plainrl.algorithms.estimators import AdvantageParams
 from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint, save_checkpoint, step_dir_name
 from plainrl.checkpoint.ranked import load_ranked, save_ranked
-from plainrl.config import Config, ConfigError, dump_config
+from plainrl.config import Config, ConfigError, RewardSpec, dump_config
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.metrics import MetricsLogger
 from plainrl.models import (
@@ -29,23 +29,26 @@ from plainrl.models import (
     resolve_dtype,
 )
 from plainrl.models.quantization import check_support as check_quantization
+from plainrl.perf import FlopCounter, SystemMonitor, peak_flops
 from plainrl.rewards import RewardFn, RewardLoadError, RewardWorkers, build_reward_fns, correctness, load_reward_fn
 from plainrl.rewards.combine import RewardCombine, load_reward_combine
 from plainrl.rewards.judge import bind_judges
-from plainrl.perf import FlopCounter, SystemMonitor, peak_flops
 from plainrl.rewards.model import RewardModel
-from plainrl.rollout import MultiTurn, make_env_factory, max_live_episodes, sampling_params
+from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
-from plainrl.run.final import save_final
 from plainrl.run.engines import make_engine
+from plainrl.run.final import save_final
 from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
 from plainrl.run.overlap import IN_FLIGHT
 from plainrl.train import Critic, Learner
 from plainrl.train.distributed import Parallel
 from plainrl.types import SamplingParams
+
+
+AGENT_REWARD = "plainrl.rollout.envs:env_reward"  # the reward an agent returned (Episode.env.reward)
 
 
 @dataclass
@@ -83,7 +86,9 @@ class Prepared:
 def prepare(cfg: Config) -> Prepared:
     """Load the tokenizer, data and reward functions; fail on bad input before any model loads."""
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.cache_dir)
-    reward_fns = bind_judges(build_reward_fns(cfg.rewards), cfg.model.name)  # judge: policy_base, servers checked
+    # an agent's own reward (what it returns) scores its episodes when no reward is configured
+    specs = cfg.rewards or ([RewardSpec(fn=AGENT_REWARD)] if cfg.rollout.agent else [])
+    reward_fns = bind_judges(build_reward_fns(specs), cfg.model.name)  # judge: policy_base, servers checked
     for spec in cfg.rewards:
         if spec.model is not None:
             RewardModel.check(spec)
@@ -97,14 +102,28 @@ def prepare(cfg: Config) -> Prepared:
     workers = None
     if cfg.rollout.reward_timeout_s is not None and reward_fns:
         workers = RewardWorkers(reward_fns, cfg.rollout.reward_workers)  # forked later, by Prepared.prestart
-    factory = make_env_factory(cfg.rollout)
-    multi_turn = None
-    if factory is not None:
-        multi_turn = MultiTurn(factory, cfg.rollout.max_turns, cfg.rollout.completion_budget, cfg.data.system_prompt,
-                               cfg.data.prompt_template, max_live=max_live_episodes(cfg.rollout),
-                               chat_template_kwargs=cfg.data.chat_template_kwargs)
-    combine = load_reward_combine(cfg.reward_combine) if cfg.reward_combine else None
-    return Prepared(tokenizer, data, reward_fns, multi_turn, workers, combine, grader=load_eval_grader(cfg.eval.grader))
+    return Prepared(tokenizer, data, reward_fns, multi_turn_settings(cfg), workers,
+                    load_reward_combine(cfg.reward_combine) if cfg.reward_combine else None,
+                    grader=load_eval_grader(cfg.eval.grader))
+
+
+def multi_turn_settings(cfg: Config) -> MultiTurn | None:
+    """``rollout.env`` / ``rollout.agent`` as :class:`MultiTurn` (None: single-turn rollouts).
+
+    Raises:
+        RewardLoadError: an environment or agent reference that cannot be loaded.
+    """
+    r = cfg.rollout
+    factory, agent = make_env_factory(r), make_agent(r)
+    if factory is None and agent is None:
+        return None
+    live = max_live_episodes(r)
+    # inference servers batch concurrent requests themselves: every episode's call may go at once
+    in_flight = (live or r.prompts_per_step * r.group_size) if r.engine == "remote" else 1
+    return MultiTurn(factory, r.max_turns, r.completion_budget, cfg.data.system_prompt, cfg.data.prompt_template,
+                     max_live=live, agent=agent, max_context=cfg.model.max_context if agent else None,
+                     timeout_s=r.agent_timeout_s if agent else None, max_in_flight=in_flight,
+                     chat_template_kwargs=cfg.data.chat_template_kwargs)
 
 
 def load_eval_grader(ref: str) -> Callable[..., Any]:

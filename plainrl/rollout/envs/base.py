@@ -99,7 +99,7 @@ class Environment(Protocol):
     Optionally, ``tools_schema() -> list[dict]`` (JSON schemas for the chat
     template's ``tools=`` argument): when present and non-empty, the prompt is
     re-rendered with the tools; and ``close() -> None``, called once when the
-    rollout is over (also when it failed), to release what the episode held.
+    episode is over (also when it failed), to release what the episode held.
     """
 
     stop: tuple[str, ...]

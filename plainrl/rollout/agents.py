@@ -1,0 +1,198 @@
+"""``rollout.agent``: the user writes the interaction loop, plainrl records it.
+
+    async def agent(llm, row):                 # or a plain function: then llm.chat blocks
+        reply = await llm.chat(llm.prompt_messages)
+        return 1.0 if row["answer"] in reply.text else 0.0
+
+Each episode runs ``agent(llm, row)`` as its own task of the agent loop
+(:func:`plainrl.rollout.episode_loop.run_episodes`); what the agent's calls sampled is
+recorded token-exactly by its :class:`~plainrl.rollout.llm.LLM` handle. See docs/agents.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import numbers
+from typing import Any, Callable
+
+import torch
+
+from plainrl.data import PromptRow
+from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.envs.base import EnvError
+from plainrl.rollout.episode_loop import EpisodeRun, run_episodes
+from plainrl.rollout.llm import LLM, SyncLLM
+from plainrl.types import EnvOutcome, Episode, SamplingParams
+
+__all__ = ["AgentError", "agent_rollout", "load_agent"]
+
+
+class AgentError(EnvError):
+    """Every episode of a rollout failed in ``rollout.agent``; the message has the first errors."""
+
+
+def load_agent(ref: str) -> Callable[..., Any]:
+    """Import ``rollout.agent``: ``module:fn`` or ``path/to/file.py:fn``, called as ``fn(llm, row)``.
+
+    Raises:
+        RewardLoadError: the reference cannot be imported (the message says why), or the
+            callable does not take two positional arguments.
+    """
+    from plainrl.rewards.loading import RewardLoadError, load_reward_fn
+
+    fn = load_reward_fn(ref, what="rollout.agent")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise RewardLoadError(f"rollout.agent {ref!r} must take two arguments, (llm, row): "
+                              f"got {inspect.signature(fn)}") from None
+    except ValueError:  # no signature to read (some builtins): called as it is
+        pass
+    return fn
+
+
+def is_async_agent(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is ``async def`` (a function, a partial of one, or an object whose ``__call__`` is)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def agent_rollout(
+    engine: Engine,
+    prompts: list[PromptRow],
+    agent: Callable[..., Any],
+    params: SamplingParams,
+    tokenizer,
+    *,
+    group_size: int,
+    step: int,
+    max_total_tokens: int,
+    max_context: int | None = None,
+    generator: torch.Generator | None = None,
+    max_live: int | None = None,
+    timeout_s: float | None = None,
+    max_in_flight: int = 1,
+    system_prompt: str | None = None,
+    prompt_template: str = "{prompt}",
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[Episode]:
+    """Run ``agent(llm, row)`` ``group_size`` times per prompt, every episode on its own.
+
+    The agent returns a reward (a real number), ``{"reward": number or None, **info}`` or
+    None (the configured rewards score the episode). An episode fails, unscorable with its
+    error in ``Episode.env.error``, when the agent raised (a
+    :class:`~plainrl.rollout.llm.ContextLengthError` for a call past the budget included),
+    returned another type, never called the model, or spent more than ``timeout_s``
+    seconds outside model calls.
+
+    The episode trains on its last segment (:class:`~plainrl.rollout.trajectory.Segment`):
+    ``prompt_ids`` is that segment's prompt and ``completion_ids`` everything after it,
+    sampled tokens with ``loss_mask`` 1 and the engine's logprobs, inserted ones (the chat
+    template's continuation, tool output) with 0. Earlier segments (calls whose context did
+    not extend the previous call's) are counted in ``env.info`` but not trained on.
+
+    Args:
+        agent: ``async def agent(llm, row)`` or a plain function (run in a thread of its
+            own, its ``llm.chat`` blocking); see :func:`load_agent`.
+        max_total_tokens: completion tokens per segment (``rollout.max_total_tokens``).
+        max_context: the model's context (``model.max_context``).
+        timeout_s: ``rollout.agent_timeout_s``.
+        Others: as :func:`~plainrl.rollout.episode_loop.run_episodes`.
+    Returns:
+        ``len(prompts) * group_size`` episodes, each prompt's contiguous. ``env`` is an
+        :class:`~plainrl.types.EnvOutcome`: the agent's reward, its error, and ``info``:
+        the agent's info plus ``generate_calls``, ``segments``, ``model_tokens``,
+        ``observation_tokens``, ``untrained_model_tokens`` (sampled in earlier segments),
+        ``seconds`` and ``end_reason`` (``agent_done``, ``agent_error``, ``agent_timeout``).
+        ``messages``: the last chat call's messages and its reply (None when the last call
+        was ``llm.generate``).
+    Raises:
+        AgentError: every episode failed (a broken agent, not a hard prompt).
+        ValueError: bad ``group_size`` (or the loop's arguments).
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    flat = [q for q in prompts for _ in range(group_size)]
+    is_async = is_async_agent(agent)
+
+    async def runner(llm: LLM, prompt: PromptRow) -> Any:
+        if is_async:
+            return await agent(llm, prompt.row)
+        return await _in_thread(agent, SyncLLM(llm, asyncio.get_running_loop()), prompt.row)
+
+    runs = run_episodes(engine, flat, runner, params, tokenizer, max_total_tokens=max_total_tokens,
+                        max_context=max_context, generator=generator, max_live=max_live, timeout_s=timeout_s,
+                        max_in_flight=max_in_flight, system_prompt=system_prompt, prompt_template=prompt_template,
+                        chat_template_kwargs=chat_template_kwargs)
+    episodes = [_episode(run, flat[i], tokenizer, f"s{step}-r{flat[i].source_index}-{i % group_size}",
+                         i // group_size) for i, run in enumerate(runs)]
+    failed = [e for e in episodes if e.env.error is not None]
+    if episodes and len(failed) == len(episodes):
+        first = "; ".join(f"{e.sample_id}: {e.env.error}" for e in failed[:3])
+        raise AgentError(f"every one of the {len(episodes)} episodes of step {step} failed in rollout.agent "
+                         f"(first: {first}); see docs/agents.md")
+    return episodes
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread of its own (the loop's default executor,
+    :class:`~plainrl.rollout.episode_loop.DaemonThreads`: an agent that never returns cannot
+    hold the process at exit), awaited from the loop."""
+    value = await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args))
+    if inspect.isawaitable(value):
+        if inspect.iscoroutine(value):
+            value.close()
+        raise TypeError("the agent returned an awaitable: declare it `async def agent(llm, row)`")
+    return value
+
+
+def _outcome(value: Any) -> tuple[float | None, dict[str, Any]]:
+    """The agent's return value as ``(reward, info)``.
+
+    Raises:
+        TypeError: not a real number, a dict with a numeric or None ``reward``, or None.
+    """
+    if value is None:
+        return None, {}
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value), {}
+    if isinstance(value, dict):
+        reward = value.get("reward")
+        if reward is not None and (not isinstance(reward, numbers.Real) or isinstance(reward, bool)):
+            raise TypeError(f"the agent returned reward={reward!r} ({type(reward).__name__}); "
+                            "'reward' must be a number or None")
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError("the agent returned a dict with non-string keys; info keys must be strings")
+        return (None if reward is None else float(reward)), {k: v for k, v in value.items() if k != "reward"}
+    raise TypeError(f"the agent returned {type(value).__name__} {value!r:.80}; return a float reward, "
+                    "a dict {'reward': float, **info}, or None (the configured rewards score the episode)")
+
+
+def _episode(run: EpisodeRun, prompt: PromptRow, tokenizer, sample_id: str, group: int) -> Episode:
+    llm = run.llm
+    reward, info, error = None, {}, run.error
+    if error is None:
+        try:
+            reward, info = _outcome(run.value)
+        except TypeError as e:
+            error = f"TypeError: {e}"
+    if error is None and llm.calls == 0:
+        error = "the agent returned without calling the model (llm.chat / llm.generate)"
+    segments = llm.trajectory.segments
+    seg = llm.trajectory.current
+    ids = seg.completion_ids if seg is not None else []
+    mask = seg.loss_mask if seg is not None else []
+    end = "agent_timeout" if run.timed_out else "agent_error" if error is not None else "agent_done"
+    info.update(generate_calls=llm.calls, segments=len(segments), model_tokens=sum(mask),
+                observation_tokens=len(mask) - sum(mask),
+                untrained_model_tokens=sum(sum(s.loss_mask) for s in segments[:-1]),
+                seconds=run.seconds, end_reason=end)
+    return Episode(
+        sample_id=sample_id, group=group, row=prompt.row,
+        prompt_ids=seg.prompt_ids if seg is not None else list(prompt.prompt_ids),
+        completion_ids=list(ids), logprobs=list(seg.logprobs) if seg is not None else [], loss_mask=list(mask),
+        finish_reason=llm.last.finish_reason if llm.last is not None else "length",
+        completion_text=tokenizer.decode(ids, skip_special_tokens=True),
+        env=EnvOutcome(reward=reward, error=None if error is None else f"rollout.agent: {error}", info=info),
+        messages=llm.conversation,
+    )

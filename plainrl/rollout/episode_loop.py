@@ -1,0 +1,270 @@
+"""The one loop every multi-turn rollout runs on: each episode its own asyncio task,
+model calls batched across episodes (:class:`~plainrl.rollout.batcher.RequestBatcher`).
+
+User agents (``rollout.agent``, :mod:`plainrl.rollout.agents`) and environments
+(``rollout.env``, :mod:`plainrl.rollout.multiturn`) are both *runners*:
+``async runner(llm, prompt) -> value`` driving an :class:`~plainrl.rollout.llm.LLM`. The
+event loop runs in a thread of its own; the engine is called from the thread that called
+:func:`run_episodes`, so the model, CUDA and Ctrl-C stay where they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import torch
+
+from plainrl.data import PromptRow
+from plainrl.rollout.batcher import EngineCalls, RequestBatcher
+from plainrl.rollout.chat import prompt_messages
+from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.llm import LLM
+from plainrl.rollout.workers import describe_exception
+from plainrl.types import SamplingParams
+
+__all__ = ["DaemonThreads", "EpisodeRun", "Runner", "run_episodes"]
+
+Runner = Callable[[LLM, PromptRow], Awaitable[Any]]
+
+
+@dataclass
+class EpisodeRun:
+    """How one episode's runner ended.
+
+    llm:       its handle (the recorded trajectory, the last call, the chat messages).
+    value:     what the runner returned (None when it failed).
+    error:     ``"Type: message (at file:line)"`` when it raised or timed out, else None.
+    timed_out: it ran past the time limit and was cancelled.
+    seconds:   wall-clock time from start to end.
+    """
+
+    llm: LLM
+    value: Any = None
+    error: str | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+def run_episodes(
+    engine: Engine,
+    prompts: list[PromptRow],
+    runner: Runner,
+    params: SamplingParams,
+    tokenizer,
+    *,
+    max_total_tokens: int,
+    max_context: int | None = None,
+    generator: torch.Generator | None = None,
+    max_live: int | None = None,
+    timeout_s: float | None = None,
+    max_in_flight: int = 1,
+    busy_wait_s: float = 0.05,
+    system_prompt: str | None = None,
+    prompt_template: str = "{prompt}",
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[EpisodeRun]:
+    """Run ``runner`` once per prompt, every episode independently; return in prompt order.
+
+    At most ``max_live`` episodes run at once (a new one starts as soon as one ends). An
+    episode's model calls wait in the batcher, which sends every pending call to the engine
+    as one batch whenever the engine is free (see :class:`RequestBatcher`), so an episode
+    that is busy (a slow tool) never holds the others.
+
+    Args:
+        engine: any :class:`~plainrl.rollout.engines.base.Engine`.
+        prompts: one episode each (repeat a prompt for a group).
+        runner: ``async (llm, prompt) -> value``; raising ends that episode only.
+        params: the run's sampling settings (each call may narrow them).
+        tokenizer: the policy's tokenizer.
+        max_total_tokens: completion tokens per segment (model and inserted tokens together).
+        max_context: the model's context; a call that would run past it raises
+            :class:`~plainrl.rollout.llm.ContextLengthError` in the runner (None: unchecked).
+        generator: the run's RNG (see :class:`EngineCalls` for how concurrent calls use it).
+        max_live: episodes in flight at once (None: all).
+        timeout_s: the most seconds an episode may spend outside model calls (its own code,
+            tools); past it the episode is cancelled and fails. None: no limit.
+        max_in_flight: engine calls at once (1 for the embedded and in-process engines; more
+            for servers, which batch concurrent requests themselves).
+        busy_wait_s: how long a batch waits for an episode that just got busy with its own work
+            (:class:`RequestBatcher`).
+        system_prompt, prompt_template: the data config's, for ``llm.prompt_messages``.
+    Returns:
+        One :class:`EpisodeRun` per prompt.
+    Raises:
+        ValueError: bad ``max_live``, ``max_total_tokens`` or ``timeout_s``.
+        Exception: whatever the engine raised (the rollout stops: no episode can go on).
+    """
+    if max_live is not None and max_live < 1:
+        raise ValueError(f"max_live must be >= 1 or None, got {max_live}")
+    if max_total_tokens < 1:
+        raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+    if not prompts:
+        return []
+    calls = EngineCalls(engine, generator, max_in_flight=max_in_flight)
+    box: dict[str, Any] = {}
+
+    def make_llm(batcher: RequestBatcher, i: int) -> LLM:
+        p = prompts[i]
+        return LLM(batcher, i, tokenizer, params, row=p.row, prompt_ids=p.prompt_ids,
+                   prompt_messages=_messages(p, system_prompt, prompt_template),
+                   max_total_tokens=max_total_tokens, max_context=max_context,
+                   chat_template_kwargs=chat_template_kwargs)
+
+    async def main() -> list[EpisodeRun]:
+        box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        return await _run_all(prompts, runner, make_llm, calls, max_live or len(prompts), timeout_s, busy_wait_s)
+
+    def loop_thread() -> None:
+        try:
+            box["runs"] = _run_in_new_loop(main)
+        except BaseException as e:  # raised again in the caller's thread
+            box["error"] = e
+        finally:
+            calls.stop()
+
+    thread = threading.Thread(target=loop_thread, name="plainrl-episodes", daemon=True)
+    thread.start()
+    try:
+        calls.serve(done=lambda: not thread.is_alive())
+    except BaseException:  # Ctrl-C while the engine ran: stop the episodes too
+        loop, task = box.get("loop"), box.get("task")
+        if loop is not None and task is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:
+                pass
+        thread.join(timeout=10)
+        raise
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["runs"]
+
+
+class DaemonThreads(ThreadPoolExecutor):
+    """An executor that runs each call in a daemon thread of its own: a call that never returns
+    (a hung tool) neither holds the rollout's end nor the process's exit, as a pool's threads
+    would (they are joined at exit). The event loop's default executor (asyncio wants a
+    ``ThreadPoolExecutor``; this one never starts the pool's threads), so an agent's
+    ``asyncio.to_thread`` uses it too."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+
+        def target() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to whoever awaits it
+                fut.set_exception(e)
+
+        threading.Thread(target=target, name="plainrl-call", daemon=True).start()
+        return fut
+
+
+def _run_in_new_loop(main: Callable[[], Awaitable[Any]]) -> Any:
+    """``asyncio.run`` without its waits for ever: tasks that ignore cancellation get 5 s, and
+    threads still running calls are left behind (daemon threads) instead of joined."""
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(DaemonThreads())
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        try:
+            leftovers = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in leftovers:
+                t.cancel()
+            if leftovers:
+                loop.run_until_complete(asyncio.wait(leftovers, timeout=5))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+def _messages(p: PromptRow, system_prompt: str | None, prompt_template: str) -> list[dict[str, Any]]:
+    try:
+        return prompt_messages(p.row, system_prompt, prompt_template)
+    except Exception:  # a row the data pipeline rendered some other way: llm.prompt_ids still serve
+        return []
+
+
+async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[[RequestBatcher, int], LLM],
+                   calls: EngineCalls, max_live: int, timeout_s: float | None, busy_wait_s: float) -> list[EpisodeRun]:
+    batcher = RequestBatcher(calls, busy_wait_s=busy_wait_s)
+    slots = asyncio.Semaphore(max_live)
+    runs: list[EpisodeRun | None] = [None] * len(prompts)
+    expired: dict[int, asyncio.Future] = {}  # live episodes: set when one runs out of time
+    live: dict[int, LLM] = {}
+
+    async def one(i: int) -> None:
+        async with slots:
+            llm = make_llm(batcher, i)
+            run = runs[i] = EpisodeRun(llm)
+            batcher.start_episode(i)
+            live[i], expired[i] = llm, asyncio.get_running_loop().create_future()
+            inner = asyncio.create_task(runner(llm, prompts[i]))
+            try:
+                await asyncio.wait({inner, expired[i]}, return_when=asyncio.FIRST_COMPLETED)
+                if inner.done():
+                    try:
+                        run.value = inner.result()
+                    except asyncio.CancelledError:
+                        run.error = "CancelledError: the episode was cancelled"
+                    except Exception as e:
+                        run.error = describe_exception(e)
+                else:  # out of time: cancelled, and not waited for (it may not stop at once)
+                    run.timed_out = True
+                    run.error = (f"TimeoutError: the episode spent more than {timeout_s:g} s outside model calls "
+                                 "(rollout.agent_timeout_s) and was cancelled")
+                    inner.cancel()
+                    inner.add_done_callback(_consume)
+            finally:
+                if not inner.done():  # the rollout itself is being cancelled
+                    inner.cancel()
+                llm.closed = True
+                run.seconds = time.monotonic() - llm.started
+                live.pop(i, None)
+                expired.pop(i, None)
+                batcher.end_episode(i)
+
+    async def watchdog() -> None:
+        interval = min(0.1, timeout_s / 10)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for i, llm in list(live.items()):
+                if llm.agent_time(now) > timeout_s and not expired[i].done():
+                    llm.closed = True
+                    expired[i].set_result(None)
+
+    batching = asyncio.create_task(batcher.run())
+    helpers = [batching] + ([asyncio.create_task(watchdog())] if timeout_s is not None else [])
+    episodes = asyncio.gather(*(one(i) for i in range(len(prompts))))
+    try:
+        await asyncio.wait({episodes, batching}, return_when=asyncio.FIRST_COMPLETED)
+        if batcher.fatal is not None:
+            raise batcher.fatal
+        if batching.done():  # the batcher cannot stop without an engine failure: a bug
+            batching.result()
+            raise RuntimeError("the request batcher stopped while episodes were running")
+        await episodes
+    finally:
+        for t in helpers:
+            t.cancel()
+        if not episodes.done():
+            episodes.cancel()
+        await asyncio.gather(episodes, *helpers, return_exceptions=True)
+    return runs  # type: ignore[return-value]
+
+
+def _consume(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()

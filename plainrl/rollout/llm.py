@@ -1,0 +1,295 @@
+"""The model handle an agent gets: ``await llm.chat(messages)`` / ``await llm.generate(ids)``,
+recorded token-exactly (:class:`~plainrl.rollout.trajectory.Trajectory`).
+
+    async def agent(llm, row):
+        messages = llm.prompt_messages
+        reply = await llm.chat(messages, stop=["</calc>"])
+        messages += [reply.message, {"role": "tool", "content": "24"}]
+        reply = await llm.chat(messages)
+        return 1.0 if "24" in reply.text else 0.0
+
+See docs/agents.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Coroutine, TypeVar
+
+from plainrl.rollout.batcher import RequestBatcher
+from plainrl.rollout.chat import encode_rendered, render_chat_continuation
+from plainrl.rollout.trajectory import Trajectory
+from plainrl.types import FinishReason, Generation, SamplingParams
+
+__all__ = ["AgentCancelled", "Completion", "ContextLengthError", "LLM", "SyncLLM"]
+
+T = TypeVar("T")
+# what a call may change: the temperature is the run's (the learner's logprobs assume it)
+SAMPLING_KEYS = ("max_new_tokens", "stop", "top_p", "top_k", "temperature")
+
+
+class ContextLengthError(RuntimeError):
+    """A model call would run past the episode's token budget or the model's context."""
+
+
+class AgentCancelled(RuntimeError):
+    """The episode is over (it timed out, or the rollout ended); raised at the agent's next model call."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What one model call sampled.
+
+    text:          the sampled tokens decoded, special tokens skipped (a stop string is kept).
+    token_ids:     [n] the sampled ids, exactly as the engine returned them.
+    logprobs:      [n] their logprobs under the sampling policy.
+    finish_reason: ``"eos"``, ``"stop"`` (a stop string) or ``"length"`` (``max_new_tokens``
+                   or the episode's budget).
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+    @property
+    def message(self) -> dict[str, str]:
+        """``{"role": "assistant", "content": text}``: append it to continue the conversation."""
+        return {"role": "assistant", "content": self.text}
+
+
+class LLM:
+    """One episode's access to the policy; every call is recorded token-exactly.
+
+    Attributes:
+        row: the prompt's data row.
+        prompt_ids: [P] the row's prompt ids, as the data pipeline rendered them.
+        prompt_messages: the row's prompt as chat messages (a fresh list per read).
+        tokenizer: the policy's tokenizer.
+        trajectory: the recorded segments.
+
+    Calls of one episode must not overlap (await each before the next).
+    """
+
+    def __init__(self, batcher: RequestBatcher, order: int, tokenizer, params: SamplingParams, *,
+                 row: dict[str, Any], prompt_ids: list[int], prompt_messages: list[dict[str, Any]],
+                 max_total_tokens: int, max_context: int | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        self._batcher, self._order, self._params = batcher, order, params
+        self._chat_kwargs = dict(chat_template_kwargs or {})  # data.chat_template_kwargs
+        self.tokenizer, self.row = tokenizer, row
+        self.prompt_ids = list(prompt_ids)
+        self._prompt_messages = [dict(m) for m in prompt_messages]
+        self.max_total_tokens, self.max_context = max_total_tokens, max_context
+        self.trajectory = Trajectory()
+        self.last: Completion | None = None  # the latest call's result
+        self.chat_messages: list[dict[str, Any]] | None = None  # the latest chat call's conversation + reply
+        self._chat: tuple[list[dict[str, Any]], Completion] | None = None  # it, when the context is still its
+        self.closed = False
+        self.started = time.monotonic()
+        self.model_wait_s = 0.0
+        self._waiting_since: float | None = None
+        self._busy = False
+
+    @property
+    def prompt_messages(self) -> list[dict[str, Any]]:
+        return [dict(m) for m in self._prompt_messages]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """[C] the context the next continuing call extends (the current segment's), [] before the first call."""
+        seg = self.trajectory.current
+        return seg.context if seg is not None else []
+
+    @property
+    def conversation(self) -> list[dict[str, Any]] | None:
+        """The latest chat call's messages plus its reply; None when the latest call was ``generate``."""
+        return [dict(m) for m in self.chat_messages] if self._chat is not None and self.chat_messages else None
+
+    @property
+    def calls(self) -> int:
+        return sum(s.calls for s in self.trajectory.segments)
+
+    def agent_time(self, now: float) -> float:
+        """Seconds since the episode started, minus the time spent waiting for the model."""
+        waiting = now - self._waiting_since if self._waiting_since is not None else 0.0
+        return now - self.started - self.model_wait_s - waiting
+
+    def room(self, context: list[int]) -> int:
+        """How many tokens a call on ``context`` may sample: what is left of the completion
+        budget of its segment, and of the model's context."""
+        seg = self.trajectory.current
+        extends = seg is not None and context[: len(seg.context)] == seg.context
+        completion = len(context) - len(seg.prompt_ids) if extends else 0
+        room = self.max_total_tokens - completion
+        if self.max_context is not None:
+            room = min(room, self.max_context - len(context))
+        return room
+
+    # ------------------------------------------------------------------ calls
+
+    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                   **sampling: Any) -> Completion:
+        """Sample the assistant's next message after ``messages``.
+
+        When ``messages`` is the previous chat call's conversation, its reply
+        (``reply.message``, compared by role and stripped content) and new messages after
+        it, only the new messages are rendered, as the chat template continues the
+        conversation (:func:`~plainrl.rollout.chat.render_chat_continuation`), and appended
+        with loss mask 0 to the ids the model already saw and sampled. Any other
+        ``messages`` are rendered whole (the row's own prompt gives the row's prompt ids)
+        and start a new segment.
+
+        Args:
+            messages: chat messages ``{"role", "content", ...}``.
+            tools: JSON schemas for the template's ``tools=``, rendered into a segment's
+                first prompt only.
+            sampling: ``max_new_tokens``, ``stop`` (added to the run's stop strings),
+                ``top_p``, ``top_k``.
+        Returns:
+            A :class:`Completion`.
+        Raises:
+            ContextLengthError: no room is left for this call.
+            ValueError / TypeError: bad messages or sampling settings; a tokenizer without
+                a chat template.
+            AgentCancelled: the episode is over.
+        """
+        params = self._sampling(sampling)
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise TypeError("llm.chat(messages): messages must be a list of {'role': ..., 'content': ...} dicts")
+        context = self._chat_context(messages, tools)
+        out = await self._call(context, params)
+        self.chat_messages = [dict(m) for m in messages] + [out.message]
+        self._chat = ([dict(m) for m in messages], out)
+        return out
+
+    async def generate(self, token_ids: list[int], **sampling: Any) -> Completion:
+        """Sample a continuation of ``token_ids`` [C], the whole context. When it extends the
+        previous call's context, the ids beyond it are recorded with loss mask 0; otherwise
+        it starts a new segment. Same ``sampling`` settings and errors as :meth:`chat`."""
+        params = self._sampling(sampling)
+        if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+            raise TypeError("llm.generate(token_ids): token_ids must be a list of ints (the whole context)")
+        return await self._call(list(token_ids), params)
+
+    async def sample(self, params: SamplingParams) -> Generation:
+        """Continue the current context with ``params`` as they are (``max_new_tokens`` cut to
+        the room left); for loops that keep their own bookkeeping (the environment adapter)."""
+        return (await self._sample(self.token_ids, params)).generation
+
+    async def _call(self, context: list[int], params: SamplingParams) -> Completion:
+        self._chat = None
+        return (await self._sample(context, params)).completion
+
+    async def _sample(self, context: list[int], params: SamplingParams) -> _Sampled:
+        if self.closed:
+            raise AgentCancelled("this episode is over (it timed out, or the rollout ended)")
+        if self._busy:
+            raise RuntimeError("model calls of one episode must not overlap: await each call before the next")
+        if not context:
+            raise ValueError("a model call needs at least one context token")
+        room = self.room(context)
+        if room <= 0:
+            raise ContextLengthError(
+                f"no room for another model call: the context has {len(context)} tokens, the completion "
+                f"budget is {self.max_total_tokens} tokens per segment (rollout.max_total_tokens)"
+                + (f" and the model's context {self.max_context} (model.max_context)" if self.max_context else ""))
+        self.trajectory.feed(context)
+        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        self._busy, self._waiting_since = True, time.monotonic()
+        try:
+            gen = await self._batcher.generate(self._order, self.trajectory.current.context, params)
+        finally:
+            self.model_wait_s += time.monotonic() - self._waiting_since
+            self._busy, self._waiting_since = False, None
+        self.trajectory.add_sample(list(gen.token_ids), list(gen.logprobs))
+        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        self.last = Completion(text, list(gen.token_ids), [float(x) for x in gen.logprobs], gen.finish_reason)
+        return _Sampled(gen, self.last)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _sampling(self, sampling: dict[str, Any]) -> SamplingParams:
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+        if unknown:
+            raise TypeError(f"unknown sampling setting(s) {unknown}; a call takes {', '.join(SAMPLING_KEYS)}")
+        base, kw = self._params, dict(sampling)
+        if "temperature" in kw and kw["temperature"] != base.temperature:
+            raise ValueError(f"temperature={kw['temperature']!r}: an agent samples at the run's temperature "
+                             f"({base.temperature}, rollout.temperature), which the learner's logprobs assume")
+        if "stop" in kw:
+            stop = kw["stop"]
+            stop = (stop,) if isinstance(stop, str) else tuple(stop)
+            if not all(isinstance(s, str) and s for s in stop):
+                raise TypeError(f"stop={kw['stop']!r}: stop strings must be non-empty strings")
+            kw["stop"] = tuple(dict.fromkeys(base.stop + stop))
+        if "max_new_tokens" in kw and not (isinstance(kw["max_new_tokens"], int) and kw["max_new_tokens"] > 0):
+            raise ValueError(f"max_new_tokens={kw['max_new_tokens']!r}: must be a positive int")
+        return dataclasses.replace(base, **kw)
+
+    def _chat_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        seg, prev = self.trajectory.current, self._chat
+        if prev is not None and seg is not None:
+            before, reply = prev
+            n = len(before)
+            if len(messages) > n + 1 and messages[:n] == before and _is_reply(messages[n], reply):
+                eos_text = self.tokenizer.decode(reply.token_ids[-1:]) if reply.finish_reason == "eos" else ""
+                text = render_chat_continuation(self.tokenizer, before + [reply.message], messages[n + 1:],
+                                                eos_text=eos_text, chat_template_kwargs=self._chat_kwargs)
+                return seg.context + encode_rendered(self.tokenizer, text)
+        if tools is None and messages == self._prompt_messages:
+            return list(self.prompt_ids)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("llm.chat needs a tokenizer with a chat template; use llm.generate(token_ids) instead")
+        kw = {"tools": tools} if tools else {}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw,
+                                                  **self._chat_kwargs)
+        return encode_rendered(self.tokenizer, text)
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    generation: Generation
+    completion: Completion
+
+
+def _is_reply(message: dict[str, Any], reply: Completion) -> bool:
+    content = message.get("content")
+    return message.get("role") == "assistant" and isinstance(content, str) and content.strip() == reply.text.strip()
+
+
+class SyncLLM:
+    """:class:`LLM` for an agent written as a plain function, run in a thread of its own:
+    ``llm.chat(...)`` / ``llm.generate(...)`` block until the model answers. Attributes are
+    the wrapped handle's."""
+
+    def __init__(self, llm: LLM, loop: asyncio.AbstractEventLoop) -> None:
+        self._llm, self._loop = llm, loop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    def chat(self, messages: list[dict[str, Any]], **kw: Any) -> Completion:
+        """Blocking :meth:`LLM.chat`."""
+        return self._run(self._llm.chat(messages, **kw))
+
+    def generate(self, token_ids: list[int], **kw: Any) -> Completion:
+        """Blocking :meth:`LLM.generate`."""
+        return self._run(self._llm.generate(token_ids, **kw))
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._llm.closed:
+            coro.close()
+            raise AgentCancelled("this episode is over (it timed out, or the rollout ended)")
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop is closed: the rollout is over
+            coro.close()
+            raise AgentCancelled("the rollout is over") from None
+        try:
+            return fut.result()
+        except asyncio.CancelledError:
+            raise AgentCancelled("the rollout is over") from None

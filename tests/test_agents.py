@@ -1,0 +1,490 @@
+"""rollout.agent: the user's own interaction loop over an LLM handle, recorded token-exactly,
+every episode on its own (a slow tool holds no one), failures confined to their episode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, learner_logps, tiny_overrides
+from plainrl.data import PromptRow, build_prompt_ids
+from plainrl.rollout import AgentError, ContextLengthError, agent_rollout, env_metrics, render_chat_continuation
+from plainrl.rollout.trajectory import Trajectory
+from plainrl.types import Generation, SamplingParams
+
+
+def rows_to_prompts(tok, rows: list[dict]) -> list[PromptRow]:
+    return [PromptRow(r, build_prompt_ids(r, tok), i) for i, r in enumerate(rows)]
+
+
+def ids(tok, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+class Recording:
+    """Passes every call to a real engine and keeps what it was given and what it sampled."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.batches = engine, [], []
+
+    def generate(self, prompts, params, *, generator=None):
+        self.batches.append(len(prompts))
+        gens = self.engine.generate(prompts, params, generator=generator)
+        self.calls += [(list(p), g, params) for p, g in zip(prompts, gens)]
+        return gens
+
+    def load_weights(self, model):
+        pass
+
+
+@pytest.fixture(scope="module")
+def smollm(tokenizer):
+    """The real embedded SmolLM2-135M-Instruct, float32."""
+    from plainrl.config import load_config
+    from plainrl.models import load_policy
+
+    cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: correctness}]", "model.dtype=float32",
+                             "model.lora.enabled=false"])
+    return load_policy(cfg.model, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+def hf(model, tokenizer):
+    from plainrl.rollout.engines.hf import HFEngine
+
+    return HFEngine(model, tokenizer, batch_size=16)
+
+
+def run(engine, tok, agent, rows, *, group_size=1, params=None, budget=96, **kw):
+    return agent_rollout(engine, rows_to_prompts(tok, rows), agent, params or SamplingParams(max_new_tokens=8), tok,
+                         group_size=group_size, step=0, max_total_tokens=budget, max_context=2048,
+                         generator=torch.Generator().manual_seed(0), **kw)
+
+
+# ------------------------------------------------------------------ trajectory
+
+
+def test_trajectory_records_extensions_as_inserted_tokens_and_starts_segments():
+    t = Trajectory()
+    assert t.feed([1, 2, 3])  # the first call opens a segment
+    t.add_sample([4, 5], [-0.5, -0.25])
+    assert not t.feed([1, 2, 3, 4, 5, 6, 7])  # extends: 6, 7 are inserted
+    t.add_sample([8], [-1.0])
+    assert not t.feed([1, 2, 3, 4, 5, 6, 7, 8])  # the same context: continue, nothing inserted
+    seg = t.current
+    assert seg.prompt_ids == [1, 2, 3] and seg.completion_ids == [4, 5, 6, 7, 8]
+    assert seg.loss_mask == [1, 1, 0, 0, 1] and seg.logprobs == [-0.5, -0.25, 0.0, 0.0, -1.0]
+    assert t.feed([1, 2, 9])  # diverges: a new segment with that prompt
+    assert [s.prompt_ids for s in t.segments] == [[1, 2, 3], [1, 2, 9]] and t.current.completion_ids == []
+    assert t.feed([1, 2, 3, 4])  # a prefix of the current context is no extension either
+    with pytest.raises(RuntimeError, match="logprobs"):
+        t.add_sample([1, 2], [0.0])
+    with pytest.raises(ValueError, match="empty"):
+        Trajectory().feed([])
+
+
+# -------------------------------------------------------- token-exact chat episodes
+
+
+async def tool_agent(llm, row):
+    """Three chat calls with a tool message and a user message between them."""
+    messages = llm.prompt_messages
+    first = await llm.chat(messages, max_new_tokens=10)
+    await asyncio.sleep(0.01)  # the tool
+    messages += [first.message, {"role": "tool", "content": "42"}]
+    second = await llm.chat(messages, max_new_tokens=6)
+    messages += [second.message, {"role": "user", "content": "Say it again."}]
+    third = await llm.chat(messages, max_new_tokens=6)
+    return {"reward": 1.0, "replies": [first.text, second.text, third.text]}
+
+
+def test_chat_agent_with_a_tool_is_token_exact(tokenizer, smollm):
+    tok = tokenizer
+    engine = Recording(hf(smollm, tok))
+    rows = [{"prompt": "What is 6*7?", "answer": "42"}, {"prompt": "Name a prime.", "answer": "2"}]
+    eps = run(engine, tok, tool_agent, rows, params=SamplingParams(max_new_tokens=16, temperature=0.0), budget=200)
+    assert len(engine.calls) == 6
+    for e in eps:
+        assert e.env.error is None and e.env.reward == 1.0
+        assert e.env.info["generate_calls"] == 3 and e.env.info["segments"] == 1
+        seq = e.prompt_ids + e.completion_ids
+        mine = [c for c in engine.calls if c[0][: len(e.prompt_ids)] == e.prompt_ids]
+        assert len(mine) == 3
+        # every call saw exactly the sequence so far; what it sampled follows, mask 1, its logprobs
+        sampled, pos = [], len(e.prompt_ids)
+        for ctx, g, _ in mine:
+            assert seq[: len(ctx)] == ctx
+            k = len(ctx) - len(e.prompt_ids)
+            assert e.loss_mask[k: k + len(g.token_ids)] == [1] * len(g.token_ids)
+            assert e.completion_ids[k: k + len(g.token_ids)] == g.token_ids
+            assert e.logprobs[k: k + len(g.token_ids)] == g.logprobs
+            assert all(m == 0 for m in e.loss_mask[pos - len(e.prompt_ids): k])  # the inserted tokens
+            sampled += g.token_ids
+            pos = len(ctx) + len(g.token_ids)
+        assert [t for t, m in zip(e.completion_ids, e.loss_mask) if m] == sampled
+        assert all(lp == 0.0 for lp, m in zip(e.logprobs, e.loss_mask) if m == 0)
+        # re-render: the whole sequence is what the chat template writes for the conversation
+        conv, last = e.messages[:-1], e.messages[-1]
+        assert last["role"] == "assistant" and [m["role"] for m in conv[-4:]] == ["assistant", "tool", "assistant",
+                                                                                  "user"]
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) + last["content"]
+        assert tok.decode(seq) in (text, text + "<|im_end|>")
+        # the inserted tokens are the template's continuation, tokenised on their own
+        first_reply = mine[0][1]
+        cont = render_chat_continuation(tok, conv[:-3] + [conv[-4]], [conv[-3]],
+                                        eos_text="<|im_end|>" if first_reply.finish_reason == "eos" else "")
+        start = len(first_reply.token_ids)
+        assert e.completion_ids[start: start + len(ids(tok, cont))] == ids(tok, cont)
+        # the engine's logprobs are the learner's: each model token conditioned on exactly this sequence
+        lp = learner_logps(smollm, e.prompt_ids, e.completion_ids)
+        for j, m in enumerate(e.loss_mask):
+            if m:
+                assert abs(lp[j].item() - e.logprobs[j]) < 2e-3, j
+    assert env_metrics(eps)["rollout/agent_failures"] == 0.0
+
+
+def test_generate_agent_and_a_non_extending_call_starts_a_new_segment(tokenizer, tiny):
+    tok = tokenizer
+
+    async def agent(llm, row):
+        a = await llm.generate(llm.prompt_ids, max_new_tokens=4)
+        tool = ids(tok, " [tool says 7]")
+        b = await llm.generate(llm.prompt_ids + a.token_ids + tool, max_new_tokens=4)
+        assert llm.token_ids == llm.prompt_ids + a.token_ids + tool + b.token_ids
+        other = [{"role": "user", "content": "Summarise: " + b.text}]
+        c = await llm.chat(other, max_new_tokens=5)  # does not extend: a new segment
+        return {"reward": 0.5, "ab": len(a.token_ids) + len(b.token_ids), "c": c.token_ids}
+
+    (e,) = run(hf(tiny, tok), tok, agent, [{"prompt": "Go.", "answer": "1"}])
+    info = e.env.info
+    assert e.env.error is None and info["segments"] == 2 and info["generate_calls"] == 3
+    assert info["untrained_model_tokens"] == info["ab"]
+    # the episode trains on the last segment: its own prompt, its sampled tokens
+    assert e.completion_ids == info["c"] and e.loss_mask == [1] * len(info["c"])
+    assert tok.decode(e.prompt_ids).endswith("<|im_start|>assistant\n") and "Summarise: " in tok.decode(e.prompt_ids)
+    assert e.messages[0]["content"].startswith("Summarise: ") and e.messages[-1]["role"] == "assistant"
+
+
+# ------------------------------------------------------------ independence, timing
+
+
+@pytest.mark.parametrize("kind", ["async", "plain"])
+def test_a_slow_tool_does_not_hold_the_other_episodes(tokenizer, tiny, kind):
+    tok = tokenizer
+    done: dict[int, float] = {}
+    slow_s = 1.5
+
+    async def async_agent(llm, row):
+        await llm.generate(llm.prompt_ids, max_new_tokens=3)
+        if row["slow"]:
+            await asyncio.sleep(slow_s)
+        for _ in range(3):
+            await llm.generate(llm.token_ids + ids(tok, " ok"), max_new_tokens=3)
+        done[row["i"]] = time.monotonic()
+        return 1.0
+
+    def plain_agent(llm, row):
+        assert threading.current_thread() is not threading.main_thread()
+        llm.generate(llm.prompt_ids, max_new_tokens=3)
+        if row["slow"]:
+            time.sleep(slow_s)
+        for _ in range(3):
+            llm.generate(llm.token_ids + ids(tok, " ok"), max_new_tokens=3)
+        done[row["i"]] = time.monotonic()
+        return 1.0
+
+    engine = Recording(hf(tiny, tok))
+    rows = [{"prompt": f"Task {i}", "answer": "1", "slow": i == 0, "i": i} for i in range(4)]
+    start = time.monotonic()
+    eps = run(engine, tok, async_agent if kind == "async" else plain_agent, rows)
+    assert all(e.env.error is None for e in eps)
+    # the three others finished while episode 0 was still in its tool
+    assert max(done[i] for i in (1, 2, 3)) < start + slow_s < done[0]
+    # the others were batched together; the slow episode's later calls went alone
+    assert max(engine.batches) >= 3 and engine.batches[-3:] == [1, 1, 1]
+
+
+def test_timeout_fails_a_stuck_episode_and_time_waiting_for_the_model_does_not_count(tokenizer, tiny):
+    tok = tokenizer
+
+    class SlowEngine(Recording):  # each call takes 0.8 s: longer than the time limit
+        def generate(self, prompts, params, *, generator=None):
+            time.sleep(0.8)
+            return super().generate(prompts, params, generator=generator)
+
+    async def agent(llm, row):
+        await llm.generate(llm.prompt_ids, max_new_tokens=2)
+        if row["how"] == "hang":
+            await asyncio.sleep(1000)
+        if row["how"] == "block":
+            await asyncio.to_thread(time.sleep, 1000)  # a thread that never comes back
+        await llm.generate(llm.token_ids, max_new_tokens=2)
+        return 1.0
+
+    start = time.monotonic()
+    eps = run(SlowEngine(hf(tiny, tok)), tok, agent, [{"prompt": f"T{i}", "answer": "1", "how": h}
+                                                      for i, h in enumerate(["hang", "ok", "block"])], timeout_s=0.5)
+    assert time.monotonic() - start < 20
+    assert eps[1].env.info["seconds"] > 1.6  # two calls of 0.8 s did not count against its 0.5 s
+    assert [e.env.info["end_reason"] for e in eps] == ["agent_timeout", "agent_done", "agent_timeout"]
+    assert "more than 0.5 s outside model calls" in eps[0].env.error
+    assert eps[1].env.error is None and eps[1].env.reward == 1.0
+
+
+def test_engine_calls_run_concurrently_for_engines_that_take_them(tokenizer):
+    """Inference servers: calls go out as they come, several at once (a thread-safe Engine protocol
+    implementation that sleeps stands in for a server's latency)."""
+
+    class Server:
+        def __init__(self):
+            self.active = self.peak = 0
+            self.lock = threading.Lock()
+
+        def generate(self, prompts, params, *, generator=None):
+            with self.lock:
+                self.active += 1
+                self.peak = max(self.peak, self.active)
+            time.sleep(0.2)
+            with self.lock:
+                self.active -= 1
+            return [Generation([tokenizer.eos_token_id], [-0.1], "eos") for _ in prompts]
+
+    async def agent(llm, row):
+        await asyncio.sleep(0.05 * row["i"])  # calls arrive one by one
+        await llm.generate(llm.prompt_ids)
+        return 1.0
+
+    server = Server()
+    eps = run(server, tokenizer, agent, [{"prompt": f"T{i}", "answer": "1", "i": i} for i in range(4)],
+              max_in_flight=4)
+    assert all(e.env.error is None for e in eps) and server.peak >= 3
+
+
+def test_max_live_bounds_the_episodes_in_flight(tokenizer, tiny):
+    live, peak = [0], [0]
+
+    async def agent(llm, row):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        await llm.generate(llm.prompt_ids, max_new_tokens=2)
+        await asyncio.sleep(0.05)
+        live[0] -= 1
+        return 1.0
+
+    eps = run(hf(tiny, tokenizer), tokenizer, agent, [{"prompt": f"T{i}", "answer": "1"} for i in range(3)],
+              group_size=2, max_live=2)
+    assert peak[0] == 2 and [e.group for e in eps] == [0, 0, 1, 1, 2, 2]
+    assert all(e.env.error is None for e in eps) and eps[5].sample_id == "s0-r2-1"
+
+
+# -------------------------------------------------------------------- bad input
+
+
+async def mixed_agent(llm, row):
+    how = row["how"]
+    if how == "no_call":
+        return 1.0
+    reply = await llm.chat(llm.prompt_messages, max_new_tokens=4)
+    if how == "raise":
+        raise ValueError("my tool broke")
+    if how == "wrong_type":
+        return "great"
+    if how == "bad_reward":
+        return {"reward": "high"}
+    if how == "too_long":
+        messages = llm.prompt_messages + [reply.message]
+        while True:  # never stops asking: runs past the budget
+            messages.append({"role": "user", "content": "more"})
+            reply = await llm.chat(messages, max_new_tokens=8)
+            messages.append(reply.message)
+    if how == "none":
+        return None
+    return {"reward": 0.5, "note": "fine"}
+
+
+def test_bad_agents_fail_their_own_episode_only(tokenizer, tiny):
+    from plainrl.rewards import RewardFn, score_episodes
+    from plainrl.rollout.envs import env_reward
+
+    hows = ["raise", "wrong_type", "bad_reward", "no_call", "too_long", "ok", "none"]
+    eps = run(hf(tiny, tokenizer), tokenizer, mixed_agent,
+              [{"prompt": f"T{i}", "answer": "1", "how": h} for i, h in enumerate(hows)], budget=48)
+    err = {h: e.env.error for h, e in zip(hows, eps)}
+    assert err["raise"].startswith("rollout.agent: ValueError: my tool broke (at ") and "test_agents.py" in err["raise"]
+    assert "returned str 'great'" in err["wrong_type"] and "return a float reward" in err["wrong_type"]
+    assert "'reward' must be a number or None" in err["bad_reward"]
+    assert "without calling the model" in err["no_call"] and eps[3].completion_ids == []
+    assert err["too_long"].startswith("rollout.agent: ContextLengthError: no room for another model call")
+    assert len(eps[4].completion_ids) <= 48
+    assert err["ok"] is None and err["none"] is None and eps[5].env.info["note"] == "fine"
+    assert env_metrics(eps)["rollout/agent_failures"] == 5.0
+    assert env_metrics(eps)["env/end/agent_error"] == pytest.approx(5 / 7)
+    # failed episodes are unscorable; an agent that returned None is left to the configured rewards
+    out = score_episodes(eps, [RewardFn("env_reward", env_reward), RewardFn("one", lambda c, **_: 1.0, weight=0.0)],
+                         timeout_s=None)
+    assert [e.reward for e in eps] == [None] * 5 + [0.5, None]
+    assert eps[6].reward_parts["one"] == 1.0 and sum(x.source == "environment" for x in out.errors) == 5
+
+
+def test_every_episode_failing_fails_the_step_with_the_errors(tokenizer, tiny):
+    async def broken(llm, row):
+        raise KeyError("no such column")
+
+    with pytest.raises(AgentError, match=r"every one of the 2 episodes of step 0 failed in rollout.agent .*"
+                                         r"KeyError: 'no such column'"):
+        run(hf(tiny, tokenizer), tokenizer, broken, [{"prompt": "a", "answer": "1"}], group_size=2)
+
+
+def test_sampling_settings_are_checked(tokenizer, tiny):
+    async def agent(llm, row):
+        kw = {"temperature": dict(temperature=0.5), "unknown": dict(beam=4), "stop": dict(stop=[""]),
+              "ok": dict(temperature=1.0, stop="x", top_k=5)}[row["how"]]
+        await llm.chat(llm.prompt_messages, **kw)
+
+    eps = run(hf(tiny, tokenizer), tokenizer, agent, [{"prompt": "a", "answer": "1", "how": h}
+                                                      for h in ("temperature", "unknown", "stop", "ok")])
+    assert eps[3].env.error is None
+    assert "the run's temperature" in eps[0].env.error and "unknown sampling setting(s) ['beam']" in eps[1].env.error
+    assert "non-empty strings" in eps[2].env.error
+
+
+def test_a_failing_engine_fails_the_rollout(tokenizer):
+    from plainrl.rollout.engines.requests import EngineError
+
+    class Dead:
+        def generate(self, prompts, params, *, generator=None):
+            raise EngineError("every server is down: http://127.0.0.1:9")
+
+    async def agent(llm, row):
+        try:
+            await llm.generate(llm.prompt_ids)
+        except Exception:
+            pass  # an agent that swallows errors still cannot hide a dead engine
+        return 1.0
+
+    with pytest.raises(EngineError, match="every server is down"):
+        run(Dead(), tokenizer, agent, [{"prompt": "a", "answer": "1"}], group_size=2)
+
+
+# ------------------------------------------------------------------ reproducibility
+
+
+def test_same_seed_same_episodes(tokenizer, tiny):
+    async def agent(llm, row):
+        a = await llm.chat(llm.prompt_messages, max_new_tokens=5)
+        b = await llm.chat(llm.prompt_messages + [a.message, {"role": "tool", "content": "3"}], max_new_tokens=5)
+        return float(len(b.token_ids))
+
+    rows = [{"prompt": f"T{i}", "answer": "1"} for i in range(2)]
+    one = run(hf(tiny, tokenizer), tokenizer, agent, rows, group_size=3)
+    two = run(hf(tiny, tokenizer), tokenizer, agent, rows, group_size=3)
+    assert [e.completion_ids for e in one] == [e.completion_ids for e in two]
+    assert len({tuple(e.completion_ids) for e in one}) > 1  # sampled, not all alike
+
+
+# ------------------------------------------------------------------ config, CLI
+
+
+def test_agent_config_is_checked(tmp_path):
+    from plainrl.config import ConfigError, load_config
+
+    base = ["data.task=arithmetic"]
+    cfg = load_config(None, base + ["rollout.agent=m:f", "rollout.max_total_tokens=128"])  # no rewards needed
+    assert cfg.rollout.agent == "m:f" and cfg.rollout.agent_timeout_s == 600.0
+    with pytest.raises(ConfigError, match="an episode runs either your agent or an environment"):
+        load_config(None, base + ["rollout.agent=m:f", "rollout.env=calculator"])
+    with pytest.raises(ConfigError, match="module:fn"):
+        load_config(None, base + ["rollout.agent=nocolon"])
+    with pytest.raises(ConfigError, match="or set rollout.agent"):
+        load_config(None, base)
+    with pytest.raises(ConfigError, match="max_concurrent_episodes"):
+        load_config(None, base + ["rollout.agent=m:f", "rollout.max_concurrent_episodes=0"])
+
+
+def test_load_agent_checks_the_reference(tmp_path):
+    from plainrl.rewards import RewardLoadError
+    from plainrl.rollout.agents import load_agent
+
+    f = tmp_path / "agents.py"
+    f.write_text("async def good(llm, row):\n    return 1.0\n\ndef one_arg(llm):\n    return 1.0\n")
+    assert load_agent(f"{f}:good").__name__ == "good"
+    with pytest.raises(RewardLoadError, match=r"must take two arguments, \(llm, row\)"):
+        load_agent(f"{f}:one_arg")
+    with pytest.raises(RewardLoadError, match="rollout.agent"):
+        load_agent(f"{f}:missing")
+
+
+def test_agent_training_run_through_the_cli(tiny_model_dir, tmp_path):
+    from plainrl.cli import main
+
+    run_dir = tmp_path / "run"
+    over = tiny_overrides(tiny_model_dir, run_dir) + ["rollout.max_total_tokens=24", "rollout.max_new_tokens=8",
+                                                      "rollout.max_concurrent_episodes=3"]
+    assert main(["train", str(REPO / "examples" / "agent_calculator.yaml"), *over]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    for r in steps:
+        assert r["rollout/agent_failures"] == 0.0 and r["env/end/agent_done"] == 1.0
+        assert "reward/env_reward/mean" in r and r["env/generate_calls"] >= 1.0
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert evals and all("eval/env/generate_calls" in r for r in evals)
+    logged = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert logged
+
+
+# ------------------------------------------------------- environments on the same loop
+
+
+class SleepyEnv:
+    """Two observations then done; the row's `slow` episode sleeps in its first step."""
+
+    stop = ()
+    max_turns = None
+
+    def reset(self, row):
+        return None
+
+    def step(self, turn_text, state):
+        from plainrl.rollout.envs import StepResult
+
+        if state.row["slow"] and state.turn == 0:
+            time.sleep(1.0)
+        if state.turn == 2:
+            return StepResult(done=True, reward=1.0, info={"done_at": [time.monotonic()]})
+        return StepResult(observation=" ok")
+
+
+def test_a_slow_environment_step_does_not_hold_the_other_episodes(tokenizer):
+    from plainrl.rollout import multi_turn_rollout
+    from test_env_workers import EosEngine
+
+    class Counting(EosEngine):
+        def __init__(self, eos):
+            super().__init__(eos)
+            self.batches = []
+
+        def generate(self, prompts, params, *, generator=None):
+            self.batches.append(len(prompts))
+            return super().generate(prompts, params, generator=generator)
+
+    engine = Counting(tokenizer.eos_token_id)
+    prompts = rows_to_prompts(tokenizer, [{"prompt": f"T{i}", "slow": i == 0} for i in range(3)])
+    start = time.monotonic()
+    eps = multi_turn_rollout(engine, prompts, SleepyEnv, SamplingParams(max_new_tokens=8), tokenizer, group_size=1,
+                             step=0, max_turns=None, max_total_tokens=64)
+    done = [e.env.info["done_at"][0] - start for e in eps]
+    assert all(e.env.reward == 1.0 and e.env.info["turns"] == 3 for e in eps)
+    assert max(done[1:]) < 1.0 < done[0]  # the others finished while episode 0 was in its step
+    assert engine.batches[0] == 3 and engine.batches[-2:] == [1, 1]
