@@ -34,7 +34,7 @@ from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs import Environment, EnvWorkers
-from plainrl.run.engines import make_engine
+from plainrl.run.engines import make_engine, require_trainable_engine
 from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
 from plainrl.run.overlap import IN_FLIGHT
@@ -179,6 +179,7 @@ def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_
 def setup(cfg: Config) -> Run:
     """Everything before the first step: checks, data, model, engine, learner (and PPO's
     critic); resume or eval-before. The caller closes ``run.prep`` when done."""
+    require_trainable_engine(cfg)  # a read-only engine fails before the run dir, data and model
     if cfg.rollout.engine == "vllm":  # a missing vLLM fails before the run dir, data and model
         from plainrl.rollout.engines.vllm_local import import_vllm
 
