@@ -82,6 +82,16 @@ def learner_logps(model, prompt: list[int], completion: list[int]) -> torch.Tens
     return sequence_logps(model, ids, torch.ones_like(ids), positions=mask)[0, len(prompt) - 1:]
 
 
+def greedy_against_embedded(engine, policy, tokenizer, prompts: list[list[int]], max_new_tokens: int = 16):
+    """Greedy completions of ``prompts`` from ``engine`` and from the embedded engine on ``policy``:
+    ``(theirs, ours)``, lists of :class:`~plainrl.types.Generation`."""
+    from plainrl.rollout.engines.hf import HFEngine
+    from plainrl.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    return engine.generate(prompts, params), HFEngine(policy, tokenizer).generate(prompts, params)
+
+
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """A one-turn chat prompt's ids with the generation prompt, as plainrl renders prompts."""
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

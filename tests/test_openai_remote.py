@@ -17,12 +17,13 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import REPO, chat_prompt_ids, learner_logps, start_server, wait_healthy  # noqa: E402
+from conftest import (  # noqa: E402
+    REPO, chat_prompt_ids, greedy_against_embedded, learner_logps, start_server, wait_healthy,
+)
 
 from plainrl.cli import main  # noqa: E402
 from plainrl.config import ModelConfig  # noqa: E402
 from plainrl.models import load_policy, load_tokenizer  # noqa: E402
-from plainrl.rollout.engines.hf import HFEngine  # noqa: E402
 from plainrl.rollout.engines.openai_compat import OpenAICompatEngine  # noqa: E402
 from plainrl.rollout.engines.requests import EngineError  # noqa: E402
 from plainrl.types import SamplingParams  # noqa: E402
@@ -55,9 +56,7 @@ def test_greedy_text_as_the_embedded_engine_with_the_servers_logprobs(server, to
     try:
         assert engine.models == [MODEL]  # the only model served: no rollout.remote.model needed
         prompts = [chat_prompt_ids(tok, "What is 12 + 7?"), chat_prompt_ids(tok, "Name three colours.")]
-        params = SamplingParams(max_new_tokens=16, temperature=0.0)
-        ours = HFEngine(policy, tok).generate(prompts, params)
-        theirs = engine.generate(prompts, params)
+        theirs, ours = greedy_against_embedded(engine, policy, tok, prompts)
         for prompt, o, t in zip(prompts, ours, theirs):
             assert tok.decode(t.token_ids, skip_special_tokens=True) == tok.decode(o.token_ids, skip_special_tokens=True)
             # the server's tokens spell its text in the trainer's pieces: its logprobs are kept,

@@ -36,6 +36,8 @@ def test_backend_settings_are_checked_at_load():
         load_config(EXAMPLE, [*REMOTE, "rollout.remote.api_key_env=sk-abc123"])
     with pytest.raises(ConfigError, match="SGLang loads full weights from disk"):
         load_config(EXAMPLE, [*REMOTE, "rollout.remote.backend=sglang", "rollout.remote.weights_via=http"])
+    with pytest.raises(ConfigError, match="takes no model name"):
+        load_config(EXAMPLE, [*REMOTE, "rollout.remote.backend=sglang", "rollout.remote.model=smol"])
     cfg = load_config(EXAMPLE, [*REMOTE, "rollout.remote.backend=sglang", "rollout.async_steps=1",
                              "rollout.remote.api_key_env=MY_KEY"])
     assert (cfg.rollout.remote.backend, cfg.rollout.async_steps, cfg.rollout.remote.api_key_env) == ("sglang", 1, "MY_KEY")

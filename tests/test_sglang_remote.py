@@ -25,11 +25,12 @@ if not torch.cuda.is_available() and "amx_bf16" not in Path("/proc/cpuinfo").rea
     pytest.skip("SGLang needs a CUDA GPU or an Intel Xeon with AMX; this machine has neither",
                 allow_module_level=True)
 
-from conftest import chat_prompt_ids, demo_steps_with_engine, free_port, learner_logps, wait_healthy  # noqa: E402
+from conftest import (  # noqa: E402
+    chat_prompt_ids, demo_steps_with_engine, free_port, greedy_against_embedded, learner_logps, wait_healthy,
+)
 
 from plainrl.config import ModelConfig  # noqa: E402
 from plainrl.models import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
-from plainrl.rollout.engines.hf import HFEngine  # noqa: E402
 from plainrl.rollout.engines.sglang import SGLangEngine  # noqa: E402
 from plainrl.types import SamplingParams  # noqa: E402
 
@@ -83,8 +84,7 @@ def test_greedy_equals_the_embedded_engine_and_a_full_sync_lands(server, tok):
     try:
         prompts = [chat_prompt_ids(tok, "What is 12 + 7?"), chat_prompt_ids(tok, "Name three colours.")]
         params = SamplingParams(max_new_tokens=16, temperature=0.0)
-        ours = HFEngine(policy, tok).generate(prompts, params)
-        theirs = engine.generate(prompts, params)
+        theirs, ours = greedy_against_embedded(engine, policy, tok, prompts)
         assert [g.token_ids for g in theirs] == [g.token_ids for g in ours]
         assert [g.finish_reason for g in theirs] == [g.finish_reason for g in ours]
         assert _mean_diff(policy, prompts[0], theirs[0]) < LOGPROB_TOL

@@ -59,6 +59,9 @@ class RemoteConfig(_Section):
             raise ValueError("rollout.remote.weights_via=http: SGLang loads full weights from disk "
                              "(/update_weights_from_disk), so use weights_via=path (or auto) with a "
                              "rollout.remote.shared_dir every server can read")
+        if self.backend == "sglang" and self.model is not None:
+            raise ValueError("rollout.remote.model: an SGLang server's /generate serves its one model (it takes no "
+                             "model name); leave rollout.remote.model unset with backend=sglang")
         return self
 
 

@@ -60,7 +60,7 @@ class RemoteEngine(ServedEngine):
     def _check_backend(self, url: str) -> None:
         # asked directly, not through _call: the answer's status tells what the server lacks
         try:
-            ping = self.client.post(url + "/collective_rpc", json={"method": "plainrl_ping"})
+            ping = self.client.post(url + "/collective_rpc", json={"method": "plainrl_ping"}, timeout=self._probe_timeout)
         except httpx.HTTPError as e:
             raise EngineError(f"inference server {url}: POST /collective_rpc failed: {type(e).__name__}: {e}") from e
         if ping.status_code == 404:

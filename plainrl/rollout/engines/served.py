@@ -71,7 +71,7 @@ class ServedEngine:
                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
                                    headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         self._tokenizer, self._max_model_len, self._model = tokenizer, max_model_len, model
-        self._probe_timeout = connect_timeout_s
+        self._probe_timeout = connect_timeout_s  # start-up checks: a hung server must not hold a sync for timeout_s
         try:
             self.models = [self._check(url) for url in self.urls]  # the served model's name, per server
         except BaseException:
@@ -158,8 +158,8 @@ class ServedEngine:
         Returns the served model's name."""
         self._call("GET", url, "/health", retries=0, timeout=self._probe_timeout)
         name = self._served_model(url)["id"]
-        ids = self._call("POST", url, "/tokenize", json={"model": name, "prompt": TOKENIZER_PROBE,
-                                                           "add_special_tokens": False}).json()["tokens"]
+        ids = self._call("POST", url, "/tokenize", timeout=self._probe_timeout,
+                         json={"model": name, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}).json()["tokens"]
         ours = self._tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
         if ids != ours:
             raise EngineError(f"inference server {url} serves {name!r}, whose tokenizer differs from the "
