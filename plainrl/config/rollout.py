@@ -3,6 +3,7 @@ multi-turn environments and reward workers."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -25,9 +26,16 @@ class VLLMConfig(_Section):
 
 
 class RemoteConfig(_Section):
-    """``rollout.engine: remote``: inference servers started by ``plainrl serve`` (vLLM)."""
+    """``rollout.engine: remote``: inference servers, vLLM's started by ``plainrl serve``,
+    SGLang's or any OpenAI-compatible one (docs/engines.md)."""
 
+    # vllm: `plainrl serve` servers; sglang: SGLang servers (`python -m sglang.launch_server`);
+    # openai: any OpenAI-compatible completions server, read-only (plainrl eval), not token-exact
+    backend: Literal["vllm", "sglang", "openai"] = "vllm"
     urls: list[str] = Field(default_factory=list)
+    model: str | None = None  # the served model's name to request; default the first a server lists
+    # the NAME of the environment variable holding the API key (sent as a Bearer token), never the key
+    api_key_env: str | None = None
     timeout_s: float = Field(600.0, gt=0)  # per request: a server silent this long counts as dead
     connect_timeout_s: float = Field(10.0, gt=0)
     # full-weight sync: "http" sends the tensors in the request (safetensors bytes), "path" writes
@@ -37,12 +45,31 @@ class RemoteConfig(_Section):
     # default: a temporary directory on this machine, which suits servers on this machine
     shared_dir: str | None = None
 
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("rollout.remote.api_key_env names the environment variable that holds the API key "
+                             "(e.g. OPENAI_API_KEY), never the key itself: keep keys out of configs and run dirs")
+        return v
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> "RemoteConfig":
+        if self.backend == "sglang" and self.weights_via == "http":
+            raise ValueError("rollout.remote.weights_via=http: SGLang loads full weights from disk "
+                             "(/update_weights_from_disk), so use weights_via=path (or auto) with a "
+                             "rollout.remote.shared_dir every server can read")
+        if self.backend == "sglang" and self.model is not None:
+            raise ValueError("rollout.remote.model: an SGLang server's /generate serves its one model (it takes no "
+                             "model name); leave rollout.remote.model unset with backend=sglang")
+        return self
+
 
 class RolloutConfig(_Section):
     """Sampling settings for the rollout engine, multi-turn environments and agents."""
 
     # hf: the embedded engine (the learner's own model); vllm: vLLM's LLM in this process;
-    # remote: servers started by `plainrl serve` at rollout.remote.urls
+    # remote: inference servers at rollout.remote.urls (`plainrl serve`, SGLang: rollout.remote.backend)
     engine: Literal["hf", "vllm", "remote"] = "hf"
     # weight sync to a vllm/remote engine after each update: lora pushes the adapter, full the
     # changed tensors (merged with the adapter under LoRA); auto: lora under LoRA, else full
@@ -116,7 +143,8 @@ class RolloutConfig(_Section):
                              "itself)")
         if self.engine == "remote" and not self.remote.urls:
             raise ValueError("rollout.engine=remote needs rollout.remote.urls, e.g. "
-                             "rollout.remote.urls='[http://127.0.0.1:8000]' (start one with `plainrl serve CONFIG.yaml`)")
+                             "rollout.remote.urls='[http://127.0.0.1:8000]' (start one with `plainrl serve CONFIG.yaml`, "
+                             "or see docs/engines.md for SGLang and OpenAI-compatible servers)")
         if self.async_steps and self.engine != "remote":
             raise ValueError(f"rollout.async_steps=1 samples on inference servers while the learner trains, so it needs "
                              f"rollout.engine=remote (got {self.engine!r}: the {self.engine} engine shares this "

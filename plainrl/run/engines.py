@@ -16,7 +16,7 @@ from plainrl.config import Config, ConfigError
 from plainrl.models import model_dtype, resolve_device, resolve_model_path
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.engines.hf import HFEngine
-from plainrl.rollout.engines.sync import resolve_sync
+from plainrl.rollout.engines.sync import SyncMode, resolve_sync
 
 
 def vllm_args(cfg: Config, device: torch.device, lora_rank: int | None) -> dict[str, Any]:
@@ -31,36 +31,88 @@ def vllm_args(cfg: Config, device: torch.device, lora_rank: int | None) -> dict[
                        extra=v.extra_args)
 
 
-def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase,
                 device: torch.device) -> Engine:
-    """The rollout engine of ``rollout.engine``.
+    """The rollout engine of ``rollout.engine`` (and, for ``remote``, ``rollout.remote.backend``:
+    vLLM, SGLang or a read-only OpenAI-compatible server; dispatched here only).
 
     ``hf`` samples with ``model`` itself. ``vllm`` and ``remote`` hold their own copy of the
     weights: the caller pushes ``model``'s with ``engine.load_weights(model)`` before the
     first rollout (an adapter to start from, or a resumed checkpoint, already differs
-    from the base the engine loaded).
+    from the base the engine loaded), unless :func:`read_only` (then ``model`` may be None).
 
     Raises:
-        ConfigError: ``rollout.sync`` does not fit the model.
+        ConfigError: ``rollout.sync`` does not fit the model, or the API key's variable is unset.
         EngineError: vLLM missing, or a server unreachable or serving another model.
     """
     r = cfg.rollout
     if r.engine == "hf":
         return HFEngine(model, tokenizer, batch_size=r.batch_size, merge_lora=r.merge_lora, decoder=r.decoder)
-    try:
-        sync = resolve_sync(r.sync, model, lora_is_slow=r.engine == "vllm" and device.type == "cpu")
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
     if r.engine == "remote":
-        from plainrl.rollout.engines.remote import RemoteEngine
-
-        return RemoteEngine(r.remote.urls, tokenizer, sync=sync, timeout_s=r.remote.timeout_s,
-                            connect_timeout_s=r.remote.connect_timeout_s, weights_via=r.remote.weights_via,
-                            shared_dir=r.remote.shared_dir, max_model_len=cfg.model.max_context)
+        return _remote_engine(cfg, model, tokenizer)
+    sync = _sync(r.sync, model, lora_is_slow=device.type == "cpu")
     from plainrl.rollout.engines.vllm_local import VLLMEngine
 
     lora_rank = max(c.r for c in model.peft_config.values()) if sync == "lora" else None
     return VLLMEngine(vllm_args(cfg, device, lora_rank), sync=sync, cpu_kv_cache_gb=r.vllm.cpu_kv_cache_gb)
+
+
+def _sync(requested: str, model: torch.nn.Module, *, lora_is_slow: bool = False) -> SyncMode:
+    try:
+        return resolve_sync(requested, model, lora_is_slow=lora_is_slow)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _remote_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase) -> Engine:
+    """The engine of ``rollout.remote.backend`` over the servers at ``rollout.remote.urls``."""
+    from plainrl.rollout.engines.openai_compat import OpenAICompatEngine
+    from plainrl.rollout.engines.remote import RemoteEngine
+    from plainrl.rollout.engines.sglang import SGLangEngine
+
+    rc = cfg.rollout.remote
+    common = dict(timeout_s=rc.timeout_s, connect_timeout_s=rc.connect_timeout_s, max_model_len=cfg.model.max_context,
+                  model=rc.model, api_key=api_key(rc.api_key_env))
+    if rc.backend == "openai":
+        return OpenAICompatEngine(rc.urls, tokenizer, **common)
+    sync = _sync(cfg.rollout.sync, model)
+    if rc.backend == "sglang":
+        return SGLangEngine(rc.urls, tokenizer, sync=sync, shared_dir=rc.shared_dir, **common)
+    return RemoteEngine(rc.urls, tokenizer, sync=sync, weights_via=rc.weights_via, shared_dir=rc.shared_dir, **common)
+
+
+def api_key(env_name: str | None) -> str | None:
+    """The API key from the environment variable ``rollout.remote.api_key_env`` names.
+
+    Raises:
+        ConfigError: the variable is not set.
+    """
+    if env_name is None:
+        return None
+    key = os.environ.get(env_name)
+    if not key:
+        raise ConfigError(f"rollout.remote.api_key_env={env_name}, but the environment variable {env_name} is not "
+                          f"set; export it (`export {env_name}=...`) before running")
+    return key
+
+
+def read_only(cfg: Config) -> bool:
+    """Whether the run's engine samples a served model that the trainer cannot push weights
+    to (``rollout.remote.backend: openai``): usable by ``plainrl eval`` only."""
+    return cfg.rollout.engine == "remote" and cfg.rollout.remote.backend == "openai"
+
+
+def require_trainable_engine(cfg: Config) -> None:
+    """Refuse, before anything loads, to train with a read-only engine.
+
+    Raises:
+        ConfigError: ``rollout.remote.backend=openai`` in a training run.
+    """
+    if read_only(cfg):
+        raise ConfigError("rollout.remote.backend=openai is read-only: an OpenAI-compatible server takes text, not "
+                          "the trainer's weights, and its token ids and logprobs are re-tokenised, not exact. It "
+                          "serves `plainrl eval` only; to train, use rollout.remote.backend=vllm (`plainrl serve`) "
+                          "or sglang (docs/engines.md)")
 
 
 def serve_command(cfg: Config, *, host: str, port: int) -> tuple[list[str], dict[str, str]]:

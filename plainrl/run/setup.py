@@ -38,7 +38,7 @@ from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_ep
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
-from plainrl.run.engines import make_engine
+from plainrl.run.engines import make_engine, require_trainable_engine
 from plainrl.run.final import save_final
 from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
@@ -273,6 +273,7 @@ def setup(cfg: Config, parallel: Parallel | None = None) -> Run:
     critic); resume or eval-before. The caller closes ``run.prep`` when done.
     ``parallel``: under torchrun, this rank (:func:`plainrl.run.distributed.start`)."""
     parallel = parallel or Parallel()
+    require_trainable_engine(cfg)  # a read-only engine fails before the run dir, data and model
     if cfg.rollout.engine == "vllm":  # a missing vLLM fails before the run dir, data and model
         from plainrl.rollout.engines.vllm_local import import_vllm
 

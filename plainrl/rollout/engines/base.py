@@ -23,7 +23,9 @@ releases processes and connections.
 
     Implementations: :class:`~plainrl.rollout.engines.hf.HFEngine` (embedded),
     :class:`~plainrl.rollout.engines.vllm_local.VLLMEngine` (vLLM in process),
-    :class:`~plainrl.rollout.engines.remote.RemoteEngine` (``plainrl serve`` servers).
+    :class:`~plainrl.rollout.engines.remote.RemoteEngine` (``plainrl serve`` servers),
+    :class:`~plainrl.rollout.engines.sglang.SGLangEngine` (SGLang servers) and the read-only
+    :class:`~plainrl.rollout.engines.openai_compat.OpenAICompatEngine` (OpenAI-compatible servers).
     """
 
     def generate(

@@ -28,12 +28,14 @@ class ServerPool:
 
     Args:
         urls: the servers' base URLs.
+        restart_hint: how a user starts a server, quoted when none is left.
 
     Thread-safe: rollout threads acquire and release servers concurrently.
     """
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], restart_hint: str = "start them with `plainrl serve`"):
         self.urls = list(urls)
+        self.restart_hint = restart_hint
         self.alive = [True] * len(urls)
         self.outstanding = [0] * len(urls)
         self.failures = 0  # servers marked dead since the last take_failures()
@@ -62,8 +64,8 @@ class ServerPool:
     def none_left(self) -> EngineError:
         """The error that ends a run once every server is dead, with why each one was."""
         why = "; ".join(self.errors.get(i, self.urls[i]) for i in range(len(self.urls)))
-        return EngineError(f"no inference server left ({why}); restart them (`plainrl serve`) and run the same "
-                           "command again: it resumes from the last checkpoint")
+        return EngineError(f"no inference server left ({why}); restart them ({self.restart_hint}) and run the "
+                           "same command again: it resumes from the last checkpoint")
 
     def release(self, server: int) -> None:
         with self._lock:

@@ -86,6 +86,18 @@ def to_safetensors(tensors: dict[str, torch.Tensor]) -> bytes:
     return save(tensors)
 
 
+def save_hf_weights(model: torch.nn.Module, directory: Path) -> Path:
+    """:func:`policy_weights` as a Hugging Face model directory (``config.json`` and
+    ``model.safetensors``), what an engine that reloads weights from disk reads (SGLang's
+    ``/update_weights_from_disk``). Returns ``directory``."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    unwrap(model).config.to_json_file(directory / "config.json")
+    save_file(policy_weights(model), directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
 class AdapterVersions:
     """Saved adapter directories, one per sync, under ``root``; the newest ``keep`` are kept
     (an engine may still read the previous one while the next is written).

@@ -1,0 +1,259 @@
+"""What every engine over inference servers shares, whatever serves the model (vLLM
+started by ``plainrl serve``, SGLang, any OpenAI-compatible server): the HTTP client and
+its timeouts, one call with its retry, the pool of servers (least outstanding requests,
+failover, :mod:`~plainrl.rollout.engines.servers`), concurrent sampling, and the weight
+push to every live server in parallel that takes dead servers back once they answer.
+
+A backend says how a server is checked (:meth:`ServedEngine._check_backend`), how one
+request maps onto its API (:meth:`ServedEngine._complete`) and how full weights reach it
+(:meth:`ServedEngine._full_push`); LoRA adapters go through the load/unload endpoints its
+``lora_endpoints`` name. Every call has a timeout; a request that fails on the network or
+with a server error is retried once (a timeout is not: the server is presumed hung), then
+its server is marked dead and the request goes to another.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from typing import Callable
+
+import httpx
+import torch
+
+from plainrl.rollout.engines.requests import EngineError, Request, make_requests
+from plainrl.rollout.engines.servers import ServerDown, ServerPool
+from plainrl.rollout.engines.sync import AdapterVersions, SyncMode
+from plainrl.types import Generation, SamplingParams
+
+# text whose tokenisation tells tokenizers apart (digits, spaces, code, non-ASCII, a chat marker)
+TOKENIZER_PROBE = "Hello, world! 12 + 345 = 357.\n  def f(x):\treturn x**2  # café 東京 <|im_start|>user"
+
+
+class ServedEngine:
+    """The :class:`~plainrl.rollout.engines.base.Engine` protocol over inference servers.
+
+    Subclasses set ``backend`` (the ``rollout.remote.backend`` name), ``start_hint`` (how a
+    user starts a server, quoted in errors) and ``lora_endpoints`` (load, unload), and
+    implement :meth:`_complete`, :meth:`_check_backend` and :meth:`_full_push`.
+
+    Args:
+        urls: server base URLs, e.g. ``["http://127.0.0.1:8000"]``; a group's request
+            goes to one server, the one with the fewest requests in flight.
+        tokenizer: the trainer's; each server's tokenizer must encode a probe text to the
+            same ids.
+        sync: ``lora`` or ``full`` (None for a read-only engine).
+        timeout_s / connect_timeout_s: per request (seconds); health checks take
+            ``connect_timeout_s`` so a hung server cannot hold a sync for ``timeout_s``.
+        shared_dir: a directory the servers can read (adapters, weight files); default a
+            temporary directory on this machine.
+        max_model_len: the trainer's context (``model.max_context``); a server with less fails.
+        model: the served model's name to request; default the first ``/v1/models`` lists.
+        api_key: sent as ``Authorization: Bearer ...`` on every call.
+
+    Raises:
+        EngineError: no URL, or a server is unreachable, serves another tokenizer or a
+            shorter context, or lacks what the backend needs (:meth:`_check_backend`).
+    """
+
+    backend = "served"
+    start_hint = ""
+    lora_endpoints: tuple[str, str] = ("", "")
+
+    def __init__(self, urls: list[str], tokenizer, *, sync: SyncMode | None, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 10.0, shared_dir: str | None = None, max_model_len: int = 1024,
+                 model: str | None = None, api_key: str | None = None):
+        if not urls:
+            raise EngineError(f"rollout.engine=remote needs at least one URL in rollout.remote.urls; {self.start_hint}")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.sync = sync
+        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                                   headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+        self._tokenizer, self._max_model_len, self._model = tokenizer, max_model_len, model
+        self._probe_timeout = connect_timeout_s  # start-up checks: a hung server must not hold a sync for timeout_s
+        try:
+            self.models = [self._check(url) for url in self.urls]  # the served model's name, per server
+        except BaseException:
+            self.client.close()
+            raise
+        self.pool = ServerPool(self.urls, restart_hint=self.start_hint)
+        self._adapters = AdapterVersions(shared_dir)  # adapters and weight files
+        self._lora: str | None = None  # the adapter name requests ask for, once synced
+
+    # -- what a backend provides ----------------------------------------------------------
+    def _complete(self, server: int, req: Request, params: SamplingParams) -> list[Generation]:
+        """Sample ``len(req.rows)`` completions of ``req.prompt_ids`` on ``server`` (one HTTP request)."""
+        raise NotImplementedError
+
+    def _check_backend(self, url: str) -> None:
+        """What this backend needs of a server beyond health, tokenizer and context.
+
+        Raises:
+            EngineError: the server lacks it (naming the URL and how to start one that has it).
+        """
+
+    def _full_push(self, model: torch.nn.Module) -> AbstractContextManager[Callable[[str], None]]:
+        """A context yielding ``push(url)``, which loads ``model``'s whole merged state on one
+        server; the context removes what it wrote once every server is done."""
+        raise NotImplementedError
+
+    # -- HTTP -------------------------------------------------------------------------
+    def _call(self, method: str, url: str, path: str, *, retries: int = 1, **kwargs) -> httpx.Response:
+        """One HTTP call with the client's timeouts.
+
+        Raises:
+            ServerDown: no answer (connection error, timeout) or a 5xx, after ``retries`` more
+                tries for anything but a timeout.
+            EngineError: a 4xx answer (the request is wrong; retrying cannot help).
+        """
+        for attempt in range(retries + 1):
+            try:
+                response = self.client.request(method, url + path, **kwargs)
+            except httpx.HTTPError as e:
+                if attempt < retries and not isinstance(e, httpx.TimeoutException):
+                    continue
+                raise ServerDown(f"inference server {url}: {method} {path} failed after {attempt + 1} "
+                                 f"attempt(s): {type(e).__name__}: {e}; is it running? {self.start_hint}") from e
+            if response.status_code >= 500 and attempt < retries:
+                continue
+            if response.status_code >= 500:
+                raise ServerDown(f"inference server {url}: {method} {path} answered {response.status_code}: "
+                                 f"{response.text[:500]}")
+            if response.status_code >= 400:
+                raise EngineError(f"inference server {url}: {method} {path} answered {response.status_code}: "
+                                  f"{response.text[:500]}")
+            return response
+        raise AssertionError("unreachable")
+
+    def _served_model(self, url: str, *, retries: int = 1, unique: bool = False) -> dict:
+        """The ``/v1/models`` entry of the model to request (``model`` or the first listed).
+
+        Args:
+            unique: without ``model``, a server listing several models is an error (a vLLM
+                server lists its LoRA adapters too: there the base comes first).
+
+        Raises:
+            EngineError: ``model`` is not served there (or not named where ``unique`` needs it),
+                or its context is below ``max_model_len``.
+        """
+        served = self._call("GET", url, "/v1/models", retries=retries, timeout=self._probe_timeout).json()["data"]
+        names = [m["id"] for m in served]
+        if unique and self._model is None and len(names) > 1:
+            raise EngineError(f"inference server {url} serves {len(names)} models ({names[:5]}...); name one "
+                              f"with rollout.remote.model")
+        entry = served[names.index(self._model)] if self._model in names else None
+        if entry is None and self._model is not None:
+            raise EngineError(f"inference server {url} does not serve rollout.remote.model={self._model!r}; "
+                              f"it serves {names}")
+        entry = entry or served[0]
+        if entry.get("max_model_len") is not None and entry["max_model_len"] < self._max_model_len:
+            raise EngineError(f"inference server {url} serves {entry['id']!r} with max_model_len="
+                              f"{entry['max_model_len']}, less than model.max_context={self._max_model_len}")
+        return entry
+
+    def _check(self, url: str) -> str:
+        """A server's start-up check: healthy, the trainer's tokenizer (a probe text must encode
+        to the same ids through its ``/tokenize``), the context, then :meth:`_check_backend`.
+        Returns the served model's name."""
+        self._call("GET", url, "/health", retries=0, timeout=self._probe_timeout)
+        name = self._served_model(url)["id"]
+        ids = self._call("POST", url, "/tokenize", timeout=self._probe_timeout,
+                         json={"model": name, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}).json()["tokens"]
+        ours = self._tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+        if ids != ours:
+            raise EngineError(f"inference server {url} serves {name!r}, whose tokenizer differs from the "
+                              f"trainer's ({self._tokenizer.name_or_path}): a probe text gave {ids[:12]}... there, "
+                              f"{ours[:12]}... here; serve the trainer's model ({self.start_hint})")
+        self._check_backend(url)
+        return name
+
+    # -- sampling -----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
+                 generator: torch.Generator | None = None) -> list[Generation]:
+        """Sample one completion per prompt; requests run concurrently so each server
+        batches them. See :meth:`plainrl.rollout.engines.hf.HFEngine.generate`.
+
+        Raises:
+            EngineError: every server failed, or a server refused a request (4xx).
+        """
+        if not prompts:
+            return []
+        requests = make_requests(prompts, generator)
+        out: list[Generation | None] = [None] * len(prompts)
+        with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
+            futures = [pool.submit(self.pool.run, lambda server, r=r: self._complete(server, r, params))
+                       for r in requests]
+            for req, fut in zip(requests, futures):
+                gens = fut.result()
+                if len(gens) != len(req.rows):
+                    raise EngineError(f"a {self.backend} server returned {len(gens)} completions for a request "
+                                      f"of {len(req.rows)}")
+                for row, gen in zip(req.rows, gens):
+                    out[row] = gen
+        return out  # type: ignore[return-value]
+
+    # -- weight sync ----------------------------------------------------------------------
+    def load_weights(self, model: torch.nn.Module) -> None:
+        """Push the learner's weights to every server, in parallel: the adapter under a new
+        name (the previous one is unloaded), or the whole merged state dict
+        (:meth:`_full_push`). A server that fails is marked dead; dead servers that answer
+        their start-up check again get the weights and are used again.
+
+        Raises:
+            EngineError: no server holds the new weights.
+        """
+        if self.sync == "lora":
+            version, path = self._adapters.save(model)
+            name, previous = f"plainrl-v{version}", self._lora
+            load, unload = self.lora_endpoints
+
+            def push(url: str) -> None:
+                self._call("POST", url, load, json={"lora_name": name, "lora_path": str(path)})
+                if previous is not None:  # a revived server never had it: a 4xx there is no failure
+                    try:
+                        self.client.post(url + unload, json={"lora_name": previous}, timeout=self._probe_timeout)
+                    except httpx.HTTPError:
+                        pass  # it holds the new adapter; a dead server shows at the next request
+
+            self._push_all(push)
+            self._lora = name
+            return
+        with self._full_push(model) as push:
+            self._push_all(push)
+
+    def _push_all(self, push: Callable[[str], None]) -> None:
+        live = set(self.pool.live())
+        targets = [i for i in range(len(self.urls)) if i in live or self._answers(i)]
+        with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+            results = {i: pool.submit(push, self.urls[i]) for i in targets}
+        for i, fut in results.items():
+            error = fut.exception()
+            if error is None:
+                self.pool.revive(i)
+            elif isinstance(error, ServerDown):
+                self.pool.mark_dead(i, error)
+            else:
+                raise error
+        if not self.pool.live():
+            raise self.pool.none_left()
+
+    def _answers(self, server: int) -> bool:
+        """Whether a dead server is back: it passes the start-up check again."""
+        try:
+            self._check(self.urls[server])
+            return True
+        except EngineError:
+            return False
+
+    def take_metrics(self) -> dict[str, float]:
+        """``rollout/server_failures``: servers marked dead since the last call."""
+        return {"rollout/server_failures": float(self.pool.take_failures())}
+
+    def offload(self) -> None:
+        """No-op: the servers' memory is their own."""
+
+    def close(self) -> None:
+        """Close the connections and remove the synced adapters (the servers keep running)."""
+        self.client.close()
+        self._adapters.close()
