@@ -131,29 +131,6 @@ def multi_turn_rollout(
       and the episode is unscorable (an env that failed to start has an empty
       completion).
 
-    At the end every episode's env is closed (its ``close()``, when it has one),
-    also when the rollout raised.
-
-    Generation stops at the env's ``stop`` strings plus ``params.stop``; each
-    call samples at most ``min(params.max_new_tokens, room)`` tokens, room being
-    what is left of ``max_total_tokens`` for the roomiest episode of the call
-    (the others' turns are cut to their own room, which keeps them token-exact:
-    a prefix of a sample is a sample with a smaller limit).
-
-    Args:
-        engine: any :class:`~plainrl.rollout.engines.base.Engine`.
-        prompts: the step's prompts.
-        env_factory: called once per episode for a fresh environment
-            (``lambda: CalculatorEnv()``); the built-in envs are stateless, so
-            ``lambda: env`` sharing one instance works too. An
-            :class:`~plainrl.rollout.envs.isolated.EnvWorkers` runs each episode's env
-            in a worker process, every call under a time limit.
-        params: sampling settings; ``max_new_tokens`` is the per-turn limit.
-        tokenizer: the policy's tokenizer (decoding turns for the env, tokenising
-            observations, rendering chat observations).
-        group_size: episodes per prompt (contiguous in the output).
-        step: the RL step, for sample ids.
-
     At the end of each episode its env is closed (its ``close()``, when it has one),
     also when the rollout raised.
 
