@@ -26,20 +26,23 @@ from plainrl.types import Episode, RewardOutput
 
 # what torchrun (torch.distributed.run) sets in every worker's environment
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# the ones that mean "launched by torchrun" when set: LOCAL_RANK and LOCAL_WORLD_SIZE alone do not
+# (vLLM's CPU platform sets LOCAL_WORLD_SIZE in its own process, its XPU worker LOCAL_RANK)
+LAUNCH_MARKERS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def launch_env(env: Mapping[str, str] | None = None) -> dict[str, int | str] | None:
     """The torchrun variables of this process, None when it was not launched by torchrun
-    (none of them set).
+    (none of :data:`LAUNCH_MARKERS` set).
 
     Raises:
         ConfigError: some are set and others missing (a hand-made launch, or a scheduler
             script that forgot one), naming the missing ones.
     """
     env = os.environ if env is None else env
-    present = [v for v in TORCHRUN_VARS if v in env]
-    if not present:
+    if not any(v in env for v in LAUNCH_MARKERS):
         return None
+    present = [v for v in TORCHRUN_VARS if v in env]
     missing = [v for v in TORCHRUN_VARS if v not in env]
     if missing:
         raise ConfigError(
