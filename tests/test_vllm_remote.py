@@ -103,6 +103,20 @@ def test_an_unreachable_server_is_named(tok):
         RemoteEngine([url], tok, sync="full", connect_timeout_s=2)
 
 
+# before the test that shuts the server down
+def test_the_judge_reward_asks_an_openai_compatible_server(server):
+    from plainrl.rewards import build_reward_fns
+    from plainrl.config import RewardSpec
+    from plainrl.rewards.judge import bind_judges, judge
+
+    url, _ = server
+    bound = bind_judges(build_reward_fns([RewardSpec(fn="judge", kwargs={"model": url, "max_new_tokens": 8})]), "m")
+    assert bound[0].kwargs["model"] == url  # a URL is kept, after answering /v1/models
+    scores = judge(["12 + 7 = 19", "12 + 7 = 5"], prompt=["What is 12 + 7?"] * 2, answer=["19", "19"],
+                   model=url, max_new_tokens=8)
+    assert len(scores) == 2 and all(s is None or 0.0 <= s <= 1.0 for s in scores)
+
+
 def test_a_training_run_samples_through_the_server_then_it_shuts_down(server, tmp_path, tok):
     url, proc = server
     run_dir = tmp_path / "run"
@@ -122,16 +136,3 @@ def test_a_training_run_samples_through_the_server_then_it_shuts_down(server, tm
     engine.close()
     with pytest.raises(EngineError, match=url.replace(".", r"\.")):
         RemoteEngine([url], tok, sync="full", connect_timeout_s=2)
-
-
-def test_the_judge_reward_asks_an_openai_compatible_server(server):
-    from plainrl.rewards import build_reward_fns
-    from plainrl.config import RewardSpec
-    from plainrl.rewards.judge import bind_judges, judge
-
-    url, _ = server
-    bound = bind_judges(build_reward_fns([RewardSpec(fn="judge", kwargs={"model": url, "max_new_tokens": 8})]), "m")
-    assert bound[0].kwargs["model"] == url  # a URL is kept, after answering /v1/models
-    scores = judge(["12 + 7 = 19", "12 + 7 = 5"], prompt=["What is 12 + 7?"] * 2, answer=["19", "19"],
-                   model=url, max_new_tokens=8)
-    assert len(scores) == 2 and all(s is None or 0.0 <= s <= 1.0 for s in scores)
