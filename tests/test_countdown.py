@@ -160,8 +160,7 @@ def test_eval_grader_is_loaded_and_checked_before_any_model(tiny_model_dir, tmp_
     from plainrl.run import setup as run_setup
 
     example = REPO / "examples" / "countdown_grpo.yaml"
-    prepared = run_setup.prepare(load_config(example, tiny_overrides(tiny_model_dir, tmp_path / "run")))
-    assert prepared.grader is countdown
+    over = tiny_overrides(tiny_model_dir, tmp_path / "run") + ["data.task_args={num_train: 8}"]
+    assert run_setup.prepare(load_config(example, over)).grader is countdown
     with pytest.raises(RewardLoadError, match="eval.grader: .*nope"):
-        run_setup.prepare(load_config(example, tiny_overrides(tiny_model_dir, tmp_path / "run") +
-                                      ["eval.grader=plainrl.rewards:nope"]))
+        run_setup.prepare(load_config(example, over + ["eval.grader=plainrl.rewards:nope"]))
