@@ -68,6 +68,12 @@ def _local_judge(model: str):
     from plainrl.models import load_policy, load_tokenizer
     from plainrl.rollout.engines.hf import HFEngine
 
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        # a forked reward worker: the parent's OpenMP pool does not survive fork (torch ops on several
+        # threads can crash here), and the worker is one of several processes sharing the cores anyway
+        torch.set_num_threads(1)
     tokenizer = load_tokenizer(model)
     policy = load_policy(ModelConfig(name=model, lora={"enabled": False}), torch.device("cpu"))
     return tokenizer, HFEngine(policy, tokenizer)
