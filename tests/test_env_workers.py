@@ -267,7 +267,9 @@ def test_max_live_runs_episodes_in_waves_with_a_bounded_number_of_workers(tokeni
     assert max(batches) == 6
     with EnvWorkers(CountingEnv, timeout_s=30) as workers:
         waves, batches = run(workers, 4)
-        assert workers.started == 4 and max(batches) == 4  # 4 episodes, then the other 2 on the same workers
+        # at most 4 episodes in flight (a batch is whatever of them waits for the engine: timing decides
+        # whether that is 4 or fewer), and the other 2 reuse the same 4 workers
+        assert workers.started == 4 and max(batches) <= 4
     key = lambda e: (e.sample_id, e.group, e.completion_ids, e.loss_mask, e.env.info)  # noqa: E731
     assert [key(e) for e in waves] == [key(e) for e in whole]
     assert [e.group for e in whole] == [0, 0, 1, 1, 2, 2]
