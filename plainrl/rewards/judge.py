@@ -90,12 +90,17 @@ def _ask_local(model: str, questions: list[str], max_new_tokens: int) -> list[st
     return [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in out]
 
 
+def _endpoint(url: str, api_key_env: str | None) -> tuple[str, dict[str, str]]:
+    """The server's base URL (without ``/v1``) and the request headers (the key from ``api_key_env``)."""
+    headers = {"Authorization": f"Bearer {os.environ[api_key_env]}"} if api_key_env else {}
+    return url.rstrip("/").removesuffix("/v1"), headers
+
+
 def _ask_server(url: str, questions: list[str], *, max_new_tokens: int, timeout_s: float,
                 served_model: str | None, api_key_env: str | None) -> list[str]:
     import httpx
 
-    headers = {"Authorization": f"Bearer {os.environ[api_key_env]}"} if api_key_env else {}
-    base = url.rstrip("/").removesuffix("/v1")
+    base, headers = _endpoint(url, api_key_env)
     with httpx.Client(timeout=timeout_s, headers=headers) as client:
         if served_model is None:
             served_model = client.get(base + "/v1/models").raise_for_status().json()["data"][0]["id"]
@@ -172,9 +177,9 @@ def _check_server(name: str, url: str, api_key_env: str | None, timeout_s: float
 
     if api_key_env and api_key_env not in os.environ:
         raise RewardLoadError(f"reward {name!r}: api_key_env={api_key_env!r} is not set in the environment")
-    headers = {"Authorization": f"Bearer {os.environ[api_key_env]}"} if api_key_env else {}
+    base, headers = _endpoint(url, api_key_env)
     try:
-        httpx.get(url.rstrip("/").removesuffix("/v1") + "/v1/models", headers=headers,
+        httpx.get(base + "/v1/models", headers=headers,
                   timeout=min(timeout_s, 10.0)).raise_for_status()
     except httpx.HTTPError as e:
         raise RewardLoadError(f"reward {name!r}: the judge server {url} does not answer GET /v1/models "
