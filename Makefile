@@ -48,7 +48,7 @@ demo: $(STAMP)
 	$(VENV)/bin/plainrl train examples/arithmetic_grpo.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 # the tests marked `vllm` (tests/test_vllm_*.py and the OpenAI-compatible/export ones: skipped by
 # `make test`, whose venv has no vLLM)
