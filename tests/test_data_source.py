@@ -138,13 +138,13 @@ class Preempted(Exception):
 
 def test_source_rows_with_their_own_environments_and_the_knobs_end_to_end(tiny_model_dir, tmp_path, monkeypatch,
                                                                           capsys):
-    """One tiny RL run over rows from code, each episode in the environment its row's env_args
+    """One tiny RL run over rows from code (a torch Dataset), each episode in the environment its row's env_args
     build, with train.epochs (2 epochs of 4 rows, 2 a step: 4 steps), train.warmup_ratio (0.5: 2
     steps), the KL in the loss (k3) and in the reward (k2) at once, micro-batches of at most 40
     tokens, checkpoints without optimizer state; cut after step 2 and resumed by the same command."""
     run = tmp_path / "run"
     over = tiny_overrides(tiny_model_dir, run) + [
-        "data.task=null", f"data.source={SRC}:secret_rows", "data.source_args={n: 6}", "data.eval_holdout=2",
+        "data.task=null", f"data.source={SRC}:SecretDataset", "data.source_args={n: 6}", "data.eval_holdout=2",
         f"rollout.env={SRC}:SecretFileEnv", "rollout.group_size=2", "rollout.prompts_per_step=2",
         f"rewards=[{{fn: 'plainrl.rollout.envs:env_reward'}}, {{fn: '{DATA / 'my_reward.py'}:length_bonus'}}]",
         "train.steps=null", "train.epochs=2", "train.warmup_steps=null", "train.warmup_ratio=0.5", "train.lr=1e-2",
@@ -198,7 +198,7 @@ def test_source_rows_with_their_own_environments_and_the_knobs_end_to_end(tiny_m
 
 
 def test_rl2_dpo_rows_from_code_train_for_one_epoch(tiny_model_dir, tmp_path):
-    """DPO on RL2's rows straight from a function: 3 rows, 2 a step, 1 epoch = 2 steps."""
+    """DPO on RL2's rows straight from a function (a datasets.Dataset): 3 rows, 2 a step, 1 epoch = 2 steps."""
     run = tmp_path / "run"
     over = tiny_overrides(tiny_model_dir, run) + [
         "data.path=null", f"data.source={SRC}:rl2_preferences", "data.eval_holdout=0", "data.max_rows=null",

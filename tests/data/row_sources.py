@@ -18,6 +18,19 @@ def secret_rows(n: int = 4) -> list[dict]:
             for i in range(n)]
 
 
+class SecretDataset(torch.utils.data.Dataset):
+    """:func:`secret_rows` as a map-style torch dataset (what the end-to-end run reads)."""
+
+    def __init__(self, n: int):
+        self.rows = secret_rows(n)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
 def generated(n: int = 3):
     """A generator of chat rows with an extra column."""
     for i in range(n):
@@ -89,10 +102,13 @@ def one_row() -> dict:
     return {"prompt": "a single row, not a list of them"}
 
 
-def rl2_preferences() -> list[dict]:
-    """DPO/RM rows in RL2's format: the prompt chat in ``messages``, the responses as text."""
-    return [{"messages": [{"role": "user", "content": f"Which is larger, {i} or {i + 1}?"}],
-             "chosen": f"{i + 1} is larger.", "rejected": f"{i} is larger."} for i in range(3)]
+def rl2_preferences():
+    """DPO/RM rows in RL2's format, as a ``datasets.Dataset``: the prompt chat in ``messages``,
+    the responses as text."""
+    import datasets
+
+    return datasets.Dataset.from_list([{"messages": [{"role": "user", "content": f"Which is larger, {i} or {i + 1}?"}],
+                                        "chosen": f"{i + 1} is larger.", "rejected": f"{i} is larger."} for i in range(3)])
 
 
 class SecretFileEnv:
