@@ -1,11 +1,19 @@
 """How episodes become tensors: the *completion frame* ([N, L], position k = completion
 token k of episode n) and padded micro-batches by token budget ([B, T], target t
 predicts token t+1). Every stage that turns episodes into tensors goes through here.
+
+Micro-batches are bounded by tokens (``train.micro_batch_tokens``: padded tokens, or real
+tokens under ``train.packing``) and balanced: as few as the budget allows, with the
+sequences spread so that the largest is as small as it can be (:func:`balance`). Under
+torchrun the ranks' shares of a batch are balanced the same way, by real tokens
+(:func:`split_by_tokens`). The loss is normalised over the whole batch, so how the
+sequences are grouped changes the gradient by float rounding only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -41,9 +49,42 @@ def completion_tensor(episodes: list[Episode], values: list[list[float]] | None 
     return out
 
 
+def balance(pack: Callable[[int], list[list[int]]], parts: int, hi: int) -> list[list[int]]:
+    """The grouping ``pack(cap)`` with the smallest ``cap`` in ``[1, hi]`` that still needs at
+    most ``parts`` groups: with ``parts = len(pack(hi))``, as few groups as the budget ``hi``
+    allows, the largest of them as small as possible.
+
+    ``pack`` must be a next-fit packer: it walks the items in a fixed order and opens a new group
+    when the next item would take the current one over ``cap``, a group's cost growing as items
+    are added. Next-fit then gives the fewest groups of any split of that order into contiguous
+    runs under ``cap``, so a binary search over ``cap`` (about log2(hi) packings) finds the
+    contiguous split whose largest group is smallest (the "linear partition" problem).
+    Contiguity keeps what the order was chosen for: similar lengths together (padding) and a
+    prompt's samples together (shared prompts).
+
+    Raises:
+        ValueError: ``pack(hi)`` needs more than ``parts`` groups, or ``hi < 1``.
+    """
+    if hi < 1:
+        raise ValueError(f"the cap must be >= 1, got {hi}")
+    best = pack(hi)
+    if len(best) > parts:
+        raise ValueError(f"{len(best)} groups at cap {hi}, more than the {parts} allowed")
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        groups = pack(mid)
+        if len(groups) <= parts:
+            hi, best = mid, groups
+        else:
+            lo = mid + 1
+    return best
+
+
 def pack_by_length(widths: list[int], token_budget: int, rows: list[int] | None = None) -> list[list[int]]:
     """Indices grouped longest first so each group's padded size, members x rows each x
-    the group's longest width, stays within ``token_budget`` (a single item may exceed it).
+    the group's longest width, stays within ``token_budget`` (a single item may exceed it),
+    in as few groups as that allows, balanced (:func:`balance`).
 
     Args:
         widths: [N] padded length of each item.
@@ -52,6 +93,14 @@ def pack_by_length(widths: list[int], token_budget: int, rows: list[int] | None 
         groups of indices covering 0..N-1 exactly once.
     """
     rows = rows or [1] * len(widths)
+    if not widths:
+        return []
+    groups = _next_fit_by_length(widths, token_budget, rows)
+    return groups if len(groups) == 1 else balance(lambda cap: _next_fit_by_length(widths, cap, rows),
+                                                   len(groups), token_budget)
+
+
+def _next_fit_by_length(widths: list[int], token_budget: int, rows: list[int]) -> list[list[int]]:
     groups: list[list[int]] = []
     for i in sorted(range(len(widths)), key=lambda i: -widths[i]):
         # sorted descending, so the group's first member sets its padded width
@@ -65,7 +114,8 @@ def pack_by_length(widths: list[int], token_budget: int, rows: list[int] | None 
 def pack_by_tokens(prompts: list[tuple[int, ...]], completion_lens: list[int], token_budget: int, *,
                    share_prompts: bool) -> list[list[int]]:
     """Indices grouped so each group's *real* tokens stay within ``token_budget`` (a single
-    item may exceed it): the micro-batches of a packed forward, which spends nothing on padding.
+    item may exceed it), in as few groups as that allows, balanced (:func:`balance`): the
+    micro-batches of a packed forward, which spends nothing on padding.
 
     Episodes of one prompt are kept together (in order of the prompt's first appearance), so
     with ``share_prompts`` a group's prompt counts once per micro-batch, as the packed forward
@@ -78,6 +128,37 @@ def pack_by_tokens(prompts: list[tuple[int, ...]], completion_lens: list[int], t
     Returns:
         groups of indices covering 0..N-1 exactly once.
     """
+    if not prompts:
+        return []
+    groups = _next_fit_by_tokens(prompts, completion_lens, token_budget, share_prompts)
+    if len(groups) == 1:
+        return groups
+    return balance(lambda cap: _next_fit_by_tokens(prompts, completion_lens, cap, share_prompts), len(groups),
+                   token_budget)
+
+
+def split_by_tokens(episodes: list[Episode], indices: list[int], parts: int, *,
+                    share_prompts: bool) -> list[list[int]]:
+    """``indices`` (into ``episodes``) in ``parts`` shares of balanced real tokens: under torchrun,
+    each rank's share of a (mini-)batch. A share is a contiguous run of the episodes in prompt
+    order (a prompt's samples stay together where they can; with ``share_prompts`` a prompt
+    counts once per share), the largest share as small as possible (:func:`balance`); shares
+    may be empty when there are fewer episodes than parts.
+
+    Returns:
+        ``parts`` lists of indices, together ``indices`` exactly once.
+    """
+    if not indices:
+        return [[] for _ in range(parts)]
+    eps = [episodes[i] for i in indices]
+    prompts, lens = [tuple(e.prompt_ids) for e in eps], [len(e.completion_ids) for e in eps]
+    total = sum(map(len, prompts)) + sum(lens)
+    groups = balance(lambda cap: _next_fit_by_tokens(prompts, lens, cap, share_prompts), parts, max(1, total))
+    return [[indices[j] for j in g] for g in groups] + [[] for _ in range(parts - len(groups))]
+
+
+def _next_fit_by_tokens(prompts: list[tuple[int, ...]], completion_lens: list[int], token_budget: int,
+                        share_prompts: bool) -> list[list[int]]:
     first: dict[tuple[int, ...], int] = {}
     order = sorted(range(len(prompts)), key=lambda i: (first.setdefault(prompts[i], i), i))
     groups: list[list[int]] = []

@@ -196,5 +196,14 @@ def test_shards_and_group_split():
     assert shards == [range(0, 3), range(3, 6), range(6, 8)]
     ranks = [Parallel(active=True, rank=r, world_size=2) for r in range(2)]
     assert [local_rows(p, list("abcd")) for p in ranks] == [["a", "b"], ["c", "d"]]
-    idx = torch.tensor([5, 0, 7, 2])
-    assert ranks[0].local(idx, 8).tolist() == [0, 2] and ranks[1].local(idx, 8).tolist() == [5, 7]
+    # the ranks' shares of a (mini-)batch balance real tokens, not rows: episode 0 costs 10 tokens, the
+    # others 2 (a 1-token prompt each); by rows rank 0 would get 16 tokens, rank 1 8
+    from plainrl.types import Episode
+
+    eps = [Episode(sample_id=str(i), group=i, row={}, prompt_ids=[i], completion_ids=[7] * (9 if i == 0 else 1),
+                   logprobs=[], loss_mask=[], finish_reason="eos") for i in range(8)]
+    shares = [p.share(eps, torch.arange(8), share_prompts=True).tolist() for p in ranks]
+    assert shares == [[0, 1], [2, 3, 4, 5, 6, 7]]  # 12 and 12 tokens
+    idx = torch.tensor([5, 0, 7, 2])  # a mini-batch: 2, 10, 2, 2 tokens
+    assert [p.share(eps, idx, share_prompts=True).tolist() for p in ranks] == [[5, 0], [7, 2]]
+    assert Parallel().share(eps, idx, share_prompts=True) is idx  # one process: as given

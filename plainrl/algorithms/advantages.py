@@ -427,3 +427,38 @@ def token_rewards(
         rows = (last >= 0).nonzero().squeeze(1)
         out[rows, last[rows]] += r[rows]
     return out
+
+
+def kl_penalized_rewards(
+    rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """Sequence rewards with the per-token KL penalty of the reward summed in, for the
+    outcome-reward estimators (GRPO, RLOO):
+
+        R'_i = R_i − β · Σ_t mask_it · KL_it
+
+    The same total a token-level estimator sees: with γ = 1 the return from the first token of
+    :func:`token_rewards` is this R'. Summed, not averaged, over tokens, as in PPO-RLHF's reward
+    (every sampled token pays its KL) and verl's ``use_kl_in_reward``; a long completion that
+    drifts from the reference pays more than a short one. GRPO then centres (and scales) R'
+    within the group, so what counts is a sample's KL relative to its group's.
+
+    Args:
+        rewards: [N] sequence rewards (NaN allowed where unscorable: it stays NaN).
+        mask:    [N, L] 1 on loss tokens.
+        kl:      [N, L] per-token KL estimate (:func:`plainrl.algorithms.kl_estimate`).
+        kl_coef: β >= 0.
+    Returns:
+        [N] float32 (detached).
+    Raises:
+        ValueError: shapes that do not fit, or ``kl_coef < 0``.
+
+    Source: Ouyang et al. 2022 (InstructGPT, arXiv:2203.02155) eq. 2, the KL-penalised reward
+    R(x, y) − β log(π(y|x) / π_ref(y|x)), whose log-ratio is the sum of the per-token ones (k1).
+    """
+    if rewards.dim() != 1 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"rewards must be [N] and mask [N, L]; got {tuple(rewards.shape)} and {tuple(mask.shape)}")
+    _check_bt(mask=mask, kl=kl)
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    return rewards.detach().float() - kl_coef * (kl.detach().float() * (mask != 0)).sum(dim=1)

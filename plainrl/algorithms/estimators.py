@@ -16,6 +16,7 @@ import torch
 from plainrl.algorithms.advantages import (
     gae,
     grpo_advantages,
+    kl_penalized_rewards,
     reinforce_pp_advantages,
     rloo_advantages,
     token_rewards,
@@ -34,7 +35,8 @@ class AdvantageParams:
     group_size: samples per prompt (``rollout.group_size``; grpo, rloo).
     norm_std:   divide GRPO's group-centred rewards by the group std (``Config.norm_std``).
     gamma, lam: discount and GAE lambda (reinforce_pp, gae).
-    kl_coef:    ``algorithm.kl_coef``, the weight of the KL when it goes into the reward.
+    kl_coef:    the weight of the KL in the reward (``algorithm.kl_reward_coef``, or ``kl_coef``
+                under ``kl_placement: reward``: ``AlgorithmConfig.reward_kl``).
     whiten:     ``algorithm.whiten_advantages`` (batch whitening, PPO).
     """
 
@@ -55,7 +57,7 @@ class EstimatorInputs:
     valid:   [N] bool, False where unscorable.
     mask:    [N, L] loss mask.
     kl:      [N, L] per-token KL of the rollout policy to the reference, when it goes
-             into the reward (``algorithm.kl_placement: reward``); else None.
+             into the reward (``algorithm.kl_reward_coef`` or ``kl_placement: reward``); else None.
     values:  [N, L] critic values (gae); else None.
     """
 
@@ -68,9 +70,7 @@ class EstimatorInputs:
 
 def _sequence_rewards(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
     # a sequence-level estimator takes the KL in the reward as its sum over the sequence
-    if x.kl is None:
-        return x.rewards
-    return x.rewards - p.kl_coef * (x.kl * x.mask).sum(dim=1)
+    return x.rewards if x.kl is None else kl_penalized_rewards(x.rewards, x.mask, x.kl, p.kl_coef)
 
 
 def _token_rewards(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
@@ -112,7 +112,8 @@ def reward_kl(frame: CompletionFrame, ref_logps: torch.Tensor, estimator: KLEsti
     Args:
         frame: the step's loss mask and engine logprobs, [N, L] each.
         ref_logps: [N, L] reference logprobs of the loss tokens (completion frame).
-        estimator: ``algorithm.kl_estimator`` (k1, k2, k3; :func:`plainrl.algorithms.kl_estimate`).
+        estimator: ``algorithm.kl_reward_estimator`` (or ``kl_estimator`` under ``kl_placement: reward``;
+            k1, k2, k3: :func:`plainrl.algorithms.kl_estimate`).
     Returns:
         [N, L] float32, 0 off the loss mask.
     """

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from plainrl.checkpoint.layout import (
-    DCP_REQUIRED_FILES, FORMAT_VERSION, MANIFEST, REQUIRED_FILES, TMP_PREFIX, CheckpointError,
+    DCP_REQUIRED_FILES, FORMAT_VERSION, MANIFEST, OPTIMIZER, REQUIRED_FILES, TMP_PREFIX, CheckpointError,
 )
 
 
@@ -106,7 +106,8 @@ def verify(ckpt_dir: str | Path) -> dict[str, Any]:
     Returns:
         the parsed manifest.
     Raises:
-        CheckpointError: the manifest is missing, unreadable or lacks a required file,
+        CheckpointError: the manifest is missing, unreadable or lacks a required file (the
+            optimizer's is not required when the manifest says ``"optimizer": false``),
             or a file is missing, truncated/extended (size mismatch) or altered (sha256
             mismatch); the message names the file.
     """
@@ -115,6 +116,8 @@ def verify(ckpt_dir: str | Path) -> dict[str, Any]:
     files = manifest["files"]
     # a sharded (torch.distributed.checkpoint) checkpoint holds DCP's files instead of the weights and optimizer
     required = DCP_REQUIRED_FILES if manifest.get("layout") == "dcp" else REQUIRED_FILES
+    if manifest.get("optimizer") is False:  # saved with checkpoint.save_optimizer: false
+        required = tuple(n for n in required if n != OPTIMIZER)
     unlisted = [n for n in required if n not in files]
     if unlisted:
         raise CheckpointError(f"{ckpt_dir / MANIFEST}: does not list {', '.join(unlisted)}")

@@ -28,6 +28,8 @@ class CheckpointState:
         sampler_state: the ``sampler_state`` given to :func:`save_checkpoint`.
         extra: the ``extra`` given to :func:`save_checkpoint` (``{}`` when None).
         config_yaml: the resolved config YAML of the run that saved it.
+        warnings: what was not restored (the optimizer state of a checkpoint saved with
+            ``checkpoint.save_optimizer: false``), for the run's log.
     """
 
     path: Path
@@ -36,6 +38,7 @@ class CheckpointState:
     extra: dict[str, Any] = field(default_factory=dict)
     blobs: dict[str, bytes] = field(default_factory=dict)  # save_checkpoint's ``blobs``
     config_yaml: str = ""
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -158,7 +161,9 @@ def load_checkpoint(
         restore_rng: False leaves the global RNGs (and ``generator``) alone.
         verified: the manifest was checked already (under torchrun rank 0 checks for all).
     Returns:
-        step, sampler state, extra and config YAML of the checkpoint.
+        step, sampler state, extra and config YAML of the checkpoint, and ``warnings``: a checkpoint
+        saved without optimizer state (``checkpoint.save_optimizer: false``) leaves the optimizer as
+        built (its state restarts), and says so there.
     Raises:
         CheckpointError: verification fails (the message names the file), or a
             saved state does not fit the model/optimizer (different model, LoRA
@@ -172,9 +177,13 @@ def load_checkpoint(
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{ckpt_dir / STATE}: unreadable ({type(e).__name__}: {e})") from e
     _load_weights(model, ckpt_dir / WEIGHTS, kind)
+    warnings = []
     if optimizer is not None:
         _load_masters(model, optimizer, ckpt_dir / MASTER if MASTER in manifest["files"] else None)
-        _load_optimizer(optimizer, ckpt_dir / OPTIMIZER)
+        if manifest.get("optimizer") is False:
+            warnings.append(optimizer_restarts(ckpt_dir, step))
+        else:
+            _load_optimizer(optimizer, ckpt_dir / OPTIMIZER)
     if scheduler is not None:
         scheduler.load_state_dict(torch_load(ckpt_dir / SCHEDULER))
     rng = torch_load(ckpt_dir / RNG)
@@ -184,4 +193,12 @@ def load_checkpoint(
         path=ckpt_dir, step=step, sampler_state=state.get("sampler") or {}, extra=state.get("extra") or {},
         config_yaml=(ckpt_dir / CONFIG).read_text(),
         blobs={n: (ckpt_dir / n).read_bytes() for n in state.get("blobs", ()) if n in manifest["files"]},
+        warnings=warnings,
     )
+
+
+def optimizer_restarts(ckpt_dir: Path, step: int) -> str:
+    """The warning of a resume from a checkpoint without optimizer state."""
+    return (f"{ckpt_dir} was saved with checkpoint.save_optimizer=false: the optimizer state (AdamW's moment "
+            f"estimates) restarts from zero at step {step}, so the next updates differ from an uninterrupted run's; "
+            "weights, learning-rate schedule, RNG states and data position are restored")

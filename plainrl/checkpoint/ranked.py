@@ -35,7 +35,7 @@ from plainrl.checkpoint.layout import (
     CHECKPOINTS_DIR, CONFIG, FORMAT_VERSION, MANIFEST, RNG, SCHEDULER, STATE, TMP_PREFIX, CheckpointError,
     rank_rng_file, step_dir_name,
 )
-from plainrl.checkpoint.load import CheckpointState, load_checkpoint
+from plainrl.checkpoint.load import CheckpointState, load_checkpoint, optimizer_restarts
 from plainrl.checkpoint.rng import get_rng_state, set_rng_state
 from plainrl.checkpoint.save import commit, save_checkpoint
 
@@ -62,7 +62,7 @@ def _dcp_options(*, strict: bool = True):
 def save_ranked(run_dir: str | Path, step: int, *, strategy: str, model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer, scheduler: Any, sampler_state: dict[str, Any],
                 generator: torch.Generator | None, config_yaml: str, keep_last: int | None = 3,
-                extra: dict[str, Any] | None = None) -> Path:
+                extra: dict[str, Any] | None = None, save_optimizer: bool = True) -> Path:
     """:func:`~plainrl.checkpoint.save_checkpoint` for a run under torchrun; every rank calls it
     at the same step and gets the committed directory back (after the commit).
 
@@ -84,16 +84,18 @@ def save_ranked(run_dir: str | Path, step: int, *, strategy: str, model: torch.n
             try:
                 out = str(save_checkpoint(run_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
                                           sampler_state=sampler_state, generator=generator, config_yaml=config_yaml,
-                                          extra=extra, keep_last=keep_last, extra_states=others))
+                                          extra=extra, keep_last=keep_last, extra_states=others,
+                                          save_optimizer=save_optimizer))
             except Exception as e:  # noqa: BLE001 - every rank raises it
                 out = e
         return Path(_from_rank0(out))
     return _save_dcp(Path(run_dir), step, model=model, optimizer=optimizer, scheduler=scheduler, rngs=rngs,
-                     state={"sampler": sampler_state, "extra": extra}, config_yaml=config_yaml, keep_last=keep_last)
+                     state={"sampler": sampler_state, "extra": extra}, config_yaml=config_yaml, keep_last=keep_last,
+                     save_optimizer=save_optimizer)
 
 
 def _save_dcp(run_dir: Path, step: int, *, model, optimizer, scheduler, rngs: list[Any], state: dict[str, Any],
-              config_yaml: str, keep_last: int | None) -> Path:
+              config_yaml: str, keep_last: int | None, save_optimizer: bool) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -116,7 +118,8 @@ def _save_dcp(run_dir: Path, step: int, *, model, optimizer, scheduler, rngs: li
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError("refusing to save a checkpoint: non-finite (NaN/inf) weights; "
                               "the previous checkpoint is kept as it was")
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save({"model": model_sd, "optimizer": optim_sd} if save_optimizer else {"model": model_sd},
+             checkpoint_id=str(tmp))
     out: Any = None
     if dist.get_rank() == 0:
         try:
@@ -129,7 +132,7 @@ def _save_dcp(run_dir: Path, step: int, *, model, optimizer, scheduler, rngs: li
             write_bytes(tmp / CONFIG, config_yaml.encode())
             names = sorted(p.name for p in tmp.iterdir())
             manifest = {"format_version": FORMAT_VERSION, "step": step, "layout": DCP_KIND,
-                        "files": manifest_files(tmp, names)}
+                        "optimizer": save_optimizer, "files": manifest_files(tmp, names)}
             write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
             out = str(commit(tmp, step, keep_last=keep_last, started=started))
         except Exception as e:  # noqa: BLE001 - every rank raises it
@@ -174,7 +177,7 @@ def load_ranked(ckpt_dir: str | Path, *, strategy: str, model: torch.nn.Module,
     else:
         result = load_checkpoint(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, restore_rng=False,
                                  verified=True)
-    warnings = []
+    warnings = list(result.warnings)
     if restore_rng:
         own = ckpt_dir / rank_rng_file(rank)
         if saved_world == world and own.is_file():
@@ -190,18 +193,26 @@ def load_ranked(ckpt_dir: str | Path, *, strategy: str, model: torch.nn.Module,
 
 def _load_dcp(ckpt_dir: Path, state: dict[str, Any], *, model, optimizer, scheduler) -> CheckpointState:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
+    saved_optimizer = json.loads((ckpt_dir / MANIFEST).read_text()).get("optimizer", True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_dcp_options())
-    target = {"model": model_sd} if optimizer is None else {"model": model_sd, "optimizer": optim_sd}
+    with_optimizer = optimizer is not None and saved_optimizer
+    target = {"model": model_sd, "optimizer": optim_sd} if with_optimizer else {"model": model_sd}
     try:
         dcp.load(target, checkpoint_id=str(ckpt_dir))
     except Exception as e:  # DCP raises CheckpointException naming the missing or mismatched keys
         raise CheckpointError(f"{ckpt_dir}: the sharded state does not fit this model/optimizer "
                               f"(a different model or LoRA setting?): {e}") from e
-    set_state_dict(model, optimizer, model_state_dict=model_sd,
-                   optim_state_dict=target.get("optimizer", {}), options=_dcp_options(strict=False))
+    if with_optimizer:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=_dcp_options(strict=False))
+    else:
+        set_model_state_dict(model, model_sd, options=_dcp_options(strict=False))
     if scheduler is not None:
         scheduler.load_state_dict(torch_load(ckpt_dir / SCHEDULER))
-    return CheckpointState(path=ckpt_dir, step=int(state["step"]), sampler_state=state.get("sampler") or {},
-                           extra=state.get("extra") or {}, config_yaml=(ckpt_dir / CONFIG).read_text())
+    step = int(state["step"])
+    return CheckpointState(path=ckpt_dir, step=step, sampler_state=state.get("sampler") or {},
+                           extra=state.get("extra") or {}, config_yaml=(ckpt_dir / CONFIG).read_text(),
+                           warnings=[optimizer_restarts(ckpt_dir, step)] if optimizer is not None and not saved_optimizer
+                           else [])

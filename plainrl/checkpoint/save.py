@@ -80,6 +80,7 @@ def save_checkpoint(
     blobs: dict[str, bytes] | None = None,
     keep_last: int | None = 3,
     extra_states: dict[str, Any] | None = None,
+    save_optimizer: bool = True,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-<step>/`` atomically and point ``latest`` at it.
 
@@ -111,6 +112,10 @@ def save_checkpoint(
         keep_last: complete checkpoints to keep (>= 1), None keeps all.
         extra_states: ``{file name: object}`` more ``torch.save`` files (in the manifest),
             e.g. the RNG states of the other ranks under torchrun (``rng-rank1.pt``).
+        save_optimizer: False (``checkpoint.save_optimizer``) leaves ``optimizer.pt`` out and
+            records that in the manifest (``"optimizer": false``), which :func:`verify` then does
+            not require; resuming restarts the optimizer state (:func:`load_checkpoint` warns).
+            The fp32 master weights are still saved: they are the weights, not optimizer state.
     Returns:
         the checkpoint directory.
     Raises:
@@ -134,7 +139,8 @@ def save_checkpoint(
     bad = [n for n in blobs if n in reserved or "/" in n or n.startswith(".")]
     if bad:
         raise ValueError(f"blob names {bad} clash with the checkpoint's own files or are not plain names")
-    files = REQUIRED_FILES + ((MASTER,) if masters else ()) + tuple(extra_states or {}) + tuple(blobs)
+    required = REQUIRED_FILES if save_optimizer else tuple(n for n in REQUIRED_FILES if n != OPTIMIZER)
+    files = required + ((MASTER,) if masters else ()) + tuple(extra_states or {}) + tuple(blobs)
     try:
         state_json = json.dumps({
             "format_version": FORMAT_VERSION, "step": step, "weights": kind,
@@ -159,7 +165,8 @@ def save_checkpoint(
         if masters:
             save_file(masters, str(tmp / MASTER))
             fsync_path(tmp / MASTER)
-        torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
+        if save_optimizer:
+            torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
         torch_save(scheduler.state_dict(), tmp / SCHEDULER)
         torch_save(get_rng_state(generator), tmp / RNG)
         for blob_name, data in blobs.items():
@@ -168,7 +175,7 @@ def save_checkpoint(
             torch_save(obj, tmp / fname)
         write_bytes(tmp / STATE, state_json.encode())
         write_bytes(tmp / CONFIG, config_yaml.encode())
-        manifest = {"format_version": FORMAT_VERSION, "step": step,
+        manifest = {"format_version": FORMAT_VERSION, "step": step, "optimizer": save_optimizer,
                     "files": manifest_files(tmp, files)}
         # the manifest is written last: its presence marks the directory complete
         write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())

@@ -60,15 +60,21 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Where prompts come from: a built-in procedural ``task`` or a ``path``/hub id.
+    """Where prompts come from: a built-in procedural ``task``, a ``path``/hub id, or ``source``,
+    a Python function returning the rows (:mod:`plainrl.data.sources`).
 
     Rows carry ``messages`` (chat) or ``prompt`` (text) plus ``answer`` and any other
-    columns; ``format: gsm8k`` maps GSM8K's ``question``/``answer`` rows onto that.
+    columns, and optionally ``env_args`` (keyword arguments of ``rollout.env`` for that row);
+    ``format: gsm8k`` maps GSM8K's ``question``/``answer`` rows onto that.
     """
 
     task: Literal["arithmetic", "countdown"] | None = None
     task_args: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None
+    # module:fn or path/to/file.py:fn, fn(**source_args) -> an iterable of row dicts, a torch Dataset or a
+    # datasets.Dataset (a DatasetDict: data.split of it); read once, before any model loads
+    source: str | None = None
+    source_args: dict[str, Any] = Field(default_factory=dict)
     split: str = "train"
     subset: str | None = None  # hub dataset configuration, e.g. "main" for openai/gsm8k
     format: Literal["auto", "gsm8k"] = "auto"
@@ -83,6 +89,16 @@ class DataConfig(_Section):
     eval_size: int = Field(100, ge=0)  # held-out rows for eval (tasks generate their own)
     eval_holdout: int = Field(0, ge=0)  # with data.path and no eval_path/eval_split: rows held out of training
     shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _source_settings(self) -> "DataConfig":
+        if self.source_args and self.source is None:
+            raise ValueError("data.source_args are the keyword arguments of data.source, which is not set; "
+                             "set data.source (module:fn) or remove data.source_args")
+        if self.source is not None and self.eval_split is not None and self.eval_path is None:
+            raise ValueError(f"data.eval_split={self.eval_split!r} picks a split of data.path; with data.source, "
+                             "give eval rows by data.eval_path or data.eval_holdout")
+        return self
 
 
 class RewardSpec(_Section):
@@ -174,6 +190,10 @@ class AlgorithmConfig(_Section):
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_placement: KLPlacement = "loss"  # loss: a penalty term; reward: folded into the (token) reward
+    # a KL penalty in the reward beside the one in the loss (PPO-RLHF's, verl's use_kl_in_reward): subtracted
+    # per token from the reward before advantages, with its own estimator (docs/algorithms.md, "KL")
+    kl_reward_coef: float = Field(0.0, ge=0.0)
+    kl_reward_estimator: Literal["k1", "k2", "k3"] = "k1"
     # passes over one rollout batch; >1 in total recomputes old logprobs before the first
     ppo_epochs: int = Field(1, gt=0)
     mini_batches: int = Field(1, gt=0)  # optimiser steps per epoch
@@ -197,6 +217,35 @@ class AlgorithmConfig(_Section):
             del data["norm_std"]
         preset = PRESETS.get(data.get("name", "grpo"), {})  # an unknown name is reported by the Literal check
         return {**preset, **data}
+
+    @model_validator(mode="after")
+    def _one_reward_kl(self) -> "AlgorithmConfig":
+        if self.kl_reward_coef > 0 and self.kl_placement == "reward" and self.kl_coef > 0:
+            raise ValueError(
+                f"algorithm.kl_reward_coef={self.kl_reward_coef} puts a KL into the reward, and algorithm.kl_placement="
+                f"reward puts algorithm.kl_coef={self.kl_coef} there too (the preset {self.name!r} may set it); set "
+                "algorithm.kl_placement=loss to have kl_coef in the loss beside kl_reward_coef in the reward, or "
+                "algorithm.kl_reward_coef=0"
+            )
+        return self
+
+    @property
+    def reward_kl(self) -> tuple[float, str]:
+        """``(coefficient, estimator)`` of the KL subtracted from the reward: ``kl_reward_*``, or
+        ``kl_coef``/``kl_estimator`` under ``kl_placement: reward``; coefficient 0 when none."""
+        if self.kl_reward_coef > 0:
+            return self.kl_reward_coef, self.kl_reward_estimator
+        return (self.kl_coef, self.kl_estimator) if self.kl_placement == "reward" else (0.0, self.kl_estimator)
+
+    @property
+    def loss_kl_coef(self) -> float:
+        """The weight of the KL term of the loss (``kl_coef`` under ``kl_placement: loss``, else 0)."""
+        return self.kl_coef if self.kl_placement == "loss" else 0.0
+
+    @property
+    def uses_reference(self) -> bool:
+        """A KL to the reference policy is computed (in the loss, the reward, or both)."""
+        return self.kl_coef > 0 or self.kl_reward_coef > 0
 
     @property
     def offline(self) -> bool:
@@ -237,6 +286,9 @@ class CheckpointConfig(_Section):
     every: int = Field(0, ge=0)  # save every N steps and at the end (0: never)
     keep_last: int | None = Field(3, gt=0)  # None keeps all
     resume: str = "auto"  # auto (latest complete checkpoint in run_dir, if any) | never | PATH
+    # false: no optimizer state (AdamW's moments, 2x the trainable weights in fp32) in checkpoints; a
+    # resumed run restarts it from zero (with a warning); weights, fp32 masters, LR schedule, RNG, data kept
+    save_optimizer: bool = True
 
 
 class WandbConfig(_Section):
@@ -285,19 +337,18 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
         a = self.algorithm
-        if self.train.warmup_steps > self.train.steps:
-            raise ValueError(
-                f"train.warmup_steps={self.train.warmup_steps} exceeds train.steps={self.train.steps}; lower it"
-            )
+        t = self.train
+        if t.steps is not None and t.warmup_steps is not None and t.warmup_steps > t.steps:
+            raise ValueError(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}; lower it")
         if problem := strategy_problem(self.train, self.model.quantization, rl=not a.offline):
             raise ValueError(problem)
         if a.offline:
             return self._check_offline()
         d = self.data
-        if (d.task is None) == (d.path is None):
+        if [d.task, d.path, d.source].count(None) != 2:
             raise ValueError(
-                "data: set exactly one of data.task (a built-in task, e.g. 'arithmetic') "
-                f"or data.path (a file or hub id); got task={d.task!r}, path={d.path!r}"
+                "data: set exactly one of data.task (a built-in task, e.g. 'arithmetic'), data.path (a file "
+                f"or hub id) or data.source (module:fn); got task={d.task!r}, path={d.path!r}, source={d.source!r}"
             )
         if self.rollout.completion_budget >= self.model.max_context:
             raise ValueError(
@@ -353,20 +404,42 @@ class Config(_Section):
                 f"{self.model.quantization}-quantized (model.quantization={self.model.quantization!r}, which the "
                 "critic shares); enable critic.lora or set model.quantization=none"
             )
-        if self.critic.warmup_steps >= self.train.steps:
-            raise ValueError(
-                f"critic.warmup_steps={self.critic.warmup_steps} leaves no policy step out of "
-                f"train.steps={self.train.steps}; lower it"
-            )
+        steps = self.train.steps
+        if steps is not None and (problem := self.critic_warmup_problem(steps, f"train.steps={steps}")):
+            raise ValueError(problem)
         return self
+
+    def critic_warmup_problem(self, steps: int, what: str) -> str | None:
+        """Why ``critic.warmup_steps`` leaves no policy step out of ``steps`` (``what``: where
+        they come from, for the message); None when it does not."""
+        if self.critic.warmup_steps < steps:
+            return None
+        return f"critic.warmup_steps={self.critic.warmup_steps} leaves no policy step out of {what}; lower it"
+
+    def resolve_steps(self, rows: int) -> int:
+        """The run's optimiser steps once its ``rows`` usable training rows are known: ``train.steps``,
+        or ``train.epochs`` passes of ``rollout.prompts_per_step`` prompts (sft/dpo/rm:
+        ``train.batch_size`` rows) a step (:meth:`TrainConfig.resolve_epochs`).
+
+        Raises:
+            ConfigError: ``train.warmup_steps`` or ``critic.warmup_steps`` leave no room in those steps.
+        """
+        per_step = self.train.batch_size if self.algorithm.offline else self.rollout.prompts_per_step
+        steps = self.train.resolve_epochs(rows, per_step)
+        what = f"the {steps} steps of train.epochs={self.train.epochs}"
+        if not self.algorithm.offline and self.algorithm.advantage == "gae" and \
+                (problem := self.critic_warmup_problem(steps, what)):
+            raise ConfigError(problem)
+        return steps
 
     def _check_offline(self) -> "Config":
         a, d = self.algorithm, self.data
-        if d.path is None or d.task is not None:
+        if d.task is not None or (d.path is None) == (d.source is None):
             columns = "messages (or prompt + completion)" if a.name == "sft" else "chosen and rejected"
             raise ValueError(
-                f"algorithm.name={a.name!r} trains on rows with {columns} from data.path; got "
-                f"data.path={d.path!r}, data.task={d.task!r}: set data.path (and not data.task)"
+                f"algorithm.name={a.name!r} trains on rows with {columns} from data.path or data.source; got "
+                f"data.path={d.path!r}, data.source={d.source!r}, data.task={d.task!r}: set one of data.path and "
+                "data.source (and not data.task)"
             )
         if self.rewards:
             raise ValueError(
@@ -374,6 +447,9 @@ class Config(_Section):
             )
         if a.name == "rm" and a.kl_coef > 0:
             raise ValueError("algorithm.kl_coef: a reward model has no reference policy; set algorithm.kl_coef=0")
+        if a.kl_reward_coef > 0:
+            raise ValueError(f"algorithm.kl_reward_coef: algorithm.name={a.name!r} learns from data rows and has no "
+                             "reward to put a KL into; set algorithm.kl_reward_coef=0")
         return self
 
     @property

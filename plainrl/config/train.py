@@ -3,26 +3,43 @@ the work when the run is launched by ``torchrun`` (``strategy``; see docs/distri
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr, model_validator
 
-from plainrl.config.base import _Section
+from plainrl.config.base import ConfigError, _Section
 
 # ddp: every rank holds the whole model, gradients are all-reduced (DistributedDataParallel);
 # fsdp2: parameters, gradients and optimizer state are sharded over the ranks, each decoder
 # layer gathered for its forward and backward (torch.distributed.fsdp.fully_shard)
 Strategy = Literal["ddp", "fsdp2"]
 
+DEFAULT_STEPS = 50  # train.steps when neither train.steps nor train.epochs is given
+
+
+def epoch_steps(epochs: int, rows: int, rows_per_step: int) -> int:
+    """Optimiser steps of ``epochs`` passes over ``rows`` usable training rows, ``rows_per_step``
+    rows a step (RL: ``rollout.prompts_per_step`` prompts, each sampled ``rollout.group_size``
+    times; sft/dpo/rm: ``train.batch_size`` rows): ``ceil(epochs * rows / rows_per_step)``, the
+    last step reaching into the next epoch when the rows do not divide evenly."""
+    return math.ceil(epochs * rows / rows_per_step)
+
 
 class TrainConfig(_Section):
     """Optimisation (AdamW, linear warm-up then constant or cosine), micro-batches, and the
     distributed strategy under torchrun."""
 
-    steps: int = Field(50, gt=0)
+    # how long: exactly one of steps (optimiser steps; 50 when neither is given) and epochs (passes
+    # over the training rows, turned into steps once the data is loaded: epoch_steps, total_steps)
+    steps: int | None = Field(None, gt=0)
+    epochs: int | None = Field(None, gt=0)
     lr: float = Field(1e-5, gt=0.0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    # linear warm-up: exactly one of warmup_steps (0 when neither is given) and warmup_ratio
+    # (ceil(warmup_ratio * total steps), as transformers' TrainingArguments.get_warmup_steps)
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_ratio: float | None = Field(None, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
@@ -44,6 +61,65 @@ class TrainConfig(_Section):
     strategy: Strategy = "ddp"
     # under torchrun: the longest wait of a collective (a dead or stuck rank ends the run after it)
     collective_timeout_s: float = Field(600.0, gt=0)
+    _epoch_steps: int | None = PrivateAttr(None)  # train.epochs in steps, set by resolve_epochs
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        # the defaults of each pair apply only when neither of the two is given, so that a config
+        # written back (config.yaml) holds one of each pair and loads again
+        if isinstance(data, dict):
+            data = dict(data)
+            for given, other, default in (("steps", "epochs", DEFAULT_STEPS), ("warmup_steps", "warmup_ratio", 0)):
+                if data.get(given) is None and data.get(other) is None:
+                    data[given] = default
+        return data
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> "TrainConfig":
+        for a, b in (("steps", "epochs"), ("warmup_steps", "warmup_ratio")):
+            if getattr(self, a) is not None and getattr(self, b) is not None:
+                raise ValueError(f"train.{a}={getattr(self, a)!r} and train.{b}={getattr(self, b)!r}: set exactly "
+                                 f"one of them (remove the other, or set it to null)")
+        return self
+
+    def resolve_epochs(self, rows: int, rows_per_step: int) -> int:
+        """Fix the number of steps of ``train.epochs`` once the training rows are known
+        (:func:`epoch_steps`); with ``train.steps`` this returns it unchanged.
+
+        Raises:
+            ConfigError: no rows, or ``train.warmup_steps`` beyond the derived steps.
+        """
+        if self.epochs is None:
+            return self.total_steps
+        if rows < 1 or rows_per_step < 1:
+            raise ConfigError(f"train.epochs={self.epochs}: {rows} training rows at {rows_per_step} a step")
+        self._epoch_steps = epoch_steps(self.epochs, rows, rows_per_step)
+        if self.warmup_steps is not None and self.warmup_steps > self._epoch_steps:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} exceeds the {self._epoch_steps} steps of "
+                              f"train.epochs={self.epochs} ({rows} rows, {rows_per_step} a step); lower it")
+        return self._epoch_steps
+
+    @property
+    def total_steps(self) -> int:
+        """Optimiser steps of the run: ``train.steps``, or ``train.epochs`` in steps.
+
+        Raises:
+            RuntimeError: ``train.epochs`` before :meth:`resolve_epochs` (the data is not loaded yet).
+        """
+        if self.steps is not None:
+            return self.steps
+        if self._epoch_steps is None:
+            raise RuntimeError("train.epochs: the number of steps is known once the training data is loaded "
+                               "(TrainConfig.resolve_epochs)")
+        return self._epoch_steps
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps: ``train.warmup_steps``, or ``ceil(train.warmup_ratio * total_steps)``."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return math.ceil(self.warmup_ratio * self.total_steps - 1e-9)  # 0.1 * 30 is 3.0000000000000004
 
 
 def strategy_problem(train: TrainConfig, quantization: str, *, rl: bool) -> str | None:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from plainrl.data.prompts import build_prompt_ids, check_prompt_lengths
 from plainrl.data.rows import DataError, DropReport, InvalidRow, handle_invalid, indexed_prompt_rows
-from plainrl.data.sources import hold_out, load_rows
+from plainrl.data.sources import hold_out, load_rows, training_rows
 from plainrl.data.tasks import make_task_split
 
 if TYPE_CHECKING:
@@ -122,7 +122,8 @@ def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: in
     the other ``task_args`` go to the task function.
 
     File or hub data (``cfg.path``): rows from ``cfg.path``/``cfg.split`` (first
-    ``cfg.max_rows``). Eval rows (the first ``cfg.eval_size``) come from
+    ``cfg.max_rows``); or the rows ``cfg.source`` returns (:func:`plainrl.data.sources.source_rows`),
+    with ``cfg.eval_path`` or ``cfg.eval_holdout`` for eval rows. Eval rows (the first ``cfg.eval_size``) come from
     ``cfg.eval_path`` with split ``cfg.eval_split or cfg.split``, or, when only
     ``cfg.eval_split`` is set, from that split of ``cfg.path``. Otherwise there are
     no eval rows: training rows are never reused for eval implicitly.
@@ -168,10 +169,9 @@ def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: in
         source = f"data.task {cfg.task!r}"
         train = _prepare(train_rows, source=source, **common)
         evals = _prepare(eval_rows, source=source + " (eval)", **common)
-    elif cfg.path is not None:
-        train = _prepare(
-            load_rows(cfg.path, cfg.split, cfg.max_rows, label="data.path", subset=cfg.subset), source=f"data.path {cfg.path!r}", **common
-        )
+    elif cfg.path is not None or cfg.source is not None:
+        rows, source = training_rows(cfg)
+        train = _prepare(rows, source=source, **common)
         evals = []
         if cfg.eval_size > 0 and (cfg.eval_path is not None or cfg.eval_split is not None):
             if cfg.eval_path is not None:
@@ -190,9 +190,9 @@ def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: in
             evals = _prepare(eval_rows, source=f"{label} {eval_path!r} (eval, split {eval_split!r})", **common)
         elif cfg.eval_holdout > 0:
             train, evals = hold_out(train, cfg.eval_holdout, seed)
-            notes.append(f"data.eval_holdout: {len(evals)} rows of data.path held out of training for eval")
+            notes.append(f"data.eval_holdout: {len(evals)} rows of {source.split()[0]} held out of training for eval")
     else:
-        raise DataError("data: set data.task or data.path")
+        raise DataError("data: set data.task, data.path or data.source")
 
     if not train:
         raise DataError(f"no usable training prompts left: {report.summary()}")

@@ -8,8 +8,11 @@ Rows (``data.path``: any file or hub id :func:`plainrl.data.load_rows` reads):
   (text, rendered with ``data.prompt_template``, or a chat) + ``completion`` (text or
   assistant messages). ``data.format: gsm8k`` trains on GSM8K's worked solutions.
 - dpo, rm: ``chosen`` and ``rejected``, either with a ``prompt`` column (text or chat;
-  the responses text or assistant messages), or as two whole chats that differ only
-  in their last (assistant) message.
+  the responses text or assistant messages), with a ``messages`` column holding the
+  prompt chat instead (RL2's rows: ``{"messages": [...], "chosen": "...", "rejected": "..."}``),
+  or as two whole chats that differ only in their last (assistant) message.
+
+Or the rows a Python function returns (``data.source``, :func:`plainrl.data.sources.source_rows`).
 
 Every conversation goes through the tokenizer's chat template; the tokens trained
 on (SFT) or scored (DPO's log pi(y|x), the RM's score) are the assistant turns after
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from plainrl.data.prompts import as_id_list, render_prompt
 from plainrl.data.rows import DataError, DropReport, InvalidRow, check_messages, gsm8k_row, handle_invalid
-from plainrl.data.sources import hold_out, load_rows
+from plainrl.data.sources import hold_out, load_rows, training_rows
 
 if TYPE_CHECKING:
     from plainrl.config import Config, DataConfig
@@ -170,6 +173,8 @@ def preference_conversations(row: dict, data: DataConfig) -> tuple[list[dict], l
         if row.get(col) is None:
             raise _missing(row, col)
     prompt_col = data.prompt_column or "prompt"
+    if data.prompt_column is None and row.get("prompt") is None and row.get("messages") is not None:
+        prompt_col = "messages"  # RL2's preference rows: {messages (the prompt chat), chosen, rejected}
     if row.get(prompt_col) is not None:
         prompt = _prompt_messages(row[prompt_col], row, data, prompt_col)
         return prompt + _response(row["chosen"], "chosen"), prompt + _response(row["rejected"], "rejected"), len(prompt)
@@ -219,7 +224,7 @@ class OfflineData:
 
 
 def load_offline_data(cfg: Config, tokenizer) -> OfflineData:
-    """Load and tokenise the rows of ``data.path`` (eval rows: ``data.eval_path`` /
+    """Load and tokenise the rows of ``data.path`` or ``data.source`` (eval rows: ``data.eval_path`` /
     ``data.eval_split``, or ``data.eval_holdout`` rows held out by a seeded shuffle).
 
     Raises:
@@ -237,7 +242,7 @@ def load_offline_data(cfg: Config, tokenizer) -> OfflineData:
                 handle_invalid(err, source=source, index=i, on_invalid=d.on_invalid, report=report)
         return out
 
-    train = prepare(load_rows(d.path, d.split, d.max_rows, label="data.path", subset=d.subset), f"data.path {d.path!r}")
+    train = prepare(*training_rows(d))
     evals: list[Example] = []
     if d.eval_path is not None or d.eval_split is not None:
         path, label = (d.eval_path, "data.eval_path") if d.eval_path is not None else (d.path, "data.path")
@@ -246,7 +251,7 @@ def load_offline_data(cfg: Config, tokenizer) -> OfflineData:
         evals = prepare(rows, f"{label} {path!r} (eval, split {split!r})")
     elif d.eval_holdout > 0:
         train, evals = hold_out(train, d.eval_holdout, cfg.seed)
-        notes.append(f"data.eval_holdout: {len(evals)} rows of data.path held out of training for eval")
+        notes.append(f"data.eval_holdout: {len(evals)} rows held out of training for eval")
     if not train:
         raise DataError(f"no usable training rows left: {report.summary()}")
     return OfflineData(train, evals, report, notes)

@@ -22,6 +22,7 @@ __all__ = [
     "DropReport",
     "InvalidRow",
     "OnInvalid",
+    "check_env_args",
     "check_messages",
     "gsm8k_row",
     "handle_invalid",
@@ -147,6 +148,20 @@ def check_messages(value: Any, column: str) -> list[dict]:
     return out
 
 
+def check_env_args(value: Any) -> dict[str, Any]:
+    """A row's ``env_args``: the keyword arguments ``rollout.env`` is built with for that row's
+    episodes, as a dict without its ``None`` values (``datasets`` pads the keys a row lacks with
+    ``None``; an absent argument keeps the constructor's default).
+
+    Raises:
+        InvalidRow: not a mapping with string keys (``bad_type``).
+    """
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidRow("bad_type", "env_args", f"expected a dict of keyword arguments for rollout.env, "
+                                                 f"got {type(value).__name__} {value!r:.60}")
+    return {k: v for k, v in value.items() if v is not None}
+
+
 def gsm8k_row(row: Mapping[str, Any], prompt_column: str | None) -> dict:
     """A GSM8K row as ``{"prompt": question, "answer": final answer, "solution": original answer}``
     (other columns kept); ``prompt_column`` overrides ``question``.
@@ -175,8 +190,15 @@ def gsm8k_row(row: Mapping[str, Any], prompt_column: str | None) -> dict:
 def _normalise_row(row: Any, fmt: str, prompt_column: str | None) -> dict:
     if not isinstance(row, Mapping):
         raise InvalidRow("bad_type", None, f"expected a mapping of columns, got {type(row).__name__}")
-    if fmt == "gsm8k":
-        return gsm8k_row(row, prompt_column)
+    out = gsm8k_row(row, prompt_column) if fmt == "gsm8k" else _auto_row(row, prompt_column)
+    if out.get("env_args") is not None:
+        out["env_args"] = check_env_args(out["env_args"])
+    else:
+        out.pop("env_args", None)
+    return out
+
+
+def _auto_row(row: Mapping[str, Any], prompt_column: str | None) -> dict:
     if prompt_column is not None:
         col = prompt_column
         if row.get(col) is None:

@@ -1,19 +1,24 @@
 """Where rows come from: local files, ``save_to_disk`` directories, other dataset
-directories and hub datasets (:func:`load_rows`), and the rows held out of training
-for eval (:func:`hold_out`).
+directories and hub datasets (:func:`load_rows`), a Python function (:func:`source_rows`,
+``data.source``), and the rows held out of training for eval (:func:`hold_out`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from plainrl.data.rows import DataError
 
-__all__ = ["hold_out", "load_rows"]
+if TYPE_CHECKING:
+    from plainrl.config import DataConfig
+
+__all__ = ["hold_out", "load_rows", "source_rows", "training_rows"]
 
 T = TypeVar("T")
 
@@ -162,6 +167,95 @@ def load_rows(
     if max_rows is not None and max_rows < len(ds):
         ds = ds.select(range(max_rows))
     return ds.to_list()
+
+
+def source_rows(ref: str, args: Mapping[str, Any] | None = None, *, split: str = "train",
+                max_rows: int | None = None) -> list[Any]:
+    """The rows of ``data.source``: call ``fn(**args)`` and read what it returns, once, in order.
+
+    It may return any iterable of row dicts (a list, a generator, a ``torch.utils.data.IterableDataset``),
+    a map-style dataset (``__len__`` and ``__getitem__``: a ``torch.utils.data.Dataset``), or a
+    ``datasets.Dataset`` (a ``DatasetDict``: its ``split``). The rows are kept in a list, so the
+    sampler's seeded shuffle and exact resume work as for files; an endless iterable needs
+    ``max_rows``. Rows are validated later, like any others (:func:`plainrl.data.rows.indexed_prompt_rows`).
+
+    Args:
+        ref: ``package.module:fn`` or ``path/to/file.py:fn`` (imported as reward references are,
+            :func:`plainrl.rewards.loading.load_reward_fn`).
+        args: keyword arguments of ``fn`` (``data.source_args``).
+        split: the split taken from a ``DatasetDict``.
+        max_rows: read at most this many rows.
+    Returns:
+        the rows, as the function gave them.
+    Raises:
+        DataError: the reference cannot be imported; calling the function, or reading row i of what it
+            returned, raised (the message names the function, the row and the original error); it
+            returned something that is not a table of rows, a ``DatasetDict`` without ``split``, or no rows.
+    """
+    # the loader of every module:fn reference in a config (rewards, rollout.env, rollout.agent)
+    from plainrl.rewards.loading import RewardLoadError, load_reward_fn
+
+    label = f"data.source {ref!r}"
+    try:
+        fn = load_reward_fn(ref, what="data.source")
+    except RewardLoadError as e:
+        raise DataError(str(e)) from e
+    args = dict(args or {})
+    try:
+        table = fn(**args)
+    except Exception as e:
+        called = f"{ref.rpartition(':')[2]}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+        raise DataError(f"{label}: {called} raised {type(e).__name__}: {e}") from e
+    rows: list[Any] = []
+    try:
+        for row in itertools.islice(_iter_table(table, split, label, max_rows), max_rows):
+            rows.append(row)
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{label}: reading row {len(rows)} of what it returned raised {type(e).__name__}: {e}") from e
+    if not rows:
+        raise DataError(f"{label}: returned no rows; return an iterable of row dicts with a 'prompt' or 'messages'")
+    return rows
+
+
+def _iter_table(table: Any, split: str, label: str, max_rows: int | None) -> Iterable[Any]:
+    if isinstance(table, Mapping):
+        if table and all(hasattr(v, "to_list") for v in table.values()):  # a datasets.DatasetDict
+            if split not in table:
+                raise DataError(f"{label}: returned a DatasetDict without split {split!r} (data.split); "
+                                f"its splits: {', '.join(map(str, table))}")
+            return _iter_table(table[split], split, label, max_rows)
+        raise DataError(f"{label}: returned a {type(table).__name__} (one row?); return an iterable of row dicts, "
+                        "e.g. a list of them or a generator yielding them")
+    if isinstance(table, (str, bytes)) or table is None:
+        raise DataError(f"{label}: returned {type(table).__name__}, not an iterable of row dicts")
+    if hasattr(table, "to_list") and hasattr(table, "select") and hasattr(table, "__len__"):  # datasets.Dataset
+        if max_rows is not None and max_rows < len(table):
+            table = table.select(range(max_rows))
+        return table.to_list()  # one conversion, not a row object at a time
+    if not isinstance(table, (list, tuple)) and hasattr(table, "__len__") and hasattr(table, "__getitem__"):
+        # map-style (torch Dataset, datasets.Dataset): indexed, as a DataLoader reads it
+        return (table[i] for i in range(len(table)))
+    if not isinstance(table, Iterable):
+        raise DataError(f"{label}: returned a {type(table).__name__}, which is neither iterable nor indexable "
+                        "(__len__ and __getitem__); return an iterable of row dicts")
+    return table
+
+
+def training_rows(cfg: "DataConfig") -> tuple[list[Any], str]:
+    """The training rows of ``data.path`` (:func:`load_rows`) or ``data.source`` (:func:`source_rows`),
+    the first ``data.max_rows``, and how messages name them (``data.path 'x.jsonl'``).
+
+    Raises:
+        DataError: as :func:`load_rows` / :func:`source_rows`; neither is set.
+    """
+    if cfg.source is not None:
+        rows = source_rows(cfg.source, cfg.source_args, split=cfg.split, max_rows=cfg.max_rows)
+        return rows, f"data.source {cfg.source!r}"
+    if cfg.path is not None:
+        return load_rows(cfg.path, cfg.split, cfg.max_rows, label="data.path", subset=cfg.subset), f"data.path {cfg.path!r}"
+    raise DataError("data: set data.path or data.source")
 
 
 def hold_out(rows: list[T], count: int, seed: int) -> tuple[list[T], list[T]]:

@@ -197,7 +197,7 @@ _HEADLINE = (
     ("reward", "Reward (mean)", ["reward/mean"]),
     ("reward_fns", "Reward per function (mean)", None),  # reward/<fn>/mean, found per run
     ("length", "Response length (tokens)", ["response_length/mean", "response_length/max"]),
-    ("kl", "KL to the reference", ["kl", "approx_kl"]),
+    ("kl", "KL to the reference", ["kl", "kl_reward", "approx_kl"]),
     ("entropy", "Entropy", ["entropy"]),
     ("clip", "Clip fraction", ["clip_frac"]),
     ("times", "Phase times (s)", None),  # time/*

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from plainrl.config import RolloutConfig
-from plainrl.data import PromptRow
+from plainrl.data import DataError, PromptRow
 from plainrl.rollout.engines.base import Engine
 from plainrl.types import Episode, SamplingParams
 
@@ -22,12 +24,9 @@ def sampling_params(cfg: RolloutConfig, **overrides) -> SamplingParams:
     return SamplingParams(**{**base, **overrides})
 
 
-def make_env_factory(cfg: RolloutConfig):
-    """``rollout.env`` -> a zero-argument factory of environments, or None (single turn).
-
-    With ``rollout.env_timeout_s`` set (the default) the factory is an
-    :class:`~plainrl.rollout.envs.EnvWorkers` (each episode's environment in a worker process,
-    every call time-limited; call its ``close()`` when done); no worker starts here.
+def env_constructor(cfg: RolloutConfig) -> Callable[..., Any] | None:
+    """``rollout.env`` as the callable that builds one environment, ``factory(**env_args)``
+    (a data row's ``env_args``), or None (single turn).
 
     Raises:
         RewardLoadError: a ``module:fn`` reference that cannot be loaded (before any model
@@ -35,16 +34,57 @@ def make_env_factory(cfg: RolloutConfig):
     """
     if cfg.env is None:
         return None
-    from plainrl.rollout.envs import CalculatorEnv, EnvWorkers, PythonToolEnv
+    from plainrl.rollout.envs import CalculatorEnv, PythonToolEnv
 
-    builtins = {"calculator": CalculatorEnv, "python": lambda: PythonToolEnv(timeout_s=cfg.tool_timeout_s)}
+    builtins = {"calculator": CalculatorEnv, "python": functools.partial(PythonToolEnv, timeout_s=cfg.tool_timeout_s)}
     if cfg.env in builtins:
-        factory = builtins[cfg.env]
-    else:
-        from plainrl.rewards.loading import load_reward_fn
+        return builtins[cfg.env]
+    from plainrl.rewards.loading import load_reward_fn
 
-        factory = load_reward_fn(cfg.env, what="rollout.env")
-    return factory if cfg.env_timeout_s is None else EnvWorkers(factory, timeout_s=cfg.env_timeout_s)
+    return load_reward_fn(cfg.env, what="rollout.env")
+
+
+def make_env_factory(cfg: RolloutConfig):
+    """``rollout.env`` -> a factory of environments, called once per episode with the row's
+    ``env_args`` (:func:`env_constructor`), or None (single turn).
+
+    With ``rollout.env_timeout_s`` set (the default) the factory is an
+    :class:`~plainrl.rollout.envs.EnvWorkers` (each episode's environment in a worker process,
+    every call time-limited; call its ``close()`` when done); no worker starts here.
+
+    Raises:
+        RewardLoadError: as :func:`env_constructor`.
+    """
+    factory = env_constructor(cfg)
+    if factory is None or cfg.env_timeout_s is None:
+        return factory
+    from plainrl.rollout.envs import EnvWorkers
+
+    return EnvWorkers(factory, timeout_s=cfg.env_timeout_s)
+
+
+def check_env_args(factory: Callable[..., Any], rows: list[PromptRow], ref: str) -> None:
+    """Check, before any model loads, that every row's ``env_args`` fit the signature of
+    ``rollout.env``'s constructor ``factory`` (``ref``), so that a misspelt argument is a data
+    error rather than every episode of that row failing in its environment.
+
+    Raises:
+        DataError: the first row whose ``env_args`` the constructor cannot take (names the row,
+            the arguments and the signature).
+    """
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return  # cannot inspect (a C callable): building the environment will tell
+    for p in rows:
+        args = p.row.get("env_args")
+        if not args:
+            continue
+        try:
+            sig.bind(**args)
+        except TypeError as e:
+            raise DataError(f"training/eval row {p.source_index}: env_args {args!r:.200} do not fit rollout.env "
+                            f"{ref!r}{sig}: {e}; fix the row's env_args or the constructor") from None
 
 
 def make_agent(cfg: RolloutConfig):
@@ -78,8 +118,8 @@ class MultiTurn:
     :func:`plainrl.rollout.agents.agent_rollout` that the config sets. Exactly one of
     ``env_factory`` and ``agent`` is set.
 
-    env_factory:      () -> a fresh environment per episode (an ``EnvWorkers`` runs each
-                      in a worker process).
+    env_factory:      (**env_args) -> a fresh environment per episode, with its row's ``env_args``
+                      (an ``EnvWorkers`` runs each in a worker process).
     max_turns:        the most model turns per episode (None: the environment's limit; environments only).
     max_total_tokens: the completion budget in tokens, model and observation tokens together
                       (per segment for agents).

@@ -143,9 +143,9 @@ def multi_turn_rollout(
     Args:
         engine: any :class:`~plainrl.rollout.engines.base.Engine`.
         prompts: the step's prompts.
-        env_factory: called once per episode for a fresh environment
-            (``lambda: CalculatorEnv()``); the built-in envs are stateless, so
-            ``lambda: env`` sharing one instance works too. An
+        env_factory: called once per episode for a fresh environment, with the row's
+            ``env_args`` as keyword arguments (``CalculatorEnv``; none for rows without them);
+            the built-in envs are stateless, so ``lambda **kw: env`` sharing one instance works too. An
             :class:`~plainrl.rollout.envs.isolated.EnvWorkers` runs each episode's env
             in a worker process, every call under a time limit.
         params: sampling settings; ``max_new_tokens`` is the per-turn limit.
@@ -230,7 +230,7 @@ def _start(r: _Run, env_factory: Callable[[], Environment], tokenizer, system_pr
     recorded: unscorable) when it could not be built or reset."""
     r.prompt_ids = list(r.prompt.prompt_ids)
     try:
-        r.env = env_factory()
+        r.env = env_factory(**r.prompt.row.get("env_args", {}))  # the row's own environment (data: env_args)
         prompt_ids, messages = build_env_prompt(r.prompt, r.env, tokenizer, system_prompt=system_prompt,
                                                 prompt_template=prompt_template, chat_template_kwargs=r.chat_kwargs)
     except Exception as e:

@@ -213,8 +213,8 @@ class RankLogger(MetricsLogger):
 def make_logger(cfg: Config, run_dir: Path, parallel: Parallel) -> MetricsLogger:
     """Rank 0's (or the one process's) :class:`MetricsLogger`; a :class:`RankLogger` elsewhere."""
     if not parallel.is_main:
-        return RankLogger(run_dir, total_steps=cfg.train.steps)
-    return MetricsLogger(run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
+        return RankLogger(run_dir, total_steps=cfg.train.total_steps)
+    return MetricsLogger(run_dir, total_steps=cfg.train.total_steps, tensorboard=cfg.log.tensorboard,
                          progress=cfg.log.progress, ranks=parallel.world_size if parallel.active else 1)
 
 

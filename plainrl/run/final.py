@@ -178,7 +178,7 @@ def model_card(cfg: Config, run_dir: Path, base: BaseModelRef, *, role: Role, ad
     a = cfg.algorithm
     training = [("algorithm", f"`{algo}` (advantage `{a.advantage}`, loss aggregation `{a.loss_agg}`)"
                  if not a.offline else f"`{algo}`"),
-                ("steps", str(cfg.train.steps)), ("learning rate", f"{cfg.train.lr:g}"), ("data", f"`{data}`")]
+                ("steps", str(cfg.train.total_steps)), ("learning rate", f"{cfg.train.lr:g}"), ("data", f"`{data}`")]
     if not cfg.algorithm.offline:
         training += [("prompts x samples per step", f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size}"),
                      ("rewards", ", ".join(rewards) or "-")]
@@ -190,7 +190,7 @@ def model_card(cfg: Config, run_dir: Path, base: BaseModelRef, *, role: Role, ad
         card_data, template_str=_TEMPLATE,
         title=f"{name}: {algo} {what}",
         summary=f"{kind} trained with [plainrl](https://pypi.org/project/plainrl/) {__version__} "
-                f"({algo}, {cfg.train.steps} step{'s' if cfg.train.steps != 1 else ''}) on top of "
+                f"({algo}, {cfg.train.total_steps} step{'s' if cfg.train.total_steps != 1 else ''}) on top of "
                 f"`{base.portable_name}`.",
         base_text=_base_text(base, cfg, role), training=training, evals=evals if role != "critic" else [],
         eval_keys=eval_keys,

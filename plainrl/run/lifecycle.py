@@ -126,7 +126,7 @@ class StepBoundary:
 
     @classmethod
     def for_run(cls, cfg: Config, run_dir: Path) -> "StepBoundary":
-        return cls(run_dir, cfg.train.steps, cfg.train.max_bad_steps, cfg.eval.every, cfg.checkpoint.every)
+        return cls(run_dir, cfg.train.total_steps, cfg.train.max_bad_steps, cfg.eval.every, cfg.checkpoint.every)
 
     def __call__(self, step: int, *, skipped: bool, stop: GracefulStop, logger: MetricsLogger,
                  evaluate: Callable[[], dict[str, float]] | None, save: Callable[[int], Path]) -> None:

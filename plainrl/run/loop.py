@@ -114,12 +114,15 @@ def estimate(run: Run, episodes: list[Episode], frame: CompletionFrame
         ``(advantages and the critic's returns, critic values [N, L] or None, metrics)``.
     """
     a = run.cfg.algorithm
-    kl = None
-    if a.kl_coef > 0 and a.kl_placement == "reward":
-        kl = reward_kl(frame, run.learner.completion_logps(episodes, reference=True), a.kl_estimator)  # [N, L]
+    kl, metrics = None, {}
+    coef, estimator = a.reward_kl  # algorithm.kl_reward_*, or kl_coef under kl_placement: reward
+    if coef > 0:
+        kl = reward_kl(frame, run.learner.completion_logps(episodes, reference=True), estimator)  # [N, L]
+        # kl_reward beside the loss's kl (algorithm.kl_reward_coef); kl alone under kl_placement: reward
+        metrics["kl_reward" if a.kl_reward_coef > 0 else "kl"] = float(kl.sum()) / max(1.0, float(frame.mask.sum()))
     values = run.critic.values(episodes) if run.critic is not None else None
     out = compute_advantages(episodes, frame.mask, run.advantages, kl=kl, values=values)
-    return out, values, ({"kl": float(kl.sum()) / max(1.0, float(frame.mask.sum()))} if kl is not None else {})
+    return out, values, metrics
 
 
 def train(cfg: Config) -> Path:
@@ -157,12 +160,12 @@ def _train(run: Run) -> Path:
     names = [f.name for f in prep.reward_fns] + [m.name for m in run.reward_models]
     boundary = StepBoundary.for_run(cfg, run.run_dir)
     rollouts = Rollouts(lambda step, timer: collect(run, step, timer), run.engine,
-                        async_steps=cfg.rollout.async_steps, start=run.start, total_steps=cfg.train.steps)
+                        async_steps=cfg.rollout.async_steps, start=run.start, total_steps=cfg.train.total_steps)
     if run.in_flight is not None:
         rollouts.restore(run.in_flight, run.start)
     try:
         with GracefulStop(agree=run.parallel.max if run.parallel.active else None) as stop:
-            for step in range(run.start, cfg.train.steps):
+            for step in range(run.start, cfg.train.total_steps):
                 timer = StepTimer()
                 batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: one step ahead
                 episodes, rewards_out, extra = batch.episodes, batch.rewards, batch.metrics
@@ -193,7 +196,7 @@ def _train(run: Run) -> Path:
         rollouts.close()
 
     if cfg.eval.after and prep.data.eval:
-        logger.log_eval(cfg.train.steps, run.evaluate())
+        logger.log_eval(cfg.train.total_steps, run.evaluate())
     with logger.phase(f"saving the final policy to {run.run_dir / 'final'}"):
         run.save_final()  # (and the critic's) by rank 0
     if run.parallel.is_main:

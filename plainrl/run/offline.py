@@ -29,10 +29,10 @@ __all__ = ["train_offline"]
 
 
 def train_offline(cfg: Config) -> Path:
-    """Train ``cfg.algorithm.name`` (sft, dpo or rm) on ``data.path`` and save the model.
+    """Train ``cfg.algorithm.name`` (sft, dpo or rm) on ``data.path`` or ``data.source`` and save the model.
 
-    Steps: ``train.steps`` optimiser steps of ``train.batch_size`` rows (pairs), cycling
-    through the data epoch by epoch; eval on held-out rows (``eval.before``, ``every``,
+    Steps: ``train.steps`` optimiser steps of ``train.batch_size`` rows (pairs), or ``train.epochs``
+    passes over the rows (``ceil(epochs * rows / batch_size)`` steps), cycling through the data epoch by epoch; eval on held-out rows (``eval.before``, ``every``,
     ``after``); checkpoints and exact resume as the RL loop (``checkpoint.*``).
 
     Returns:
@@ -53,6 +53,7 @@ def train_offline(cfg: Config) -> Path:
         with main_first(parallel):
             tokenizer = load_tokenizer(cfg.model.name, cfg.model.cache_dir)
             data = load_offline_data(cfg, tokenizer)
+        cfg.resolve_steps(len(data.train))  # train.epochs in steps
         logger = make_logger(cfg, run_dir, parallel)
         try:
             return _train_offline(cfg, run_dir, resume_from, resume_warnings, tokenizer, data, logger, parallel)
@@ -69,6 +70,9 @@ def _train_offline(cfg: Config, run_dir: Path, resume_from: Path | None, resume_
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
     for note in [*resume_warnings, *data.notes] + ([data.dropped.summary()] if data.dropped.total else []):
         logger.print(f"note: {note}")
+    if cfg.train.epochs is not None:
+        logger.print(f"train.epochs={cfg.train.epochs}: {cfg.train.total_steps} steps of {cfg.train.batch_size} "
+                     f"rows over {len(data.train)} training rows")
     device = parallel.device if parallel.active else resolve_device(cfg.device)
     logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
     if cfg.algorithm.name == "rm":
@@ -88,6 +92,8 @@ def _train_offline(cfg: Config, run_dir: Path, resume_from: Path | None, resume_
         else:
             state = load_checkpoint(resume_from, model=model, optimizer=trainer.opt.optimizer,
                                     scheduler=trainer.opt.scheduler)
+            for note in state.warnings:
+                logger.print(f"warning: {note}")
         sampler.load_state_dict(state.sampler_state)
         start = state.step
         logger.resume_at(start)
@@ -98,21 +104,21 @@ def _train_offline(cfg: Config, run_dir: Path, resume_from: Path | None, resume_
     def save(step: int) -> Path:
         kw = dict(model=model, optimizer=trainer.opt.optimizer, scheduler=trainer.opt.scheduler,
                   sampler_state=sampler.state_dict(), generator=None, config_yaml=dump_config(cfg),
-                  keep_last=cfg.checkpoint.keep_last)
+                  keep_last=cfg.checkpoint.keep_last, save_optimizer=cfg.checkpoint.save_optimizer)
         if parallel.active:
             return save_ranked(run_dir, step, strategy=parallel.strategy, **kw)
         return save_checkpoint(run_dir, step, **kw)
 
     boundary = StepBoundary.for_run(cfg, run_dir)
     with GracefulStop(agree=parallel.max if parallel.active else None) as stop:
-        for step in range(start, cfg.train.steps):
+        for step in range(start, cfg.train.total_steps):
             timer = StepTimer()
             metrics = trainer.step(sampler.next_batch())
             logger.log(step, {**metrics, **timer.metrics()})
             boundary(step, skipped=bool(metrics["skipped_step"]), stop=stop, logger=logger,
                      evaluate=(lambda: trainer.evaluate(data.eval)) if data.eval else None, save=save)
     if cfg.eval.after and data.eval:
-        logger.log_eval(cfg.train.steps, trainer.evaluate(data.eval))
+        logger.log_eval(cfg.train.total_steps, trainer.evaluate(data.eval))
     with logger.phase(f"saving the final {cfg.algorithm.name} model to {run_dir / 'final'}"):
         save_final(cfg, model, tokenizer, run_dir, parallel=parallel)  # + model card, portable base name
     if parallel.is_main:

@@ -36,6 +36,7 @@ from plainrl.rewards.judge import bind_judges
 from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.episodes import check_env_args, env_constructor
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
 from plainrl.run.engines import make_engine, require_trainable_engine
@@ -94,17 +95,32 @@ def prepare(cfg: Config) -> Prepared:
             RewardModel.check(spec)
     max_prompt = cfg.model.max_context - cfg.rollout.completion_budget
     data = load_prompt_data(cfg.data, tokenizer, max_prompt_tokens=max_prompt, seed=cfg.seed)
+    cfg.resolve_steps(len(data.train))  # train.epochs in steps
     if cfg.algorithm.advantage == "gae" and cfg.critic.model is not None:
         # the critic reads the policy's token ids, so both must mean the same tokens
         if load_tokenizer(cfg.critic.model, cfg.model.cache_dir).get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"critic.model={cfg.critic.model!r} has another tokenizer than model.name="
                               f"{cfg.model.name!r}; use a critic of the same model family (or leave critic.model unset)")
+    _check_env_args(cfg, data)
     workers = None
     if cfg.rollout.reward_timeout_s is not None and reward_fns:
         workers = RewardWorkers(reward_fns, cfg.rollout.reward_workers)  # forked later, by Prepared.prestart
     return Prepared(tokenizer, data, reward_fns, multi_turn_settings(cfg), workers,
                     load_reward_combine(cfg.reward_combine) if cfg.reward_combine else None,
                     grader=load_eval_grader(cfg.eval.grader))
+
+
+def _check_env_args(cfg: Config, data: PromptData) -> None:
+    """Rows with ``env_args`` need an environment (or an agent, which reads its rows itself)
+    whose constructor takes them; checked before any model loads."""
+    rows = [p for p in data.train + data.eval if p.row.get("env_args")]
+    if not rows:
+        return
+    if cfg.rollout.env is None and cfg.rollout.agent is None:
+        raise ConfigError(f"data row {rows[0].source_index} has env_args, the keyword arguments of rollout.env's "
+                          "constructor, but rollout.env is not set; set rollout.env or drop the rows' env_args")
+    if cfg.rollout.env is not None:
+        check_env_args(env_constructor(cfg.rollout), rows, cfg.rollout.env)
 
 
 def multi_turn_settings(cfg: Config) -> MultiTurn | None:
@@ -142,7 +158,7 @@ def advantage_params(cfg: Config) -> AdvantageParams:
     """The estimator's scalars from the ``algorithm`` and ``rollout`` sections."""
     a = cfg.algorithm
     return AdvantageParams(estimator=a.advantage, group_size=cfg.rollout.group_size, norm_std=cfg.norm_std,
-                           gamma=a.gamma, lam=a.lam, kl_coef=a.kl_coef, whiten=a.whiten_advantages)
+                           gamma=a.gamma, lam=a.lam, kl_coef=a.reward_kl[0], whiten=a.whiten_advantages)
 
 
 @dataclass
@@ -200,7 +216,8 @@ class Run:
     def _save(self, run_dir: Path, step: int, model, optimizer, scheduler, sampler_state, generator,
               blobs: dict[str, bytes] | None = None) -> Path:
         kw = dict(model=model, optimizer=optimizer, scheduler=scheduler, sampler_state=sampler_state,
-                  generator=generator, config_yaml=dump_config(self.cfg), keep_last=self.cfg.checkpoint.keep_last)
+                  generator=generator, config_yaml=dump_config(self.cfg), keep_last=self.cfg.checkpoint.keep_last,
+                  save_optimizer=self.cfg.checkpoint.save_optimizer)
         if self.parallel.active:
             return save_ranked(run_dir, step, strategy=self.parallel.strategy, **kw)  # (async_steps: not under torchrun)
         return save_checkpoint(run_dir, step, blobs=blobs, **kw)
@@ -208,11 +225,13 @@ class Run:
     def load(self, ckpt: Path, model, optimizer, scheduler, generator, *, restore_rng: bool = True):
         """Restore a checkpoint written by :meth:`save`; returns its state (warnings printed)."""
         if not self.parallel.active:
-            return load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler,
-                                   generator=generator, restore_rng=restore_rng)
-        state, warnings = load_ranked(ckpt, strategy=self.parallel.strategy, model=model, optimizer=optimizer,
-                                      scheduler=scheduler, generator=generator, restore_rng=restore_rng,
-                                      generator_seed=rank_seed(self.cfg.seed, self.parallel) + state_step(ckpt))
+            state = load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler,
+                                    generator=generator, restore_rng=restore_rng)
+            warnings = state.warnings
+        else:
+            state, warnings = load_ranked(ckpt, strategy=self.parallel.strategy, model=model, optimizer=optimizer,
+                                          scheduler=scheduler, generator=generator, restore_rng=restore_rng,
+                                          generator_seed=rank_seed(self.cfg.seed, self.parallel) + state_step(ckpt))
         for w in warnings:
             self.logger.print(f"warning: {w}")
         return state
@@ -244,7 +263,7 @@ def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Par
     ``parallel``: under torchrun, the model is wrapped for ``train.strategy``."""
     return Learner(model, cfg.algorithm, cfg.train, pad_id=pad_id, temperature=cfg.rollout.temperature,
                    completion_budget=cfg.rollout.completion_budget,
-                   copy_reference=cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled, parallel=parallel)
+                   copy_reference=cfg.algorithm.uses_reference and not cfg.model.lora.enabled, parallel=parallel)
 
 
 def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_id: int,
@@ -307,6 +326,9 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         logger.print(f"data: {prep.data.dropped.summary()}")
     for note in prep.data.notes:
         logger.print(f"data: {note}")
+    if cfg.train.epochs is not None:
+        logger.print(f"train.epochs={cfg.train.epochs}: {cfg.train.total_steps} steps of {cfg.rollout.prompts_per_step} "
+                     f"prompts over {len(prep.data.train)} training prompts")
     prep.prestart()
     model = load_policy(cfg.model, device)
     # vLLM's start (loading, compiling) or the servers' checks take a while: not in silence

@@ -67,17 +67,21 @@ class Critic:
             [N, L] float32 in the completion frame (:mod:`plainrl.frames`).
         """
         out = torch.zeros(len(episodes), max((len(e.completion_ids) for e in episodes), default=0))
-        rows = self.parallel.shard(len(episodes))
+        rows = self._share(episodes, torch.arange(len(episodes)))
         mine = [episodes[i] for i in rows]
         mbs = self._batches(mine) if mine else []
         real = len(mbs)
         mbs += self._padding(episodes, self.parallel.even_out(real))
-        local = out[rows.start: rows.stop]  # a view: the frame writes into out
+        local = torch.zeros(len(mine), out.shape[1])
         for i, mb in enumerate(mbs):
             v = self._values(mb)
             if i < real:
                 to_completion_frame(v, mb, local)
+        out[rows] = local
         return self.parallel.sum_tensor(out)
+
+    def _share(self, episodes: list[Episode], indices: torch.Tensor) -> torch.Tensor:
+        return self.parallel.share(episodes, indices, share_prompts=self.train.share_prompts)
 
     def _padding(self, episodes: list[Episode], count: int) -> list[MicroBatch]:
         """Micro-batches that add nothing (this rank's first episode, loss mask zeroed), so
@@ -115,7 +119,7 @@ class Critic:
         losses, clips, norms = [], [], []
         self.model.train()
         for idx in par.broadcast(mini_batch_indices(len(episodes), a.ppo_epochs, a.mini_batches)):
-            mine = par.local(idx, len(episodes))
+            mine = self._share(episodes, idx)
             eps = [episodes[i] for i in mine]
             mbs = self._batches(eps, old_values=old_values[mine], returns=returns[mine]) if eps else []
             masks = [mb.loss_mask * valid[mine][mb.index][:, None] for mb in mbs]  # [B, T-1] each

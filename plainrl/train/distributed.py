@@ -4,7 +4,8 @@ one-process update on the same batch.
 
 Every trainer (:class:`~plainrl.train.Learner`, :class:`~plainrl.train.Critic`,
 :class:`~plainrl.train.offline.OfflineTrainer`) is handed the *whole* step's batch on every
-rank and a :class:`Parallel`. It computes on its :meth:`Parallel.shard` of the rows and
+rank and a :class:`Parallel`. It computes on its share of the rows (RL: :meth:`Parallel.share`,
+balanced by tokens; offline: :meth:`Parallel.shard`) and
 normalises its loss by the *global* count (loss tokens, sequences, pairs: :meth:`Parallel.sum`),
 so the gradients summed over the ranks are the gradient of the one-process loss. Both wrappers
 average gradients over the ranks by default; here they sum instead (a DDP communication hook,
@@ -38,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from plainrl.config.train import Strategy
+from plainrl.frames import split_by_tokens
+from plainrl.types import Episode
 
 
 class ModelCall(torch.nn.Module):
@@ -109,12 +112,20 @@ class Parallel:
         start = self.rank * base + min(self.rank, extra)
         return range(start, start + base + (self.rank < extra))
 
-    def local(self, indices: torch.Tensor, n: int) -> torch.Tensor:
-        """The entries of ``indices`` (into ``n`` rows) that fall in this rank's :meth:`shard`, in order."""
+    def share(self, episodes: list[Episode], indices: torch.Tensor, *, share_prompts: bool) -> torch.Tensor:
+        """This rank's part of ``indices`` (into ``episodes``, all of the step's): the ranks' parts
+        balanced by real tokens (:func:`plainrl.frames.split_by_tokens`; every rank computes the
+        same split), so no rank waits long for the busiest. One process: ``indices`` as given.
+
+        Args:
+            share_prompts: a prompt counts once per part (``train.share_prompts``).
+        Returns:
+            [n] int64 indices, in the order the micro-batches take them.
+        """
         if not self.active:
             return indices
-        s = self.shard(n)
-        return indices[(indices >= s.start) & (indices < s.stop)]
+        parts = split_by_tokens(episodes, indices.tolist(), self.world_size, share_prompts=share_prompts)
+        return torch.tensor(parts[self.rank], dtype=torch.long)
 
     # ------------------------------------------------------------------ collectives
 

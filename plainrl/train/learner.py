@@ -169,17 +169,21 @@ class Learner:
             [N, L] float32 in the completion frame (:mod:`plainrl.frames`), 0 off the loss mask.
         """
         out = torch.zeros(len(episodes), max((len(e.completion_ids) for e in episodes), default=0))
-        rows = self.parallel.shard(len(episodes))
+        rows = self._share(episodes, torch.arange(len(episodes)))
         mine = [episodes[i] for i in rows]
         mbs = self._micro_batches(mine, torch.zeros(len(mine))) if mine else []
         real = len(mbs)
         mbs += self._padding(episodes, self.parallel.even_out(real))
-        local = out[rows.start: rows.stop]  # a view: the frame writes into out
+        local = torch.zeros(len(mine), out.shape[1])
         for i, mb in enumerate(mbs):
             lp = self._ref_logps(mb) if reference else self._logps(self.call, mb, mb.loss_mask > 0)
             if i < real:
                 to_completion_frame(lp, mb, local)
+        out[rows] = local
         return self.parallel.sum_tensor(out)
+
+    def _share(self, episodes: list[Episode], indices: torch.Tensor) -> torch.Tensor:
+        return self.parallel.share(episodes, indices, share_prompts=self.train.share_prompts)
 
     def update(self, episodes: list[Episode], advantages: torch.Tensor) -> UpdateStats:
         """Optimise the policy on one rollout batch; steps the LR schedule once.
@@ -222,7 +226,7 @@ class Learner:
         """One optimiser step on the mini-batch ``idx`` (indices into the whole batch), its
         loss normalised over the whole mini-batch (all ranks' shares of it)."""
         a, dev, par = self.algorithm, self.device, self.parallel
-        mine = par.local(idx, len(episodes))
+        mine = self._share(episodes, idx)
         mbs = self._micro_batches([episodes[i] for i in mine], advantages[mine],
                                   None if old_logps is None else old_logps[mine]) if len(mine) else []
         real = len(mbs)
@@ -267,10 +271,10 @@ class Learner:
             dual_clip=a.dual_clip, ratio_level=a.ratio_level, agg=a.loss_agg, is_weights=is_weights, **agg,
         )
         kl_value = ent_value = 0.0
-        if a.kl_coef > 0 and a.kl_placement == "loss":
+        if a.loss_kl_coef > 0:  # (a KL in the reward, algorithm.kl_reward_coef, is in the advantages already)
             kl = kl_estimate(logps, self._ref_logps(mb), a.kl_estimator)  # [B, T-1]
             kl_loss = aggregate_loss(kl, mask, a.loss_agg, **agg)
-            loss = loss + a.kl_coef * kl_loss
+            loss = loss + a.loss_kl_coef * kl_loss
             kl_value = kl_loss.item()
         if entropy is not None:
             ent = aggregate_loss(entropy, mask, a.loss_agg, **agg)

@@ -45,7 +45,7 @@ class MasterAdamW:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: lr_lambda(s, warmup=train.warmup_steps, total=train.steps, schedule=train.lr_schedule),
+            lambda s: lr_lambda(s, warmup=train.warmup, total=train.total_steps, schedule=train.lr_schedule),
         )
 
     @property

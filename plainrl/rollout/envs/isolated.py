@@ -54,7 +54,7 @@ def _host(factory: Callable[[], Environment]) -> Callable[[tuple], Any]:
         op, *args = task
         env = held["env"]
         if op == "new":
-            env = held["env"] = factory()
+            env = held["env"] = factory(**(args[0] if args else {}))
             held["scratch"] = {}
             return _Spec(tuple(getattr(env, "stop", ()) or ()), getattr(env, "max_turns", None),
                          callable(getattr(env, "tools_schema", None)))
@@ -149,7 +149,7 @@ class EnvWorkers(WorkerPool):
     """A factory of :class:`RemoteEnv`: each episode's environment in a worker process.
 
     Args:
-        factory: () -> a fresh environment; called inside the worker (inherited
+        factory: (**env_args) -> a fresh environment; called inside the worker (inherited
             through ``fork``, never pickled). Rows, messages and step results
             cross a pipe and must pickle; ``EnvState.scratch`` stays in the worker.
         timeout_s: the time limit of each call (building the environment,
@@ -172,11 +172,12 @@ class EnvWorkers(WorkerPool):
         super().__init__(_host(factory), name="plainrl-env")
         self.timeout_s = timeout_s
 
-    def __call__(self) -> RemoteEnv:
-        """A new environment, built in an idle (or newly forked) worker.
+    def __call__(self, **env_args: Any) -> RemoteEnv:
+        """A new environment, built in an idle (or newly forked) worker as ``factory(**env_args)``
+        (a data row's ``env_args``; they cross the pipe, so they must pickle).
 
         Raises:
             EnvWorkerError: building it raised, hung or killed the worker.
         """
         worker = self.take()
-        return RemoteEnv(self, worker, _call(worker, ("new",), self.timeout_s))
+        return RemoteEnv(self, worker, _call(worker, ("new", env_args), self.timeout_s))
