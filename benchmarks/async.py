@@ -6,7 +6,7 @@
 
 Needs the vLLM venv (``make setup-vllm``). Two servers of the demo config are started once
 on loopback and shared by the four settings, which run one after the other as ``plainrl
-train`` (the demo recipe, eval off, ``rollout.sync=full``: on CPU vLLM's LoRA path is the
+train`` (the demo recipe, eval off, ``rollout.sync=full`` unless ``--sync lora``: on CPU vLLM's LoRA path is the
 slow part, see docs/benchmarks.md). Columns, medians over the steps after the first:
 
 - ``s/step``: wall seconds per step (``time/step``); ``steps/min``.
@@ -42,10 +42,13 @@ def run(urls: list[str], async_steps: int, steps: int, extra: list[str], workdir
     run_dir = workdir / f"s{len(urls)}-a{async_steps}"
     over = [f"run_dir={run_dir}", f"train.steps={steps}", "eval.before=false", "eval.after=false",
             "log.progress=false", "log.report=false", "checkpoint.every=0", "rollout.engine=remote",
-            "rollout.sync=full", f"rollout.remote.urls=[{','.join(urls)}]", f"rollout.async_steps={async_steps}", *extra]
-    with open(workdir / f"{run_dir.name}.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "plainrl.cli", "train", str(CONFIG), *over], check=True,
-                       stdout=log, stderr=subprocess.STDOUT)
+            f"rollout.remote.urls=[{','.join(urls)}]", f"rollout.async_steps={async_steps}", *extra]
+    log_path = workdir / f"{run_dir.name}.log"
+    with open(log_path, "w") as log:
+        code = subprocess.run([sys.executable, "-m", "plainrl.cli", "train", str(CONFIG), *over],
+                              stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:  # the work directory goes with the script: show why here
+        raise SystemExit(f"{run_dir.name}: plainrl train exited {code}:\n{log_path.read_text()[-4000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/step" in r][1:]  # the first step has nothing to overlap with
 
@@ -65,13 +68,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="3 steps of 2 prompts x 2 samples, 16 tokens")
+    ap.add_argument("--sync", choices=["full", "lora"], default="full",
+                    help="rollout.sync of the runs and servers: full pushes the merged weights (faster sampling "
+                         "on CPU, a slow push), lora the adapter (0.1 s push, vLLM's slower LoRA sampling)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for every run and server, e.g. model.dtype=float32")
     args = ap.parse_args()
     extra, steps = list(args.overrides), args.steps
     if args.quick:
         steps = 3
         extra += ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16"]
-    serve_over = [*extra, "rollout.sync=full", "rollout.vllm.enforce_eager=true", "rollout.vllm.cpu_kv_cache_gb=0.5"]
+    serve_over = [*extra, f"rollout.sync={args.sync}", "rollout.vllm.enforce_eager=true", "rollout.vllm.cpu_kv_cache_gb=0.5"]
     print(f"machine: {cpu_line()}; {os.cpu_count()} cores; steps={steps} (medians over steps 2..); overrides={extra}")
     print(f"{'servers':>7s} {'async':>5s} {'s/step':>7s} {'steps/min':>9s} {'generate':>8s} {'update':>7s} "
           f"{'sync':>6s} {'learner idle':>12s} {'engine idle':>11s} {'staleness':>9s} {'reward':>7s}")
@@ -83,7 +89,7 @@ def main() -> None:
                 servers.append(_serve(serve_over, workdir / f"server{i}.log"))
             urls = [url for _, url in servers]
             for n, async_steps in SETTINGS:
-                r = run(urls[:n], async_steps, steps, extra, workdir)
+                r = run(urls[:n], async_steps, steps, [f"rollout.sync={args.sync}", *extra], workdir)
                 print(f"{n:7d} {async_steps:5d} {r['step']:7.2f} {r['per_min']:9.2f} {r['generate']:8.2f} "
                       f"{r['update']:7.2f} {r['sync']:6.2f} {r['learner_idle']:12.2f} {r['engine_idle']:11.2f} "
                       f"{r['staleness']:9.1f} {r['reward']:7.3f}", flush=True)

@@ -82,6 +82,34 @@ def test_remote_greedy_equals_embedded_and_full_sync_lands(server, tok):
         engine.close()
 
 
+def test_runs_one_after_another_on_one_server_sync_their_own_adapters(server, tok):
+    """A server outlives training runs: a run killed before it could unload its last adapter
+    leaves it loaded, and the next run's adapters must not collide with its names (vLLM
+    answers 400 to a name it holds). The second engine then samples its own adapter."""
+    url, _ = server
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(name=MODEL, dtype="float32", lora={"enabled": True, "r": 8}), torch.device("cpu"))
+    crashed = RemoteEngine([url], tok, sync="lora", max_model_len=512)
+    crashed.load_weights(model)
+    crashed.load_weights(model)  # never closed: its second adapter stays loaded on the server
+    engine = RemoteEngine([url], tok, sync="lora", max_model_len=512)
+    try:
+        with torch.no_grad():  # an adapter the first engine never pushed
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.05 * torch.randn_like(p))
+        engine.load_weights(model)
+        engine.load_weights(model)
+        prompt = _prompt(tok)
+        [gen] = engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=1.0))
+        ours = learner_logps(model, prompt, gen.token_ids)
+        assert (torch.tensor(gen.logprobs) - ours).abs().mean() < LOGPROB_TOL
+    finally:
+        engine.close()
+        crashed.client.close()
+        crashed._adapters.close()
+
+
 def test_a_server_with_another_tokenizer_is_refused(server):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -115,6 +143,32 @@ def test_the_judge_reward_asks_an_openai_compatible_server(server):
     scores = judge(["12 + 7 = 19", "12 + 7 = 5"], prompt=["What is 12 + 7?"] * 2, answer=["19", "19"],
                    model=url, max_new_tokens=8)
     assert len(scores) == 2 and all(s is None or 0.0 <= s <= 1.0 for s in scores)
+
+
+def test_two_ranks_under_torchrun_sample_through_the_server(server, tmp_path):
+    """Remote engines under torchrun (docs/distributed.md): every rank sends its own prompt
+    groups to the server, rank 0 alone pushes the (FSDP2-gathered) adapter once per step, and
+    both ranks then sample the learner's policy."""
+    import json
+    import subprocess
+    import sys
+
+    url, _ = server
+    run_dir = tmp_path / "ddp"
+    over = [f"run_dir={run_dir}", "model.dtype=float32", "model.max_context=512", "train.steps=2",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "eval.before=false",
+            "eval.after=false", "log.progress=false", "log.report=false", "train.strategy=fsdp2",
+            "rollout.engine=remote", f"rollout.remote.urls=[{url}]"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "plainrl",
+           "train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "time/sync" in r]
+    assert len(steps) == 2
+    assert all(r["rollout/logprob_diff"] < LOGPROB_TOL for r in steps)
+    assert (run_dir / "final" / "adapter_config.json").is_file()
 
 
 def test_a_training_run_samples_through_the_server_then_it_shuts_down(server, tmp_path, tok):

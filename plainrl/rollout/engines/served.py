@@ -14,6 +14,7 @@ its server is marked dead and the request goes to another.
 
 from __future__ import annotations
 
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Callable
@@ -80,6 +81,9 @@ class ServedEngine:
         self.pool = ServerPool(self.urls, restart_hint=self.start_hint)
         self._adapters = AdapterVersions(shared_dir)  # adapters and weight files
         self._lora: str | None = None  # the adapter name requests ask for, once synced
+        # adapter names unique to this engine: a server outlives runs (and may serve several), and
+        # vLLM refuses to load a name it already holds (a previous run's last adapter stays loaded)
+        self._lora_prefix = f"plainrl-{uuid.uuid4().hex[:8]}"
 
     # -- what a backend provides ----------------------------------------------------------
     def _complete(self, server: int, req: Request, params: SamplingParams) -> list[Generation]:
@@ -205,7 +209,7 @@ class ServedEngine:
         """
         if self.sync == "lora":
             version, path = self._adapters.save(model)
-            name, previous = f"plainrl-v{version}", self._lora
+            name, previous = f"{self._lora_prefix}-v{version}", self._lora
             load, unload = self.lora_endpoints
 
             def push(url: str) -> None:
@@ -254,6 +258,14 @@ class ServedEngine:
         """No-op: the servers' memory is their own."""
 
     def close(self) -> None:
-        """Close the connections and remove the synced adapters (the servers keep running)."""
+        """Unload this engine's adapter from the servers (best effort), close the connections and
+        remove the synced adapter files (the servers keep running)."""
+        if self._lora is not None:
+            for url in (self.urls[i] for i in self.pool.live()):
+                try:
+                    self.client.post(url + self.lora_endpoints[1], json={"lora_name": self._lora},
+                                     timeout=self._probe_timeout)
+                except httpx.HTTPError:
+                    pass  # the server may be gone; nothing of this run is needed there any more
         self.client.close()
         self._adapters.close()
