@@ -66,7 +66,7 @@ class DataConfig(_Section):
     columns; ``format: gsm8k`` maps GSM8K's ``question``/``answer`` rows onto that.
     """
 
-    task: Literal["arithmetic", "countdown"] | None = None
+    task: Literal["arithmetic", "countdown", "search"] | None = None
     task_args: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None
     split: str = "train"
