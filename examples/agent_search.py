@@ -66,7 +66,7 @@ async def agent(llm, row):
                 break
             result = search(row, call.group(1).strip())
             searches += 1
-            found = max(found, int(gold in normalize_answer(result)))
+            found = max(found, int(f" {gold} " in f" {normalize_answer(result)} "))  # whole words
             messages.append({"role": "user", "content": result})
     except ContextLengthError:  # out of budget: score what was written
         pass

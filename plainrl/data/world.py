@@ -120,8 +120,10 @@ def make_world(seed: int, num_people: int = 200, num_companies: int = 40, num_ci
     based = {c: rng.choice(cities) for c in companies}
     founder = {c: rng.choice(people) for c in companies}
     country = {c: rng.choice(countries) for c in cities}
-    docs = ([f"{p} was born in {c}." for p, c in born.items()] + [f"{p} works for {c}." for p, c in works.items()]
-            + [f"{c} is based in {t}." for c, t in based.items()] + [f"{c} was founded by {p}." for c, p in founder.items()]
+    docs = ([f"{p} was born in {c}." for p, c in born.items()]
+            + [f"{p} works for {c}." for p, c in works.items()]
+            + [f"{c} is based in {t}." for c, t in based.items()]
+            + [f"{c} was founded by {p}." for c, p in founder.items()]
             + [f"{t} is a city in {n}." for t, n in country.items()])
     rng.shuffle(docs)
     return World(seed, people, companies, cities, countries, born, works, based, founder, country, tuple(docs))
