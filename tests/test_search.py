@@ -45,13 +45,23 @@ def test_a_small_world_and_its_questions_checked_by_hand():
     assert all(r["task"] == "search" and r["world"] == {"seed": 7, **SMALL} for r in rows)
 
 
+FACTS = {"born": "{} was born in {}.", "works": "{} works for {}.", "based": "{} is based in {}.",
+         "founder": "{} was founded by {}.", "country": "{} is a city in {}."}
+
+
+def _subject(row) -> str:
+    """The name a question asks about, cut out of its template."""
+    before, after = QUESTION_KINDS[row["kind"]][2].split("{}")
+    assert row["prompt"].startswith(before) and row["prompt"].endswith(after)
+    return row["prompt"][len(before): len(row["prompt"]) - len(after)]
+
+
 def _answer_from_documents(documents, kind, subject):
     """Answer a question by reading the corpus text alone (independent of World's dicts)."""
-    patterns = {"born": "{} was born in (.+)", "works": "{} works for (.+)", "based": "{} is based in (.+)",
-                "founder": "{} was founded by (.+)", "country": "{} is a city in (.+)"}
     value = subject
     for relation in QUESTION_KINDS[kind][3]:
-        rx = re.compile(patterns[relation].format(re.escape(value)) + r"\.$")
+        head, mid, tail = FACTS[relation].split("{}")  # "", " was born in ", "."
+        rx = re.compile(re.escape(head + value + mid) + "(.+)" + re.escape(tail))
         found = [m.group(1) for d in documents if (m := rx.fullmatch(d))]
         assert len(found) == 1, (relation, value, found)  # every fact is stated once
         value = found[0]
@@ -69,8 +79,8 @@ def test_world_is_seeded_consistent_and_fictional():
     rows = search_task(300, seed=3, two_hop=0.5)
     assert rows == search_task(300, seed=3, two_hop=0.5)
     for r in rows:
-        kind = r["kind"]
-        subject = next(s for s in getattr(world, QUESTION_KINDS[kind][1]) if s in r["prompt"])
+        kind, subject = r["kind"], _subject(r)
+        assert subject in getattr(world, QUESTION_KINDS[kind][1])
         assert world_question(world, kind, subject) == (r["prompt"], r["answer"])
         assert _answer_from_documents(world.documents, kind, subject) == r["answer"]
     assert 0.4 < sum(r["hops"] == 2 for r in rows) / len(rows) < 0.6
@@ -117,13 +127,11 @@ def test_bm25_finds_the_fact_a_one_hop_question_asks_for():
     world = make_world(0)
     index = world_index({"seed": 0, "num_people": 200, "num_companies": 40, "num_cities": 30, "num_countries": 8})
     assert index is world_index(dict(search_task(1, seed=0)[0]["world"]))  # built once per world
-    rows = [r for r in search_task(400, seed=0, two_hop=0.0)]
+    rows = search_task(400, seed=0, two_hop=0.0)
     hits = 0
     for r in rows:
-        kind = r["kind"]
-        subject = next(s for s in getattr(world, QUESTION_KINDS[kind][1]) if s in r["prompt"])
-        fact = next(d for d in world.documents if d.startswith(subject + " ") and r["answer"] in d
-                    and QUESTION_KINDS[kind][2].split()[-1].rstrip("?") in d)
+        fact = FACTS[r["kind"]].format(_subject(r), r["answer"])
+        assert fact in world.documents
         hits += fact in index.search(r["prompt"], k=3)
     assert hits / len(rows) > 0.95, hits
 
@@ -193,9 +201,9 @@ class Researcher:
 
 
 def test_search_agent_searches_reads_and_is_graded_like_held_out_rows(tokenizer):
-    from plainrl.rewards.loading import load_reward_fn as load
+    from plainrl.rollout.agents import load_agent
 
-    agent = load(f"{REPO / 'examples' / 'agent_search.py'}:agent", what="rollout.agent")
+    agent = load_agent(f"{REPO / 'examples' / 'agent_search.py'}:agent")
     world = {"seed": 7, **SMALL}
     rows = [{"prompt": "Where was Lema Ruma born?", "answer": "Selas", "hops": 1, "world": world},
             {"prompt": "In which city is Gosumir based?", "answer": "Taras", "hops": 1, "world": world},

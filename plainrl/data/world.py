@@ -17,8 +17,8 @@ Facts (one short document each)::
     founder:  "<company> was founded by <person>."
     country:  "<city> is a city in <country>."
 
-Questions: 1-hop ask one fact ("Where was Alba Korrin born?" -> the city); 2-hop chain
-two ("In which country was Alba Korrin born?" -> born, then country). The method follows
+Questions: 1-hop ask one fact ("Where was Lema Ruma born?" -> the city); 2-hop chain
+two ("In which country was Lema Ruma born?" -> born, then country). The method follows
 Search-R1 (Jin et al. 2025, arXiv:2503.09516) with a synthetic corpus in place of Wikipedia.
 """
 
@@ -79,7 +79,8 @@ def _check_size(key: str, value: Any, low: int) -> int:
 @functools.lru_cache(maxsize=16)
 def make_world(seed: int, num_people: int = 200, num_companies: int = 40, num_cities: int = 30,
                num_countries: int = 8) -> World:
-    """The world of ``seed`` (the same arguments always give the same world; cached per process).
+    """The world of ``seed`` (the same arguments always give the same world; cached per process,
+    so callers must not change it).
 
     Args:
         seed: seed of the ``random.Random`` everything is drawn from.

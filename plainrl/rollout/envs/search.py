@@ -2,8 +2,8 @@
 task row's fictional world (:mod:`plainrl.data.world`), built once per world and process.
 
     index = world_index(row["world"])        # the corpus the question is about
-    index.search("Where was Alba Korrin born?", k=3)
-    # -> ["Alba Korrin was born in Veltis.", "Alba Korrin works for Zentrix.", ...]
+    index.search("Where was Lema Ruma born?", k=3)
+    # -> ["Lema Ruma was born in Selas.", "Lema Ruma works for Roligel.", ...]
 
 BM25 is Okapi BM25 (Robertson & Zaragoza 2009) as ``bm25s`` implements it (Lucene's
 variant, lowercased word tokens, English stopwords removed); Search-R1 (Jin et al. 2025)
