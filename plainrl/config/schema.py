@@ -68,7 +68,7 @@ class DataConfig(_Section):
     ``format: gsm8k`` maps GSM8K's ``question``/``answer`` rows onto that.
     """
 
-    task: Literal["arithmetic", "countdown"] | None = None
+    task: Literal["arithmetic", "countdown", "search"] | None = None
     task_args: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None
     # module:fn or path/to/file.py:fn, fn(**source_args) -> an iterable of row dicts, a torch Dataset or a

@@ -21,6 +21,8 @@ import inspect
 import random
 from typing import Any, Callable
 
+from plainrl.data.world import search_task
+
 __all__ = [
     "COMMON_TASK_ARGS",
     "EVAL_SEED_OFFSET",
@@ -29,6 +31,7 @@ __all__ = [
     "countdown",
     "make_task_rows",
     "make_task_split",
+    "search_task",
     "task_arg_names",
 ]
 
@@ -228,7 +231,8 @@ def countdown(
     return rows
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "countdown": countdown}
+# search: questions about a fictional world, answered with a search tool (plainrl.data.world)
+TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "countdown": countdown, "search": search_task}
 
 
 def task_arg_names(name: str) -> list[str]:

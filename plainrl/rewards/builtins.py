@@ -4,7 +4,7 @@ Reference them in a config by short name (``fn: correctness``; the names are
 :data:`plainrl.rewards.loading.BUILTIN_REWARDS`) or as ``plainrl.rewards:correctness`` (or
 ``plainrl.rewards.builtins:correctness``). ``length`` and ``think_format`` live in
 :mod:`plainrl.rewards.formats`, ``code_tests`` in :mod:`plainrl.rewards.code`, ``countdown``
-in :mod:`plainrl.rewards.countdown`; all are re-exported here. They read the ``answer`` column;
+in :mod:`plainrl.rewards.countdown`, ``exact_match`` in :mod:`plainrl.rewards.exact`; all are re-exported here. They read the ``answer`` column;
 GSM8K-style references ("... #### 72") are reduced to the part after ``####``.
 """
 
@@ -19,10 +19,11 @@ from typing import Any
 
 from plainrl.rewards.code import code_tests
 from plainrl.rewards.countdown import countdown
+from plainrl.rewards.exact import exact_match
 from plainrl.rewards.formats import length, think_format
 
 __all__ = [
-    "code_tests", "correctness", "countdown", "extract_final_answer", "format_reward", "last_number_correct", "length",
+    "code_tests", "correctness", "countdown", "exact_match", "extract_final_answer", "format_reward", "last_number_correct", "length",
     "numeric_closeness", "think_format", "tool_success",
 ]
 

@@ -34,8 +34,8 @@ __all__ = ["BUILTIN_REWARDS", "RewardFn", "RewardLoadError", "build_reward_fns",
 # Built-in rewards by short name (``fn: correctness``): name -> reference.
 BUILTIN_REWARDS: dict[str, str] = {
     **{name: f"plainrl.rewards.builtins:{name}"
-       for name in ("code_tests", "correctness", "countdown", "format_reward", "last_number_correct", "length",
-                    "numeric_closeness", "think_format", "tool_success")},
+       for name in ("code_tests", "correctness", "countdown", "exact_match", "format_reward", "last_number_correct",
+                    "length", "numeric_closeness", "think_format", "tool_success")},
     "judge": "plainrl.rewards.judge:judge",
 }
 

@@ -11,6 +11,7 @@ See docs/environments.md for the protocol, the simple forms and the bookkeeping 
 from plainrl.rollout.envs.base import EnvError, EnvState, EnvTimeoutError, Environment, StepResult, call_with_timeout, env_reward
 from plainrl.rollout.envs.calculator import CalculatorEnv, CalculatorError, format_number, safe_eval
 from plainrl.rollout.envs.isolated import EnvWorkerError, EnvWorkers, EnvWorkerTimeout, RemoteEnv
+from plainrl.rollout.envs.search import BM25Index, format_results, world_index
 from plainrl.rollout.envs.python_tool import PythonToolEnv, find_closed_code_block
 from plainrl.rollout.envs.tools import (
     InteractEnv,
@@ -24,6 +25,7 @@ from plainrl.rollout.envs.tools import (
 )
 
 __all__ = [
+    "BM25Index",
     "EnvError",
     "CalculatorEnv",
     "CalculatorError",
@@ -45,8 +47,10 @@ __all__ = [
     "env_reward",
     "find_closed_code_block",
     "format_number",
+    "format_results",
     "function_schema",
     "hermes_tools_prompt",
     "parse_tool_calls",
     "safe_eval",
+    "world_index",
 ]
