@@ -238,7 +238,7 @@ def test_builtins_by_short_name():
                             RewardSpec(fn="plainrl.rewards.builtins:length", kwargs={"target": 100})])
     assert [f.name for f in fns] == ["correctness", "think_format", "length"]
     with pytest.raises(RewardLoadError, match=r"rewards\[0\].*Did you mean the built-in 'think_format'.*"
-                                              r"correctness, countdown, format_reward, judge, last_number_correct, length"):
+                                              r"correctness, countdown, exact_match, format_reward, judge, last_number_correct, length"):
         build_reward_fns([RewardSpec(fn="think_fromat")])
 
 
