@@ -53,7 +53,7 @@ def test_no_colon_error():
     with pytest.raises(RewardLoadError, match=r"has no ':'.*package\.module:function"):
         load_reward_fn("mymodule.fn")
     with pytest.raises(RewardLoadError, match=r"Did you mean the built-in 'correctness'.*Built-in rewards by name: "
-                                              r"code_tests, correctness, countdown, format_reward"):
+                                              r"code_tests, correctness, countdown, exact_match, format_reward"):
         load_reward_fn("corectness")
     assert load_reward_fn("correctness") is correctness  # a built-in by short name
 
