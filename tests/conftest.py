@@ -48,6 +48,26 @@ def tiny_overrides(model_dir: Path, run_dir: Path) -> list[str]:
     ]
 
 
+class Preempted(Exception):
+    """A simulated preemption: raised right after a checkpoint is committed."""
+
+
+def preempt_after_checkpoint(monkeypatch, module, step: int, run_dir: Path | None = None):
+    """Patch ``module.save_checkpoint`` (the name a run module calls) so the run raises
+    :class:`Preempted` right after committing the checkpoint of ``step`` (of ``run_dir`` only,
+    when given). Returns the real function: set it back to resume."""
+    real = module.save_checkpoint
+
+    def save_then_die(where, at, **kw):
+        path = real(where, at, **kw)
+        if at == step and (run_dir is None or where == run_dir):
+            raise Preempted()
+        return path
+
+    monkeypatch.setattr(module, "save_checkpoint", save_then_die)
+    return real
+
+
 def grouped_episodes():
     """Two groups of three sharing a prompt (lengths 5 and 3), one lone prompt, one empty completion."""
     from plainrl.types import Episode

@@ -9,7 +9,7 @@ import json
 import pytest
 
 import plainrl.run.setup as run_setup
-from conftest import REPO, tiny_overrides
+from conftest import REPO, Preempted, preempt_after_checkpoint, tiny_overrides
 from plainrl.checkpoint import verify
 from plainrl.cli import main
 from plainrl.config import ConfigError, load_config
@@ -132,10 +132,6 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-class Preempted(Exception):
-    pass
-
-
 def test_source_rows_with_their_own_environments_and_the_knobs_end_to_end(tiny_model_dir, tmp_path, monkeypatch,
                                                                           capsys):
     """One tiny RL run over rows from code (a torch Dataset), each episode in the environment its row's env_args
@@ -153,15 +149,7 @@ def test_source_rows_with_their_own_environments_and_the_knobs_end_to_end(tiny_m
         "checkpoint.every=2", "checkpoint.save_optimizer=false", "log.tensorboard=false", "eval.after=false",
     ]
     cfg_path = REPO / "examples" / "arithmetic_grpo.yaml"
-    real_save = run_setup.save_checkpoint
-
-    def save_then_die(run_dir, step, **kw):
-        path = real_save(run_dir, step, **kw)
-        if step == 2:
-            raise Preempted()
-        return path
-
-    monkeypatch.setattr(run_setup, "save_checkpoint", save_then_die)
+    real_save = preempt_after_checkpoint(monkeypatch, run_setup, step=2)
     with pytest.raises(Preempted):
         train(load_config(cfg_path, over))
     ckpt = run / "checkpoints" / "step-000002"

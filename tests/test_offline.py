@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import plainrl.run.offline as offline
-from conftest import REPO, tiny_overrides
+from conftest import REPO, Preempted, preempt_after_checkpoint, tiny_overrides
 from plainrl.cli import main
 from plainrl.config import load_config
 from plainrl.data import DataError
@@ -192,19 +192,8 @@ def test_sft_resume_is_exact(tiny_model_dir, tmp_path, monkeypatch):
                         "train.batch_size=2")
 
     full = offline.train_offline(cfg(tmp_path / "full"))
-    real = offline.save_checkpoint
-
-    class Killed(Exception):
-        pass
-
-    def save_then_die(run_dir, step, **kw):
-        path = real(run_dir, step, **kw)
-        if step == 2:
-            raise Killed()
-        return path
-
-    monkeypatch.setattr(offline, "save_checkpoint", save_then_die)
-    with pytest.raises(Killed):
+    real = preempt_after_checkpoint(monkeypatch, offline, step=2)
+    with pytest.raises(Preempted):
         offline.train_offline(cfg(tmp_path / "cut"))
     monkeypatch.setattr(offline, "save_checkpoint", real)
     offline.train_offline(cfg(tmp_path / "cut"))

@@ -11,7 +11,7 @@ import torch
 import plainrl.train.learner as learner_mod
 import plainrl.run.loop as loop
 import plainrl.run.setup as run_setup
-from conftest import REPO, tiny_overrides
+from conftest import REPO, Preempted, preempt_after_checkpoint, tiny_overrides
 from plainrl.config import (
     OFFLINE_ALGORITHMS, PRESETS, AdvantageEstimator, AlgorithmConfig, AlgorithmName, ConfigError, dump_config,
     load_config,
@@ -321,19 +321,9 @@ def test_ppo_critic_warmup_trains_only_the_critic_first(tiny_model_dir, tmp_path
 def test_ppo_resume_restores_the_critic_exactly(tiny_model_dir, tmp_path, monkeypatch):
     full = loop.train(_ppo(tiny_model_dir, tmp_path / "full", "checkpoint.every=1"))
     cut = tmp_path / "cut"
-    real = run_setup.save_checkpoint
-
-    class Killed(Exception):
-        pass
-
-    def save_then_die(run_dir, step, **kw):
-        path = real(run_dir, step, **kw)
-        if run_dir == cut and step == 1:  # after the policy's checkpoint (the critic's comes first)
-            raise Killed()
-        return path
-
-    monkeypatch.setattr(run_setup, "save_checkpoint", save_then_die)
-    with pytest.raises(Killed):
+    # after the policy's checkpoint (the critic's, in cut/critic, comes first)
+    real = preempt_after_checkpoint(monkeypatch, run_setup, step=1, run_dir=cut)
+    with pytest.raises(Preempted):
         loop.train(_ppo(tiny_model_dir, cut, "checkpoint.every=1"))
     monkeypatch.setattr(run_setup, "save_checkpoint", real)
     loop.train(_ppo(tiny_model_dir, cut, "checkpoint.every=1"))

@@ -8,15 +8,11 @@ from safetensors.torch import load_file
 
 import plainrl.run.loop as loop
 import plainrl.run.setup as run_setup
-from conftest import REPO, tiny_overrides
+from conftest import REPO, Preempted, preempt_after_checkpoint, tiny_overrides
 from plainrl.checkpoint import CheckpointError
 from plainrl.config import load_config
 
 DATA = REPO / "tests" / "data"
-
-
-class Preempted(Exception):
-    pass
 
 
 def _cfg(tiny_model_dir, run_dir, *extra):
@@ -38,15 +34,7 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, monkeypatch, lora):
     extra = [] if lora else ["model.lora.enabled=false"]
     full = loop.train(_cfg(tiny_model_dir, tmp_path / "full", *extra))
 
-    real_save = run_setup.save_checkpoint
-
-    def save_then_die(run_dir, step, **kw):
-        path = real_save(run_dir, step, **kw)
-        if step == 2:
-            raise Preempted()
-        return path
-
-    monkeypatch.setattr(run_setup, "save_checkpoint", save_then_die)
+    real_save = preempt_after_checkpoint(monkeypatch, run_setup, step=2)
     cut = tmp_path / "cut"
     with pytest.raises(Preempted):
         loop.train(_cfg(tiny_model_dir, cut, *extra))
