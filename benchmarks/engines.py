@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", default=["hf", "vllm", "remote"], choices=["hf", "vllm", "remote"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="3 steps of 2 prompts x 2 samples, 16 tokens")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keep each engine's run directory and log here (default: a temporary directory)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for every engine, e.g. model.dtype=float32")
     args = ap.parse_args()
     extra = list(args.overrides)
@@ -113,8 +115,10 @@ def main() -> None:
     print(f"{'engine':8s} " + " ".join(f"{p:>9s}" for p in PHASES) + f" {'start s':>8s} {'reward 1-5':>10s} "
           f"{'last 5':>7s} {'lp diff':>8s}")
     with tempfile.TemporaryDirectory(prefix="plainrl-engines-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         for engine in args.engines:
-            r = run_engine(engine, steps, extra, Path(tmp))
+            r = run_engine(engine, steps, extra, workdir)
             print(f"{engine:8s} " + " ".join(f"{r[p]:9.2f}" for p in PHASES)
                   + f" {r['start']:8.1f} {r['reward_first5']:10.3f} {r['reward_last5']:7.3f} {r['logprob_diff']:8.2e}",
                   flush=True)

@@ -25,6 +25,7 @@ Source: Zheng et al. 2023, "Judging LLM-as-a-Judge with MT-Bench and Chatbot Are
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -67,8 +68,6 @@ def _local_judge(model: str):
     from plainrl.config import ModelConfig
     from plainrl.models import load_policy, load_tokenizer
     from plainrl.rollout.engines.hf import HFEngine
-
-    import multiprocessing
 
     if multiprocessing.parent_process() is not None:
         # a forked reward worker: the parent's OpenMP pool does not survive fork (torch ops on several

@@ -63,7 +63,7 @@ def make_env_factory(cfg: RolloutConfig):
     return EnvWorkers(factory, timeout_s=cfg.env_timeout_s)
 
 
-def check_env_args(factory: Callable[..., Any], rows: list[PromptRow], ref: str) -> None:
+def check_rows_fit_env(factory: Callable[..., Any], rows: list[PromptRow], ref: str) -> None:
     """Check, before any model loads, that every row's ``env_args`` fit the signature of
     ``rollout.env``'s constructor ``factory`` (``ref``), so that a misspelt argument is a data
     error rather than every episode of that row failing in its environment.

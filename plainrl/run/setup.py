@@ -36,7 +36,7 @@ from plainrl.rewards.judge import bind_judges
 from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
-from plainrl.rollout.episodes import check_env_args, env_constructor
+from plainrl.rollout.episodes import check_rows_fit_env, env_constructor
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
 from plainrl.run.engines import make_engine, require_trainable_engine
@@ -120,7 +120,7 @@ def _check_env_args(cfg: Config, data: PromptData) -> None:
         raise ConfigError(f"data row {rows[0].source_index} has env_args, the keyword arguments of rollout.env's "
                           "constructor, but rollout.env is not set; set rollout.env or drop the rows' env_args")
     if cfg.rollout.env is not None:
-        check_env_args(env_constructor(cfg.rollout), rows, cfg.rollout.env)
+        check_rows_fit_env(env_constructor(cfg.rollout), rows, cfg.rollout.env)
 
 
 def multi_turn_settings(cfg: Config) -> MultiTurn | None:

@@ -210,21 +210,25 @@ class ServedEngine:
         if self.sync == "lora":
             version, path = self._adapters.save(model)
             name, previous = f"{self._lora_prefix}-v{version}", self._lora
-            load, unload = self.lora_endpoints
 
             def push(url: str) -> None:
-                self._call("POST", url, load, json={"lora_name": name, "lora_path": str(path)})
-                if previous is not None:  # a revived server never had it: a 4xx there is no failure
-                    try:
-                        self.client.post(url + unload, json={"lora_name": previous}, timeout=self._probe_timeout)
-                    except httpx.HTTPError:
-                        pass  # it holds the new adapter; a dead server shows at the next request
+                self._call("POST", url, self.lora_endpoints[0], json={"lora_name": name, "lora_path": str(path)})
+                if previous is not None:
+                    self._unload(url, previous)
 
             self._push_all(push)
             self._lora = name
             return
         with self._full_push(model) as push:
             self._push_all(push)
+
+    def _unload(self, url: str, name: str) -> None:
+        """Unload adapter ``name`` from ``url``, best effort: a server that never had it (revived
+        since) answers 4xx, a dead one shows at its next request; neither is a failure here."""
+        try:
+            self.client.post(url + self.lora_endpoints[1], json={"lora_name": name}, timeout=self._probe_timeout)
+        except httpx.HTTPError:
+            pass
 
     def _push_all(self, push: Callable[[str], None]) -> None:
         live = set(self.pool.live())
@@ -261,11 +265,7 @@ class ServedEngine:
         """Unload this engine's adapter from the servers (best effort), close the connections and
         remove the synced adapter files (the servers keep running)."""
         if self._lora is not None:
-            for url in (self.urls[i] for i in self.pool.live()):
-                try:
-                    self.client.post(url + self.lora_endpoints[1], json={"lora_name": self._lora},
-                                     timeout=self._probe_timeout)
-                except httpx.HTTPError:
-                    pass  # the server may be gone; nothing of this run is needed there any more
+            for i in self.pool.live():
+                self._unload(self.urls[i], self._lora)
         self.client.close()
         self._adapters.close()
