@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import secrets
@@ -41,6 +42,13 @@ def torch_save(obj: Any, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def torch_bytes(obj: Any) -> bytes:
+    """``torch.save`` of ``obj`` as bytes (a checkpoint blob)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def torch_load(path: Path) -> Any:

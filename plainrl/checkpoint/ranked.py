@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plainrl.checkpoint.files import manifest_files, torch_load, torch_save, verify, write_bytes
+from plainrl.checkpoint.files import manifest_files, torch_bytes, torch_load, torch_save, verify, write_bytes
 from plainrl.checkpoint.layout import (
     CHECKPOINTS_DIR, CONFIG, FORMAT_VERSION, MANIFEST, RNG, SCHEDULER, STATE, TMP_PREFIX, CheckpointError,
     rank_rng_file, step_dir_name,
@@ -77,14 +77,14 @@ def save_ranked(run_dir: str | Path, step: int, *, strategy: str, model: torch.n
     rngs: list[Any] = [None] * world
     dist.all_gather_object(rngs, get_rng_state(generator))
     extra = {**(extra or {}), "world_size": world, "strategy": strategy}
-    others = {rank_rng_file(r): rngs[r] for r in range(1, world)}
+    others = {rank_rng_file(r): torch_bytes(rngs[r]) for r in range(1, world)}
     if strategy == "ddp":
         out: Any = None
         if dist.get_rank() == 0:
             try:
                 out = str(save_checkpoint(run_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
                                           sampler_state=sampler_state, generator=generator, config_yaml=config_yaml,
-                                          extra=extra, keep_last=keep_last, extra_states=others,
+                                          extra=extra, keep_last=keep_last, blobs=others,
                                           save_optimizer=save_optimizer))
             except Exception as e:  # noqa: BLE001 - every rank raises it
                 out = e

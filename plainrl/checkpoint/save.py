@@ -79,7 +79,6 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     blobs: dict[str, bytes] | None = None,
     keep_last: int | None = 3,
-    extra_states: dict[str, Any] | None = None,
     save_optimizer: bool = True,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-<step>/`` atomically and point ``latest`` at it.
@@ -108,10 +107,9 @@ def save_checkpoint(
         config_yaml: ``dump_config(cfg)``.
         extra: anything else JSON-serialisable to get back on resume.
         blobs: file name -> bytes, files of the run's own to get back on resume
-            (``CheckpointState.blobs``), e.g. the next step's batch under ``rollout.async_steps``.
+            (``CheckpointState.blobs``), e.g. the next step's batch under ``rollout.async_steps``
+            or the RNG states of the other ranks under torchrun (``rng-rank1.pt``).
         keep_last: complete checkpoints to keep (>= 1), None keeps all.
-        extra_states: ``{file name: object}`` more ``torch.save`` files (in the manifest),
-            e.g. the RNG states of the other ranks under torchrun (``rng-rank1.pt``).
         save_optimizer: False (``checkpoint.save_optimizer``) leaves ``optimizer.pt`` out and
             records that in the manifest (``"optimizer": false``), which :func:`verify` then does
             not require; resuming restarts the optimizer state (:func:`load_checkpoint` warns).
@@ -135,12 +133,12 @@ def save_checkpoint(
     masters = {n: m.detach().to("cpu").contiguous() for n, _, m in master_pairs(model, optimizer)}
     check_finite(masters)
     blobs = blobs or {}
-    reserved = set(REQUIRED_FILES) | {MASTER, MANIFEST} | set(extra_states or {})
+    reserved = set(REQUIRED_FILES) | {MASTER, MANIFEST}
     bad = [n for n in blobs if n in reserved or "/" in n or n.startswith(".")]
     if bad:
         raise ValueError(f"blob names {bad} clash with the checkpoint's own files or are not plain names")
     required = REQUIRED_FILES if save_optimizer else tuple(n for n in REQUIRED_FILES if n != OPTIMIZER)
-    files = required + ((MASTER,) if masters else ()) + tuple(extra_states or {}) + tuple(blobs)
+    files = required + ((MASTER,) if masters else ()) + tuple(blobs)
     try:
         state_json = json.dumps({
             "format_version": FORMAT_VERSION, "step": step, "weights": kind,
@@ -171,8 +169,6 @@ def save_checkpoint(
         torch_save(get_rng_state(generator), tmp / RNG)
         for blob_name, data in blobs.items():
             write_bytes(tmp / blob_name, data)
-        for fname, obj in (extra_states or {}).items():
-            torch_save(obj, tmp / fname)
         write_bytes(tmp / STATE, state_json.encode())
         write_bytes(tmp / CONFIG, config_yaml.encode())
         manifest = {"format_version": FORMAT_VERSION, "step": step, "optimizer": save_optimizer,
