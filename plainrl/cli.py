@@ -42,8 +42,11 @@ def _cmd_eval(args) -> int:
     if run_dir is not None and not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{target} is a directory without config.yaml; pass a config file or a plainrl run directory")
     overrides = list(args.overrides)
-    new_dataset = any(o.startswith("data.path=") for o in overrides)
-    if new_dataset:  # a dataset named on the command line is evaluated whole
+    # a dataset named on the command line is evaluated whole, unless data.eval_holdout is named too:
+    # then its held-out rows, the rows a run of this config over that dataset holds out
+    whole = any(o.startswith("data.path=") for o in overrides) and \
+        not any(o.startswith("data.eval_holdout=") for o in overrides)
+    if whole:
         overrides.append("data.eval_holdout=0")
     cfg = load_config(run_dir / "config.yaml" if run_dir else target, overrides)
     if cfg.algorithm.name == "rm":
@@ -52,7 +55,7 @@ def _cmd_eval(args) -> int:
     seed_everything(cfg.seed)
     prep = prepare(cfg)
     # otherwise the run's own held-out rows (a task's eval set, data.eval_path/eval_split/eval_holdout)
-    rows = prep.data.train if new_dataset and not cfg.data.eval_path else (prep.data.eval or prep.data.train)
+    rows = prep.data.train if whole and not cfg.data.eval_path else (prep.data.eval or prep.data.train)
     device = resolve_device(cfg.device)
     final = run_dir / "final" if run_dir else None
     if read_only(cfg):  # the served model is evaluated as it is: no local weights to load or push

@@ -211,6 +211,10 @@ def test_correctness_in_a_thread():
         ("The answer is 72", 0.0),  # not the "Answer: <number>" form
         ("Answer: seventy-two", 0.0),
         ("72", 0.0),
+        ("so 3 + 4 = <<3+4=7>>7 apples.\n#### 7", 1.0),  # GSM8K's own final line
+        ("#### $1,200", 1.0),
+        ("####", 0.0),
+        ("#### seven", 0.0),
     ],
 )
 def test_format_reward(completion, expected):

@@ -22,8 +22,10 @@ logs. Nothing is skipped silently.
 Held-out eval rows: built-in tasks generate their own, disjoint from training
 (see :mod:`plainrl.data.tasks`). For file/hub data the eval set comes only from
 ``data.eval_path`` (or ``data.eval_split`` of the same hub dataset / saved
-directory); training rows are never reused as eval rows implicitly, so without
-either setting the eval set is empty.
+directory), or from ``data.eval_holdout`` rows of the training data, chosen among the
+raw rows by the run seed (:func:`plainrl.data.sources.held_out_indices`: the same rows
+for every config over the same data and seed) and removed from training. Training rows
+are never reused as eval rows implicitly, so without any of these the eval set is empty.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from plainrl.data.prompts import build_prompt_ids, check_prompt_lengths
 from plainrl.data.rows import DataError, DropReport, InvalidRow, handle_invalid, indexed_prompt_rows
-from plainrl.data.sources import hold_out, load_rows, training_rows
+from plainrl.data.sources import held_out_indices, load_rows, training_rows
 from plainrl.data.tasks import make_task_split
 
 if TYPE_CHECKING:
@@ -189,7 +191,8 @@ def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: in
                                   subset=cfg.subset if label == "data.path" else None)
             evals = _prepare(eval_rows, source=f"{label} {eval_path!r} (eval, split {eval_split!r})", **common)
         elif cfg.eval_holdout > 0:
-            train, evals = hold_out(train, cfg.eval_holdout, seed)
+            held = held_out_indices(len(rows), cfg.eval_holdout, seed)  # chosen among the raw rows: see its docstring
+            train, evals = [p for p in train if p.source_index not in held], [p for p in train if p.source_index in held]
             notes.append(f"data.eval_holdout: {len(evals)} rows of {source.split()[0]} held out of training for eval")
     else:
         raise DataError("data: set data.task, data.path or data.source")

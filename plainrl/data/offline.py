@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from plainrl.data.prompts import as_id_list, render_prompt
 from plainrl.data.rows import DataError, DropReport, InvalidRow, check_messages, gsm8k_row, handle_invalid
-from plainrl.data.sources import hold_out, load_rows, training_rows
+from plainrl.data.sources import held_out_indices, load_rows, training_rows
 
 if TYPE_CHECKING:
     from plainrl.config import Config, DataConfig
@@ -242,7 +242,8 @@ def load_offline_data(cfg: Config, tokenizer) -> OfflineData:
                 handle_invalid(err, source=source, index=i, on_invalid=d.on_invalid, report=report)
         return out
 
-    train = prepare(*training_rows(d))
+    rows, source = training_rows(d)
+    train = prepare(rows, source)
     evals: list[Example] = []
     if d.eval_path is not None or d.eval_split is not None:
         path, label = (d.eval_path, "data.eval_path") if d.eval_path is not None else (d.path, "data.path")
@@ -250,7 +251,9 @@ def load_offline_data(cfg: Config, tokenizer) -> OfflineData:
         rows = load_rows(path, split, d.eval_size, label=label, subset=d.subset if label == "data.path" else None)
         evals = prepare(rows, f"{label} {path!r} (eval, split {split!r})")
     elif d.eval_holdout > 0:
-        train, evals = hold_out(train, d.eval_holdout, cfg.seed)
+        # chosen among the raw rows, so the RL run after this one (and plainrl eval) holds out the same rows
+        held = held_out_indices(len(rows), d.eval_holdout, cfg.seed)
+        train, evals = [e for e in train if e.source_index not in held], [e for e in train if e.source_index in held]
         notes.append(f"data.eval_holdout: {len(evals)} rows held out of training for eval")
     if not train:
         raise DataError(f"no usable training rows left: {report.summary()}")

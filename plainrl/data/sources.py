@@ -1,6 +1,6 @@
 """Where rows come from: local files, ``save_to_disk`` directories, other dataset
 directories and hub datasets (:func:`load_rows`), a Python function (:func:`source_rows`,
-``data.source``), and the rows held out of training for eval (:func:`hold_out`).
+``data.source``), and the rows held out of training for eval (:func:`held_out_indices`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from plainrl.data.rows import DataError
 if TYPE_CHECKING:
     from plainrl.config import DataConfig
 
-__all__ = ["hold_out", "load_rows", "source_rows", "training_rows"]
+__all__ = ["held_out_indices", "hold_out", "load_rows", "source_rows", "training_rows"]
 
 T = TypeVar("T")
 
@@ -258,9 +258,30 @@ def training_rows(cfg: "DataConfig") -> tuple[list[Any], str]:
     raise DataError("data: set data.path or data.source")
 
 
+def held_out_indices(total: int, count: int, seed: int) -> frozenset[int]:
+    """The 0-based indices, among ``total`` raw rows, of the ``count`` rows held out of
+    training for eval (``data.eval_holdout``): the first ``count`` of a
+    ``random.Random(seed)`` shuffle of ``range(total)``.
+
+    They depend on nothing but ``(total, count, seed)``, and are applied to the rows as
+    read, before validation and tokenisation: every config reading the same rows with the
+    same seed and ``eval_holdout`` holds out the same rows, whatever its prompt template,
+    length limits or algorithm (an SFT run and the RL run after it, ``plainrl eval``); a
+    held-out row that is invalid for one of them is dropped from its eval set, never
+    replaced by a training row.
+
+    Raises:
+        DataError: ``count`` leaves no training rows.
+    """
+    if count >= total:
+        raise DataError(f"data.eval_holdout={count} leaves no training rows out of {total}; lower it")
+    order = list(range(total))
+    random.Random(seed).shuffle(order)
+    return frozenset(order[:count])
+
+
 def hold_out(rows: list[T], count: int, seed: int) -> tuple[list[T], list[T]]:
-    """Remove ``count`` rows, chosen by a ``random.Random(seed)`` shuffle, from training
-    for eval (``data.eval_holdout``).
+    """Split raw ``rows`` by :func:`held_out_indices`.
 
     Returns:
         ``(training rows, held-out rows)``, each in the order of ``rows``.
@@ -268,9 +289,5 @@ def hold_out(rows: list[T], count: int, seed: int) -> tuple[list[T], list[T]]:
     Raises:
         DataError: ``count`` leaves no training rows.
     """
-    if count >= len(rows):
-        raise DataError(f"data.eval_holdout={count} leaves no training rows out of {len(rows)}; lower it")
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    held = set(order[:count])
+    held = held_out_indices(len(rows), count, seed)
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]

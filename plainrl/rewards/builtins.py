@@ -47,6 +47,7 @@ _LEADING_NUMBER_RE = re.compile(
 )
 _BARE_NUMBER_RE = re.compile(rf"\s*\$?\s*(?:{_NUMBER_TOKEN})\s*\.?\s*")
 _FORMAT_ANSWER_RE = re.compile(r"\banswer\s*(?:\*\*)?\s*:\s*(?:\*\*)?\s*\\?\$?\s*[-+]?\.?\d", re.IGNORECASE)
+_FORMAT_HASHES_RE = re.compile(r"####[ \t]*\\?\$?[ \t]*[-+]?\.?\d")  # GSM8K's own "#### 72"
 _NUMBER_RE = re.compile(_NUMBER_TOKEN)
 _PLAIN_NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 # a binary operation between two operands: "12 + 18", "3 \times 4", "(2)*5" ("-5" and "3/4" are values)
@@ -259,9 +260,10 @@ def correctness(completion: str, answer: Any = _MISSING, **_: Any) -> float | No
 def format_reward(completion: str, **_: Any) -> float:
     """1.0 when the completion states its final answer in the expected form, else 0.0.
 
-    Expected form: a non-empty ``\\boxed{...}``, or ``Answer: <number>``
-    (case-insensitive, ``**Answer:**`` and a ``$`` before the number allowed). Only the
-    completion is checked, so with a prompt template that already ends in
+    Expected form: a non-empty ``\\boxed{...}``, ``Answer: <number>``
+    (case-insensitive, ``**Answer:**`` and a ``$`` before the number allowed), or GSM8K's
+    own ``#### <number>`` (what SFT on GSM8K's solutions teaches: ``examples/sft_gsm8k.yaml``).
+    Only the completion is checked, so with a prompt template that already ends in
     ``"Answer: "`` this reward is 0 for a bare-number completion.
 
     Args:
@@ -270,7 +272,8 @@ def format_reward(completion: str, **_: Any) -> float:
     Returns:
         1.0 or 0.0.
     """
-    if _last_boxed(completion) is not None or _FORMAT_ANSWER_RE.search(completion):
+    if _last_boxed(completion) is not None or _FORMAT_ANSWER_RE.search(completion) or \
+            _FORMAT_HASHES_RE.search(completion):
         return 1.0
     return 0.0
 
