@@ -1,12 +1,16 @@
 """Peak memory of one RL step (rollout + rewards + advantages + learner update) with and
-without ``train.gradient_checkpointing``, for the embedded model and a randomly
-initialised ~1B-parameter Llama.
+without ``train.gradient_checkpointing`` and ``model.quantization`` (QLoRA), for the
+embedded model and a randomly initialised ~1B-parameter Llama.
 
-    python benchmarks/memory.py                    # the four cases below (minutes on a CPU)
+    python benchmarks/memory.py                    # the eight cases below (minutes on a CPU)
     python benchmarks/memory.py --quick            # tiny random models (seconds): checks the script works
     python benchmarks/memory.py --cases 1b         # only the cases whose name contains "1b"
+    python benchmarks/memory.py --quantization none nf4 int8   # the quantization axis (default: none nf4)
 
-Cases (GRPO, LoRA r=16, ``model.dtype=auto``: float32 on a CPU without bf16 kernels):
+Cases (GRPO, LoRA r=16, ``model.dtype=auto``: float32 on a CPU without bf16 kernels, bfloat16
+on a CUDA GPU or a CPU with native bf16), each with ``train.gradient_checkpointing`` off and on
+and each ``--quantization`` (``none``: the base in ``model.dtype``; ``nf4`` / ``int8``: the
+frozen base's linear layers quantized by bitsandbytes, LoRA on top):
 
 - ``embedded``: smollm2-135m-instruct, the demo batch (examples/arithmetic_grpo.yaml:
   4 prompts x 8 samples, 48 new tokens);
@@ -29,7 +33,9 @@ update phase (``learner.update``, ``engine.load_weights``). Columns:
   the model: activations kept for backward, logits chunks, the shared-prompt KV cache,
   gradients, the optimiser's first-step state. Gradient checkpointing changes this one;
 - process peak: ``ru_maxrss`` over the whole subprocess, loading included;
-- CUDA peak (update): ``torch.cuda.max_memory_allocated`` during the update, on CUDA only.
+- weights: the base model's parameters as stored (packed 4-bit / int8 under quantization);
+- CUDA setup / CUDA peak (rollout, update): ``torch.cuda.memory_allocated`` after setup and
+  ``torch.cuda.max_memory_allocated`` during each phase, on CUDA only.
 """
 
 from __future__ import annotations
@@ -68,22 +74,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny random models and batches (seconds)")
     p.add_argument("--cases", nargs="*", default=None, help="run only the cases whose name contains one of these")
     p.add_argument("--threads", type=int, default=None, help="torch threads in each case (default: torch's)")
+    p.add_argument("--quantization", nargs="+", default=["none", "nf4"], choices=["none", "nf4", "int8"],
+                   help="model.quantization values to run each model with (default: none nf4)")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one case (JSON)
     p.add_argument("--build", nargs=2, metavar=("SHAPE", "DIR"), default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def cases(quick: bool, model_dirs: dict[str, str]) -> list[dict]:
-    """Every configuration: (model, batch) x gradient checkpointing off / on."""
+def cases(quick: bool, model_dirs: dict[str, str], quantizations=("none",)) -> list[dict]:
+    """Every configuration: (model, batch) x quantization x gradient checkpointing off / on.
+    A case's name is ``model[/quantization]/plain|ckpt`` (no quantization part for ``none``)."""
     if quick:
         models = [("quick-small", model_dirs["quick-small"], QUICK_BATCH),
                   ("quick-large", model_dirs["quick-large"], QUICK_BATCH)]
     else:
         models = [("embedded", "smollm2-135m-instruct", DEMO_BATCH), ("1b", model_dirs["1b"], SMALL_BATCH)]
-    return [{"name": f"{name}/{'ckpt' if on else 'plain'}", "model": name,
-             "overrides": [f"model.name={path}", *batch, f"train.gradient_checkpointing={str(on).lower()}"]}
-            for name, path, batch in models for on in (False, True)]
+    return [{"name": "/".join([name, *([q] if q != "none" else []), "ckpt" if on else "plain"]),
+             "model": name if q == "none" else f"{name}/{q}",
+             "overrides": [f"model.name={path}", *batch, f"model.quantization={q}",
+                           f"train.gradient_checkpointing={str(on).lower()}"]}
+            for name, path, batch in models for q in quantizations for on in (False, True)]
 
 
 # ----------------------------------------------------------------------------- one case (subprocess)
@@ -103,6 +114,13 @@ def build_model(shape: str, dest: Path) -> None:
                       **SHAPES[shape])
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(dest)
     tok.save_pretrained(dest)
+
+
+def _numel(p: torch.Tensor) -> int:
+    """Parameters a tensor stands for: a bitsandbytes 4-bit weight packs two in a byte and
+    keeps its real shape in ``quant_state``."""
+    state = getattr(p, "quant_state", None)
+    return state.shape.numel() if state is not None else p.numel()
 
 
 def rss_bytes(field: str) -> int:
@@ -142,6 +160,7 @@ def run_case(case: dict, threads: int | None, run_dir: Path) -> dict:
     try:
         dev = run.learner.device
         setup_rss = rss_bytes("VmRSS")
+        setup_cuda = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
         timer = StepTimer()
         phases: dict[str, dict] = {}
 
@@ -174,7 +193,9 @@ def run_case(case: dict, threads: int | None, run_dir: Path) -> dict:
         base = unwrap(run.model)
         return {
             **case, "device": str(dev), "dtype": str(next(base.parameters()).dtype).removeprefix("torch."),
-            "params": sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n),
+            "params": sum(_numel(p) for n, p in base.named_parameters() if "lora_" not in n),
+            "weight_bytes": sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "lora_" not in n),
+            "cuda_setup": setup_cuda,
             "trainable": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
             "layers": base.config.num_hidden_layers, "hidden": base.config.hidden_size,
             "sequences": len(episodes), "completion_tokens": sum(len(e.completion_ids) for e in episodes),
@@ -210,15 +231,17 @@ def extra(r: dict, name: str) -> int | None:
 
 
 def print_table(results: list[dict]) -> None:
-    head = ("case", "params", "seqs x tokens", "setup RSS", "rollout peak", "update peak", "update extra",
-            "process peak", "CUDA peak (update)", "rollout s", "update s")
+    head = ("case", "params", "weights", "seqs x tokens", "setup RSS", "rollout peak", "update peak", "update extra",
+            "process peak", "CUDA setup", "CUDA peak (rollout)", "CUDA peak (update)", "rollout s", "update s")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|")
     for r in results:
         ph, sec = r["phases"], r["seconds"]
-        row = (r["name"], f"{r['params'] / 1e6:,.0f}M", f"{r['sequences']} x {r['tokens'] / r['sequences']:.0f}",
+        row = (r["name"], f"{r['params'] / 1e6:,.0f}M", mib(r["weight_bytes"]),
+               f"{r['sequences']} x {r['tokens'] / r['sequences']:.0f}",
                mib(r["setup_rss"]), mib(ph["rollout"]["peak_rss"]), mib(ph["update"]["peak_rss"]),
-               mib(extra(r, "update")), mib(r["process_peak_rss"]), mib(ph["update"]["cuda_peak"]),
+               mib(extra(r, "update")), mib(r["process_peak_rss"]), mib(r["cuda_setup"]),
+               mib(ph["rollout"]["cuda_peak"]), mib(ph["update"]["cuda_peak"]),
                f"{sec['time/rollout']:.1f}", f"{sec['time/update']:.1f}")
         print("| " + " | ".join(row) + " |")
     print("(memory in MiB)")
@@ -251,7 +274,7 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}; cuda {cuda}")
     with tempfile.TemporaryDirectory(prefix="plainrl-memory-") as tmp:
         shapes = ["quick-small", "quick-large"] if args.quick else ["1b"]
-        todo = cases(args.quick, {s: str(Path(tmp) / s) for s in shapes})
+        todo = cases(args.quick, {s: str(Path(tmp) / s) for s in shapes}, args.quantization)
         if args.cases:
             todo = [c for c in todo if any(k in c["name"] for k in args.cases)]
         for shape in shapes:

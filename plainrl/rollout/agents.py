@@ -72,6 +72,7 @@ def agent_rollout(
     max_live: int | None = None,
     timeout_s: float | None = None,
     max_in_flight: int = 1,
+    busy_wait_s: float = 0.05,
     system_prompt: str | None = None,
     prompt_template: str = "{prompt}",
     chat_template_kwargs: dict[str, Any] | None = None,
@@ -122,7 +123,8 @@ def agent_rollout(
 
     runs = run_episodes(engine, flat, runner, params, tokenizer, max_total_tokens=max_total_tokens,
                         max_context=max_context, generator=generator, max_live=max_live, timeout_s=timeout_s,
-                        max_in_flight=max_in_flight, system_prompt=system_prompt, prompt_template=prompt_template,
+                        max_in_flight=max_in_flight, busy_wait_s=busy_wait_s, system_prompt=system_prompt,
+                        prompt_template=prompt_template,
                         chat_template_kwargs=chat_template_kwargs)
     episodes = [_episode(run, flat[i], tokenizer, f"s{step}-r{flat[i].source_index}-{i % group_size}",
                          i // group_size) for i, run in enumerate(runs)]
