@@ -110,6 +110,46 @@ def test_a_quantized_policy_decodes_with_transformers_through_its_adapters(tiny_
     assert not torch.allclose(base, plain, atol=1e-3)
 
 
+def test_nf4_layers_keep_the_training_layout_through_a_no_grad_forward(tokenizer, tmp_path):
+    """On AVX512-BF16 CPUs bitsandbytes would repack nf4 weights for inference at the first
+    no-grad forward (the rollout's): the base's scales change and the backward goes through a
+    kernel with no autograd. After a no-grad forward the base must be as loaded and the
+    adapters' gradients come through bitsandbytes' autograd (no warning). A layer of 48
+    outputs (not a multiple of the repacking's 32-row blocks) is part of the model."""
+    _require("nf4", "cpu")
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from plainrl.config import ModelConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model = load_policy(ModelConfig(name=str(tmp_path), dtype="float32", quantization="nf4"), torch.device("cpu"))
+    base = {n: t.detach().clone() for n, t in model.state_dict().items() if "lora_" not in n}
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)  # the rollout's kind of forward
+    for n, t in model.state_dict().items():
+        if n in base:
+            assert torch.equal(t, base[n]), f"{n} changed"
+    model.train()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.1)  # else lora_A's gradient is 0 by construction
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+    assert not [w for w in seen if "autograd kernel was not registered" in str(w.message)]
+    grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
 def _quantized_modules(model) -> list[torch.nn.Module]:
     import bitsandbytes as bnb
 

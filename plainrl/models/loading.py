@@ -19,7 +19,13 @@ from plainrl.config import LoraConfig, ModelConfig
 from plainrl.models.gguf import EMBEDDED_MODELS, GGUFError, convert_gguf, embedded_gguf
 from plainrl.models.portable import BaseModelRef, record_base
 from plainrl.models.precision import model_dtype
-from plainrl.models.quantization import bnb_config, check_support, prepare_for_training, quiet_int8_cast
+from plainrl.models.quantization import (
+    bnb_config,
+    check_support,
+    keep_training_layout,
+    prepare_for_training,
+    quiet_int8_cast,
+)
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +174,8 @@ def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, sh
     model = _from_pretrained(auto_class, path, dtype=dtype, attn_implementation=attn, **kwargs)
     if not quantized:
         model.to(device)
+    elif cfg.quantization == "nf4":
+        keep_training_layout(model)
     model.config.use_cache = False  # the learner never needs a cache; the engine passes its own
     if kwargs.get("num_labels") is not None:
         # the new head stays float32: it is small, and values/rewards need the precision

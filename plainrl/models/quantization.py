@@ -108,6 +108,29 @@ def bnb_config(quantization: str, compute_dtype: torch.dtype, skip_modules: list
     raise ValueError(f"quantization must be nf4 or int8, got {quantization!r}")
 
 
+def keep_training_layout(model: torch.nn.Module) -> int:
+    """Stop bitsandbytes from repacking nf4 weights for its CPU inference kernel.
+
+    On CPUs with AVX512-BF16, bitsandbytes (0.50) rewrites each 4-bit layer's weight and
+    block scales into an inference-only layout at the first forward without gradient (the
+    rollout's). After that the layer's base weights differ from the loaded ones (the scales
+    are quantized again) and its forward runs ``gemv_4bit``, which has no autograd kernel,
+    so the learner's backward through the layer is wrong (torch warns "an autograd kernel
+    was not registered"); it also asserts on layers whose output size is not a multiple
+    of 32. A policy both samples and trains with the same layers, so they keep the layout
+    that training uses (the one every other CPU runs).
+
+    Returns:
+        the number of 4-bit layers changed (0 where bitsandbytes would not repack).
+    """
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
+
+
 def prepare_for_training(model: torch.nn.Module) -> torch.nn.Module:
     """peft's ``prepare_model_for_kbit_training`` before LoRA is applied: freezes every
     parameter and casts the unquantized float16/bfloat16 ones (embeddings, norms, LM head)
