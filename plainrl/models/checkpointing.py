@@ -8,7 +8,7 @@ the rest. That trades about one more decoder forward per update for activation m
 that no longer grows with the number of layers times those intermediates.
 
 Why not transformers' ``gradient_checkpointing_enable()``: its checkpointed layers set
-``use_cache=False`` and ``past_key_values=None`` (transformers 5.x ``GradientCheckpointingLayer``)
+``use_cache=False`` and drop the cache (transformers 5.x ``GradientCheckpointingLayer``)
 because the backward replay would append the same keys and values to the cache a second
 time. plainrl's shared-prompt forward (:func:`plainrl.models.shared_prompt_hidden`)
 needs that cache: its completions attend to the prompt's keys and values through it,
@@ -72,7 +72,9 @@ def _checkpointed_forward(layer: torch.nn.Module, index: int, *args, **kwargs):
     run = type(layer).forward.__get__(layer)  # the class's forward: the layer as transformers wrote it
     if not torch.is_grad_enabled():
         return run(*args, **kwargs)
-    cache = kwargs.get("past_key_values")
+    # the layers' name for the cache: `cache` from transformers 5.24 (`past_key_values`, deprecated
+    # there, before); missing it would let the replay append the prompt's keys a second time
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is None:
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
     entry = _cache_entry(cache, index)
