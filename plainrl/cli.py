@@ -96,11 +96,17 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from plainrl.report import RunDirError, write_report
+    from plainrl.report import RunDirError, read_runs, write_report
+    from plainrl.report.plots import curves_png
 
     try:
+        if args.png:
+            curves_png(read_runs(args.run_dirs), args.png, args.metrics, args.eval_metric)
+            print(args.png)
+            if args.out is None:
+                return 0
         path = write_report(args.run_dirs, args.out)
-    except RunDirError as e:
+    except (RunDirError, ValueError) as e:
         print(f"plainrl: {e}", file=sys.stderr)
         return 2
     print(path)
@@ -166,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("-o", "--out", help="the HTML file to write (default: RUN_DIR/report.html for one run, "
                                        "./report.html for several)")
+    p.add_argument("--png", help="write the curves as one PNG instead (with -o, both): --metrics side by side, "
+                                 "then --eval-metric with its 95%% intervals")
+    p.add_argument("--metrics", nargs="+", default=["reward/mean"], help="training curves of --png "
+                                                                        "(default: reward/mean)")
+    p.add_argument("--eval-metric", default="eval/pass@1", help="the evaluation panel of --png (default: eval/pass@1)")
     p.set_defaults(func=_cmd_report)
     p = sub.add_parser("export", help="a run's final/ as full weights with any LoRA adapter merged in (safetensors, "
                                       "tokenizer, generation config, model card): loads in transformers and vLLM")

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, tiny_overrides
 from plainrl.cli import main
-from plainrl.report import RunDirError, read_run
+from plainrl.report import RunDirError, read_run, read_runs
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
@@ -107,6 +107,26 @@ def test_not_a_run_dir_names_the_path_and_what_is_missing(runs, tmp_path, capsys
     assert main(["report", str(runs[0]), str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path) in err and "config.yaml and metrics.jsonl are missing" in err
+
+
+def test_png_curves_of_several_runs(runs, tmp_path, capsys):
+    """``--png``: one image with a panel per training metric and the evaluation panel; a
+    metric no run logged is left out; with nothing to draw the command fails, naming the keys."""
+    from matplotlib.image import imread
+
+    from plainrl.report.plots import curves_png
+
+    out = tmp_path / "curves.png"
+    assert main(["report", str(runs[0]), str(runs[1]), "--png", str(out), "--metrics", "reward/mean",
+                 "no/such_metric"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert not (tmp_path / "report.html").exists()  # --png alone writes no HTML
+    assert imread(out).shape[:2] == (450, 1380)  # two 4.6 x 3.0 inch panels (reward, eval) at 150 dpi
+    assert curves_png(read_runs([runs[0]]), tmp_path / "one.png", ["reward/mean", "loss"]) == [
+        "reward/mean", "loss", "eval/pass@1"]
+    assert main(["report", str(runs[0]), "--png", str(tmp_path / "x.png"), "--metrics", "nope",
+                 "--eval-metric", "eval/nope"]) == 2
+    assert "no run logged any of ['nope', 'eval/nope']" in capsys.readouterr().err
 
 
 def test_a_line_cut_by_a_crash_is_skipped_and_noted(runs, tmp_path):

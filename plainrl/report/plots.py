@@ -67,7 +67,10 @@ def _svg(fig: Figure, chart_id: str) -> str:
 def _figure(title: str, xlabel: str) -> tuple[Figure, Axes]:
     fig = Figure(figsize=_SIZE)
     fig.subplots_adjust(left=0.13, right=0.97, bottom=0.16, top=0.88)
-    ax = fig.add_subplot()
+    return fig, _styled(fig.add_subplot(), title, xlabel)
+
+
+def _styled(ax: Axes, title: str, xlabel: str) -> Axes:
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel, fontsize=8)
     ax.tick_params(labelsize=7)
@@ -75,7 +78,7 @@ def _figure(title: str, xlabel: str) -> tuple[Figure, Axes]:
     ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))  # steps
     ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
     ax.spines[["top", "right"]].set_visible(False)
-    return fig, ax
+    return ax
 
 
 def _safe(s: str) -> str:
@@ -100,6 +103,14 @@ def curve_chart(chart_id: str, title: str, runs: list[RunData], keys: list[str])
     if not keys:
         return None
     fig, ax = _figure(title, "step")
+    drawn = _draw_curves(ax, chart_id, runs, keys)
+    if not drawn:
+        return None
+    return Chart(chart_id, title, _svg(fig, chart_id), sorted(set(drawn)))
+
+
+def _draw_curves(ax: Axes, chart_id: str, runs: list[RunData], keys: list[str]) -> list[str]:
+    """Draw ``keys`` of every run (raw and smoothed) on ``ax``; returns the keys drawn."""
     drawn, i = [], 0
     short = short_labels(keys)
     for r_idx, run in enumerate(runs):
@@ -121,16 +132,14 @@ def curve_chart(chart_id: str, title: str, runs: list[RunData], keys: list[str])
             sm.set_gid(f"{chart_id}-{i}-smooth")
             drawn.append(key)
             i += 1
-    if not drawn:
-        return None
     if len(runs) > 1 and len(keys) > 1:
         handles = [Line2D([], [], color=_COLORS[k % len(_COLORS)], label=short[key]) for k, key in enumerate(keys)]
         handles += [Line2D([], [], color="#555", linestyle=_STYLES[r % len(_STYLES)], label=run.name)
                     for r, run in enumerate(runs)]
         ax.legend(handles=handles, fontsize=6.5, frameon=False, ncol=2)
-    elif len(runs) > 1 or len(keys) > 1:
+    elif drawn and (len(runs) > 1 or len(keys) > 1):
         ax.legend(fontsize=7, frameon=False)
-    return Chart(chart_id, title, _svg(fig, chart_id), sorted(set(drawn)))
+    return drawn
 
 
 def eval_metric_names(runs: list[RunData]) -> list[str]:
@@ -150,6 +159,13 @@ def eval_chart(chart_id: str, runs: list[RunData], key: str) -> Chart | None:
     """An evaluation metric against training steps done, with its 95% interval
     (``<key>_ci_low``/``_ci_high``) as error bars when logged; None without values."""
     fig, ax = _figure(key, "steps trained")
+    if not _draw_eval(ax, runs, key):
+        return None
+    return Chart(chart_id, key, _svg(fig, chart_id), [key])
+
+
+def _draw_eval(ax: Axes, runs: list[RunData], key: str) -> bool:
+    """Draw ``key`` of every run's evaluations on ``ax``; whether any run had it."""
     drawn = False
     for r_idx, run in enumerate(runs):
         rows = [r for r in run.evals if isinstance(r.get(key), (int, float))]
@@ -167,11 +183,35 @@ def eval_chart(chart_id: str, runs: list[RunData], key: str) -> Chart | None:
         else:
             ax.plot(x, y, color=color, marker="o", markersize=4, linewidth=1.2, label=label)
         drawn = True
-    if not drawn:
-        return None
-    if len(runs) > 1:
+    if drawn and len(runs) > 1:
         ax.legend(fontsize=7, frameon=False)
-    return Chart(chart_id, key, _svg(fig, chart_id), [key])
+    return drawn
+
+
+def curves_png(runs: list[RunData], out, keys: list[str], eval_key: str = "eval/pass@1") -> list[str]:
+    """One PNG of the runs side by side with ``keys`` (a panel each, training curves raw and
+    smoothed) and ``eval_key`` with its 95% intervals (a last panel): the recipes' curves
+    for a page that cannot inline the report's SVG.
+
+    Returns:
+        the panels drawn (metric names); a key no run logged is left out.
+    Raises:
+        ValueError: none of ``keys`` nor ``eval_key`` was logged by any run.
+    """
+    panels = [k for k in keys if any(run.series(k)[1] for run in runs)]
+    has_eval = any(isinstance(r.get(eval_key), (int, float)) for run in runs for r in run.evals)
+    if not panels and not has_eval:
+        raise ValueError(f"no run logged any of {[*keys, eval_key]}")
+    n = len(panels) + has_eval
+    fig = Figure(figsize=(_SIZE[0] * n, _SIZE[1] + 0.3))
+    fig.subplots_adjust(left=0.13 / n, right=1 - 0.03 / n, bottom=0.17, top=0.86, wspace=0.25)
+    for i, key in enumerate(panels):
+        ax = _styled(fig.add_subplot(1, n, i + 1), key, "step")
+        _draw_curves(ax, f"png-{i}", runs, [key])
+    if has_eval:
+        _draw_eval(_styled(fig.add_subplot(1, n, n), eval_key, "steps trained"), runs, eval_key)
+    fig.savefig(out, format="png", dpi=150)
+    return panels + ([eval_key] if has_eval else [])
 
 
 def _reward_function_keys(runs: list[RunData]) -> list[str]:
