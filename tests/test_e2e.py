@@ -39,16 +39,26 @@ def test_arithmetic_demo_config_two_steps_real_model(tmp_path, capsys):
 
 
 def test_demo_config_learns_in_twenty_steps(tmp_path):
-    """The demo's recipe moves held-out greedy pass@1 within 20 of its 40 steps (the model
+    """The demo's recipe raises its training reward within 20 of its 40 steps (the model
     first learns to state 'Answer: N'); a broken gradient, advantage or sync shows here.
-    (Seed 0, float32 on an AVX2 CPU: correctness reward 0.03 -> 0.47 by step 15.)"""
+
+    The reward of steps 11-20 against steps 1-5, not one greedy evaluation at step 20: the
+    policy swings step to step while it learns the format (float32, seed 0, on a Zen 4 CPU:
+    `correctness` 0.94 at step 16, 0.0 at steps 19-20), so a 32-problem evaluation there
+    passed on one CPU and read 0.03 -> 0.0 in bfloat16 on another. Measured gains of this
+    figure: +0.37 to +0.62 in the demo's runs (seeds 0-2, bfloat16 and float32, Zen 4), +0.18
+    in this test in bfloat16 there (whose `correctness` was still ~0 at step 20: the
+    trajectory depends on the CPU's rounding). The bar, +0.1, sits below the smallest gain
+    seen; a run whose update or sync is broken has nothing to raise its reward."""
     run = tmp_path / "run"
-    over = [f"run_dir={run}", "train.steps=20", "data.eval_size=32", "log.progress=false", "log.tensorboard=false"]
+    over = [f"run_dir={run}", "train.steps=20", "eval.before=false", "eval.after=false", "log.progress=false",
+            "log.tensorboard=false"]
     assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    before, after = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
-    assert after >= before + 0.15, (before, after, rewards)
+    assert len(rewards) == 20
+    first, late = sum(rewards[:5]) / 5, sum(rewards[10:]) / 10
+    assert late >= first + 0.1, (first, late, rewards)
 
 
 @pytest.mark.skipif(not GSM8K_TRAIN.is_file(), reason="GSM8K train split not beside the repo")
