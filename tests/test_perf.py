@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from plainrl.perf import FlopCounter, SystemMonitor, linear_params, peak_flops, throughput, training_flops
+from plainrl.perf import (FlopCounter, SystemMonitor, linear_params, peak_flops, resident_peak_gb, throughput,
+                          training_flops)
 
 
 def test_training_flops_by_hand():
@@ -43,5 +44,19 @@ def test_system_monitor():
     mon = SystemMonitor(torch.device("cpu"))
     sum(i * i for i in range(200_000))
     m = mon.metrics()
-    assert set(m) == {"system/rss_gb", "system/cpu_percent"}
+    assert {"system/rss_gb", "system/cpu_percent"} <= set(m) <= {"system/rss_gb", "system/cpu_percent",
+                                                                  "system/rss_peak_gb"}
     assert 0.05 < m["system/rss_gb"] < 64 and m["system/cpu_percent"] >= 0
+
+
+@pytest.mark.skipif(resident_peak_gb() is None, reason="no /proc/self/status VmHWM here")
+def test_rss_peak_is_the_peak_since_the_previous_read():
+    mon = SystemMonitor(torch.device("cpu"))
+    before = mon.metrics()["system/rss_gb"]
+    x = torch.ones(50_000_000)  # 200 MB, written, so resident; freed before the read
+    del x
+    first = mon.metrics()
+    assert first["system/rss_peak_gb"] >= before + 0.19
+    assert first["system/rss_gb"] < first["system/rss_peak_gb"] - 0.1  # (a buffer this large is unmapped on free)
+    second = mon.metrics()  # nothing allocated since the first read: its peak is gone
+    assert second["system/rss_peak_gb"] < first["system/rss_peak_gb"] - 0.1

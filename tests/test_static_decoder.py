@@ -181,6 +181,19 @@ def test_engine_rebuilds_the_decoder_after_a_weight_update(llama, tokenizer):
     torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(expect.logprobs), atol=1e-4, rtol=1e-4)
 
 
+def test_offload_drops_the_decoder_copies_and_the_next_call_rebuilds_them(llama, tokenizer):
+    engine = HFEngine(llama, tokenizer, decoder="static")
+    prompts = [tokenizer("What is 2 + 2?")["input_ids"]]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    first = engine.generate(prompts, greedy)[0]
+    built = engine.make_decoder()
+    engine.offload()  # the loop calls it before the update: no fused weight copies through it
+    assert engine._static is None
+    again = engine.generate(prompts, greedy)[0]
+    assert engine.make_decoder() is not built
+    assert again.token_ids == first.token_ids and again.logprobs == first.logprobs
+
+
 def test_sample_categorical_follows_the_distribution():
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 2.0]])  # unnormalised rows are fine
     gen = torch.Generator().manual_seed(0)

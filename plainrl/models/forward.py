@@ -15,8 +15,13 @@ from plainrl.algorithms import entropy_from_logits
 from plainrl.models.loading import unwrap
 from plainrl.models.packing import packed_hidden
 
-# Largest [B, chunk, V] float32 block of logits held at once (elements): 2^26 = 256 MiB.
-LOGIT_BLOCK_ELEMENTS = 1 << 26
+# Largest [chunk, V] float32 block of logits computed at once (elements): 2^24 = 64 MiB, 341
+# tokens of a 49152-token vocabulary. A checkpointed chunk's backward holds about three such
+# blocks at once (the recomputed log-softmax, the gradient scattered by gather, the gradient of
+# the logits), so at 2^26 (256 MiB) the LM head alone added ~0.8 GB to the update's peak. The
+# work is the same in smaller chunks; a [341, H] x [H, V] product (19 GFLOP at H = 576) is still
+# far above the size where a matmul's per-call overhead shows.
+LOGIT_BLOCK_ELEMENTS = 1 << 24
 
 
 def _target_logps(
