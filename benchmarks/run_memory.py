@@ -16,8 +16,9 @@ with two kinds of measurement:
   (pages only that process holds: forked workers share the trainer's pages, so their RSS
   counts those twice), the largest process's RSS, and the others' RSS and USS.
 
-The process peak is ``ru_maxrss`` of the trainer (what GNU ``time -v`` reports as
-"Maximum resident set size"). Linux only (``/proc``). Times are wall seconds: on a shared
+The process peak is the largest of the phases' peaks and ``ru_maxrss`` of the trainer (what
+GNU ``time -v`` reports as "Maximum resident set size"): resetting ``VmHWM`` resets
+``ru_maxrss`` too, so alone it gives only the peak after the last reset. Linux only (``/proc``). Times are wall seconds: on a shared
 machine they measure the sharing too; memory figures do not depend on it.
 """
 
@@ -146,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     tree = sample_tree(proc)
     proc.wait()
     reader.join(timeout=10)
+    last_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GB
+    process_peak = max([last_peak] + [p["peak_gb"] for p in phases if "peak_gb" in p])
     out = dict(config=args.config, overrides=args.overrides, rc=proc.returncode, wall_s=round(time.time() - t0, 1),
-               process_peak_gb=round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GB, 3),
+               process_peak_gb=round(process_peak, 3),
                tree=tree, phases=phases)
     print(json.dumps(out, indent=1))
     if args.json:
