@@ -11,6 +11,7 @@ import pytest
 
 from plainrl.config import DataConfig, load_config
 from plainrl.data import PromptRow, build_prompt_ids, load_prompt_data
+from plainrl.data.prompts import render_prompt
 from plainrl.data.tasks import countdown as countdown_task
 from plainrl.data.tasks import make_task_split
 from plainrl.rewards import countdown
@@ -175,20 +176,21 @@ def recipe():
 
 
 def test_recipe_worked_example_is_a_right_solution_in_calculator_notation():
-    """The system prompt's worked example is what the 135M model copies: every calculator call in it
-    must show what CalculatorEnv would insert, and its answer must score 1.0 on its own puzzle."""
+    """The prompt's worked example is what the 135M model copies: every calculator call in it must
+    show what CalculatorEnv would insert, and its answer must score 1.0 on its own puzzle."""
     cfg = recipe()
     assert cfg.rollout.env == "calculator" and cfg.eval.grader == "countdown"
-    instructions, _, example = cfg.data.system_prompt.partition("Example:")
-    assert "<<expression=" in instructions and example
-    numbers = [int(x) for x in re.search(r"numbers \[([\d, ]+)\]", example).group(1).split(",")]
-    target = int(re.search(r"equals (\d+)", example).group(1))
+    assert "</answer>" in cfg.rollout.stop  # the episode ends at the answer
+    prompt = render_prompt({"prompt": "", "numbers": [8, 16, 1], "target": 3}, cfg.data.prompt_template)
+    instructions, example, puzzle = prompt.split("\n\n")
+    assert "<<expression=" in instructions and puzzle == "Numbers: [8, 16, 1]. Target: 3.\n"
+    numbers = [int(x) for x in re.search(r"Numbers: \[([\d, ]+)\]", example).group(1).split(",")]
+    target = int(re.search(r"Target: (\d+)", example).group(1))
     calls = re.findall(r"<<([^=<>]+)=([^<>]*)>>", example)
     assert len(calls) >= 2 and example.count("<<") == len(calls)
     for expr, shown in calls:
         assert format_number(safe_eval(expr)) == shown, (expr, shown)
     assert countdown(example, numbers=numbers, target=target) == 1.0
-    assert "</answer>" in cfg.rollout.stop  # the episode ends at the answer
 
 
 def test_recipe_episode_with_calculator_calls_is_graded_on_its_answer(tokenizer):
