@@ -11,11 +11,13 @@ import pytest
 
 from plainrl.config import DataConfig, load_config
 from plainrl.data import PromptRow, build_prompt_ids, load_prompt_data
+from plainrl.data.prompts import render_prompt
 from plainrl.data.tasks import countdown as countdown_task
 from plainrl.data.tasks import make_task_split
 from plainrl.rewards import countdown
 from plainrl.rewards.countdown import CountdownError, countdown_value, final_equation
-from plainrl.types import Generation
+from plainrl.rollout.envs import format_number, safe_eval
+from plainrl.types import Generation, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 NUMS = [25, 5, 4, 7]
@@ -164,3 +166,62 @@ def test_eval_grader_is_loaded_and_checked_before_any_model(tiny_model_dir, tmp_
     assert run_setup.prepare(load_config(example, over)).grader is countdown
     with pytest.raises(RewardLoadError, match="eval.grader: .*nope"):
         run_setup.prepare(load_config(example, over + ["eval.grader=plainrl.rewards:nope"]))
+
+
+# ----------------------------------------------------------------------------- the recipe's calculator
+
+
+def recipe():
+    return load_config(REPO / "examples" / "countdown_grpo.yaml")
+
+
+def test_recipe_worked_example_is_a_right_solution_in_calculator_notation():
+    """The prompt's worked example is what the 135M model copies: every calculator call in it must
+    show what CalculatorEnv would insert, and its answer must score 1.0 on its own puzzle."""
+    cfg = recipe()
+    assert cfg.rollout.env == "calculator" and cfg.eval.grader == "countdown"
+    assert "</answer>" in cfg.rollout.stop  # the episode ends at the answer
+    prompt = render_prompt({"prompt": "", "numbers": [8, 16, 1], "target": 3}, cfg.data.prompt_template)
+    instructions, example, puzzle = prompt.split("\n\n")
+    assert "<<expression=" in instructions and puzzle == "Numbers: [8, 16, 1]. Target: 3.\n"
+    numbers = [int(x) for x in re.search(r"Numbers: \[([\d, ]+)\]", example).group(1).split(",")]
+    target = int(re.search(r"Target: (\d+)", example).group(1))
+    calls = re.findall(r"<<([^=<>]+)=([^<>]*)>>", example)
+    assert len(calls) >= 2 and example.count("<<") == len(calls)
+    for expr, shown in calls:
+        assert format_number(safe_eval(expr)) == shown, (expr, shown)
+    assert countdown(example, numbers=numbers, target=target) == 1.0
+
+
+def test_recipe_episode_with_calculator_calls_is_graded_on_its_answer(tokenizer):
+    """One scripted episode through the calculator: the inserted results are part of the completion text,
+    the stop string ends the episode, and the reward reads only the last <answer> block."""
+    from plainrl.rollout import multi_turn_rollout
+    from plainrl.rollout.envs import CalculatorEnv
+
+    class Scripted:
+        def __init__(self, turns):
+            self.turns, self.contexts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns], []
+
+        def generate(self, prompts, params, *, generator=None):
+            (ctx,) = prompts
+            self.contexts.append(list(ctx))
+            toks = self.turns[len(self.contexts) - 1]
+            return [Generation(token_ids=list(toks), logprobs=[-0.1] * len(toks), finish_reason="stop")]
+
+        def load_weights(self, model):
+            pass
+
+    cfg = recipe()
+    row = {"prompt": "Using the numbers [4, 9, 6], create an equation that equals 42.", "numbers": [4, 9, 6],
+           "target": 42}
+    prompt = PromptRow(row=row, prompt_ids=build_prompt_ids(row, tokenizer), source_index=0)
+    engine = Scripted(["Try <<4*9=", " 36, then <<36+6=", " 42, the target. <answer> 4 * 9 + 6 </answer>"])
+    params = SamplingParams(max_new_tokens=32, stop=tuple(cfg.rollout.stop))
+    (e,) = multi_turn_rollout(engine, [prompt], CalculatorEnv, params, tokenizer, group_size=1, step=0,
+                              max_turns=cfg.rollout.max_turns, max_total_tokens=cfg.rollout.max_total_tokens)
+    assert e.completion_text == "Try <<4*9=36>> 36, then <<36+6=42>> 42, the target. <answer> 4 * 9 + 6 </answer>"
+    assert e.env.info["tool_calls"] == 2 and e.env.info["end_reason"] == "stop"
+    assert countdown(e.completion_text, **row) == 1.0
+    # the intermediate 36 is a calculator result, not a given number: an answer that uses it scores 0
+    assert countdown(e.completion_text + " <answer> 36 + 6 </answer>", **row) == 0.0
