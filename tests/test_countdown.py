@@ -225,3 +225,44 @@ def test_recipe_episode_with_calculator_calls_is_graded_on_its_answer(tokenizer)
     assert countdown(e.completion_text, **row) == 1.0
     # the intermediate 36 is a calculator result, not a given number: an answer that uses it scores 0
     assert countdown(e.completion_text + " <answer> 36 + 6 </answer>", **row) == 0.0
+
+
+# ----------------------------------------------------------------------------- the recipe's SFT stage
+
+
+def _sft_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("countdown_sft", REPO / "examples" / "countdown_sft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_calculator_steps_work_the_expression_bottom_up():
+    sft = _sft_module()
+    assert sft.calculator_steps("(3 * 7) + 5") == [("3*7", "21"), ("21+5", "26")]
+    assert sft.calculator_steps("20 / (9 - 5)") == [("9-5", "4"), ("20/4", "5")]
+    assert sft.completion("(9 - 4) * 20", 100) == "<<9-4=5>>5, <<5*20=100>>100 is the target.\n<answer> (9 - 4) * 20 </answer>"
+    with pytest.raises(ValueError, match="only integers"):
+        sft.calculator_steps("2 ** 3")
+
+
+def test_sft_rows_are_right_and_never_a_puzzle_grpo_holds_out():
+    """The SFT stage's rows: every completion solves its puzzle (the countdown reward gives 1.0), and
+    none is among the held-out puzzles of the GRPO run with the same settings (what its eval reads)."""
+    sft_cfg = load_config(REPO / "examples" / "sft_countdown.yaml")
+    grpo = recipe()
+    args = dict(sft_cfg.data.source_args)
+    # the SFT config describes the same task, seed, prompt and held-out split as the GRPO config
+    assert sft_cfg.data.prompt_template == grpo.data.prompt_template and args["seed"] == grpo.seed == sft_cfg.seed
+    assert {k: args[k] for k in grpo.data.task_args} == grpo.data.task_args and args["eval_size"] == grpo.data.eval_size
+    rows = _sft_module().rows(**{**args, "n": 300})
+    _, held_out = make_task_split("countdown", grpo.data.task_args["num_train"], grpo.data.eval_size, grpo.seed,
+                                  **{k: v for k, v in grpo.data.task_args.items() if k != "num_train"})
+    assert len(held_out) == grpo.data.eval_size and not {r["prompt"] for r in held_out} & {r["prompt"] for r in rows}
+    assert len(rows) == 300
+    for r in rows:
+        assert countdown(r["completion"], numbers=r["numbers"], target=r["target"]) == 1.0
+        for expr, shown in re.findall(r"<<([^=<>]+)=([^<>]*)>>", r["completion"]):
+            assert format_number(safe_eval(expr)) == shown

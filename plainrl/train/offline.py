@@ -88,7 +88,7 @@ def _sft(t: "OfflineTrainer", b: Batch, n: Totals) -> tuple[torch.Tensor, dict[s
                    positions=connected_positions(b.mask > 0, t.parallel))  # [B, T-1]
     loss = aggregate_loss(-logps, b.mask, t.cfg.algorithm.loss_agg, num_tokens=n.tokens, num_seqs=n.seqs,
                           normalizer=t.cfg.model.max_context)
-    nll = float(-(logps * b.mask).sum())
+    nll = float(-(logps.detach() * b.mask).sum())
     return loss, {"nll": nll / max(1, n.tokens)}
 
 
