@@ -91,7 +91,7 @@ def cases(quick: bool, model_dirs: dict[str, str], quantizations=("none",)) -> l
     else:
         models = [("embedded", "smollm2-135m-instruct", DEMO_BATCH), ("1b", model_dirs["1b"], SMALL_BATCH)]
     return [{"name": "/".join([name, *([q] if q != "none" else []), "ckpt" if on else "plain"]),
-             "model": name if q == "none" else f"{name}/{q}",
+             "model": name if q == "none" else f"{name}/{q}", "shape": name,
              "overrides": [f"model.name={path}", *batch, f"model.quantization={q}",
                            f"train.gradient_checkpointing={str(on).lower()}"]}
             for name, path, batch in models for q in quantizations for on in (False, True)]
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
         if args.cases:
             todo = [c for c in todo if any(k in c["name"] for k in args.cases)]
         for shape in shapes:
-            if any(c["model"] == shape for c in todo):
+            if any(c["shape"] == shape for c in todo):  # (a quantized case's "model" is "1b/nf4")
                 run_in_subprocess(["--build", shape, str(Path(tmp) / shape)], f"building the {shape} model")
         results = []
         for case in todo:

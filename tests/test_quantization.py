@@ -4,6 +4,7 @@ RL runs with an nf4 / int8 base through the CLI, where bitsandbytes runs on this
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -201,3 +202,16 @@ def test_tiny_qlora_run_trains_only_the_adapters(quantization, device, tiny_mode
              if "loss" in json.loads(line)]
     assert steps == [0, 1, 2]
     assert main(["eval", str(run), f"device={device}", "data.eval_size=2"]) == 0
+
+
+def test_memory_benchmark_runs_its_quantized_cases(tmp_path):
+    """benchmarks/memory.py builds its random model for quantized-only runs too (a quantized
+    case's ``model`` is ``SHAPE/nf4``; the build once looked for ``SHAPE`` and was skipped)."""
+    _require("nf4", "cpu")
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory.py"), "--quick", "--quantization", "nf4",
+                           "--cases", "quick-small", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in results] == ["quick-small/nf4/plain", "quick-small/nf4/ckpt"]
+    assert all(r["weight_bytes"] < r["params"] * 4 for r in results)  # packed 4-bit codes, not float32
