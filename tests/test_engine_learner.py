@@ -88,6 +88,66 @@ def test_chunked_logps_equal_plain_log_softmax(model, monkeypatch):
     torch.testing.assert_close(sequence_logps(model, ids, attn), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_frozen_head_gradient_in_forward_equals_autograd(dtype, with_entropy):
+    """_FrozenHeadLogps (the gradient with respect to h computed in forward) against autograd
+    through the same chunk, at temperature 0.7, with random incoming gradients."""
+    from plainrl.models.forward import _FrozenHeadLogps, _target_logps
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=True).requires_grad_(False).to(dtype)
+    h = torch.randn(7, 16, generator=g).to(dtype)
+    y = torch.randint(0, 50, (7,), generator=g)
+    up = [torch.randn(7, generator=g) for _ in range(2)]
+
+    def run(fn):
+        x = h.clone().requires_grad_(True)
+        out = fn(x)
+        outs = out if with_entropy else (out,)
+        sum((o * u).sum() for o, u in zip(outs, up)).backward()
+        return [o.detach() for o in outs], x.grad
+
+    ref_out, ref_grad = run(lambda x: _target_logps(x, head, y, 0.7, with_entropy))
+    out, grad = run(lambda x: _FrozenHeadLogps.apply(x, head.weight, head.bias, y, 0.7, with_entropy))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for a, b in zip(out, ref_out):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the same float32 forward
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad.float(), ref_grad.float(), **tol)
+
+
+def test_lora_gradients_equal_with_the_frozen_head_path_and_the_checkpointed_one(model, monkeypatch):
+    """Through sequence_logps with LoRA on the decoder (the learner's case): the adapters'
+    gradients with the head's gradient computed in forward equal the checkpointed path's."""
+    import plainrl.models.forward as L
+    from plainrl.config import LoraConfig
+    from plainrl.models import apply_lora
+
+    peft_model = apply_lora(model, LoraConfig(r=4, alpha=8))
+    for n, p in peft_model.named_parameters():  # B starts at zero: give the adapters a value
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    ids = torch.randint(0, 1000, (3, 9))
+    attn = torch.ones_like(ids)
+    monkeypatch.setattr(L, "LOGIT_BLOCK_ELEMENTS", 5 * model.config.vocab_size)  # several chunks
+    assert L._frozen_head(model.get_output_embeddings())
+
+    def grads(fused: bool):
+        monkeypatch.setattr(L, "_frozen_head", lambda head: fused)
+        peft_model.zero_grad()
+        lp, ent = sequence_logps(peft_model, ids, attn, temperature=0.8, with_entropy=True)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+    lp_a, g_a = grads(True)
+    lp_b, g_b = grads(False)
+    torch.testing.assert_close(lp_a, lp_b)
+    assert g_a.keys() == g_b.keys() and any(v.abs().sum() > 0 for v in g_a.values())
+    for n in g_a:
+        torch.testing.assert_close(g_a[n], g_b[n], atol=1e-5, rtol=1e-4)
+
+
 def _episodes(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     eps = []

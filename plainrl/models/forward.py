@@ -34,6 +34,62 @@ def _target_logps(
     return (logps, entropy_from_logits(logits)) if with_entropy else logps
 
 
+class _FrozenHeadLogps(torch.autograd.Function):
+    """Logprobs of the targets (and the entropy) of one chunk through a frozen LM head,
+    with the gradient with respect to the hidden states computed in the forward pass.
+
+    With z = (h W^T + b) / T and p = softmax(z), for one position:
+      d log p_y / dz = onehot(y) - p                    (log p_y = z_y - logsumexp(z))
+      d H / dz       = -p * (log p + H)                 (H = -sum_v p_v log p_v)
+    and dz/dh = W / T, so each output's gradient with respect to h is a [V] vector times W:
+    one [c, V] x [V, H] product per output, done while the logits exist. Backward then
+    only scales those [c, H] rows by the incoming per-position gradients. A checkpointed
+    chunk instead recomputes the [c, H] x [H, V] logits in backward and then does the same
+    [c, V] x [V, H] product: this saves one of the LM head's three matmuls and the
+    recomputed softmax. Only for a head without trainable parameters (LoRA on the decoder,
+    a tied or frozen head): a trainable W would need the incoming gradients to form dW.
+    The same trick as fused linear-cross-entropy losses (e.g. Liger Kernel's, Hsu et al.
+    2024, arXiv:2410.10989), here for per-token logprobs rather than a mean loss.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy):
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [c, V]
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)  # [c, V]
+        del logits
+        out = logp.gather(-1, targets[:, None]).squeeze(-1)  # [c]
+        probs = logp.exp()
+        rows = [probs.neg().scatter_add_(-1, targets[:, None], torch.ones_like(out[:, None]))]  # onehot - p
+        if with_entropy:
+            plogp = probs * torch.where(probs > 0, logp, torch.zeros_like(logp))  # 0 where p underflows
+            entropy = -plogp.sum(-1)  # [c]
+            rows.append(plogp.add_(probs * entropy[:, None]).neg_())  # -p (log p + H)
+        # dz/dlogits = 1/T; in the head's dtype, as autograd's backward through the matmul would be
+        units = [((r / temperature).to(weight.dtype) @ weight).float() for r in rows]  # [c, H] each
+        ctx.save_for_backward(*units)
+        ctx.hidden_dtype = hidden.dtype
+        return (out, entropy) if with_entropy else out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad = None
+        for g, unit in zip(grads, ctx.saved_tensors):
+            if g is not None:
+                term = g[:, None] * unit
+                grad = term if grad is None else grad + term
+        return (None if grad is None else grad.to(ctx.hidden_dtype)), None, None, None, None, None
+
+
+def _frozen_head(lm_head: torch.nn.Module) -> bool:
+    """Whether the LM head is a plain Linear with nothing to train (not peft-wrapped,
+    sharded or quantized), so :class:`_FrozenHeadLogps` computes exactly its gradient."""
+    params = list(lm_head.parameters())
+    return type(lm_head) is torch.nn.Linear and not any(p.requires_grad for p in params) \
+        and all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
+
+
 def shared_prompt_hidden(
     base: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor
 ) -> torch.Tensor | None:
@@ -112,8 +168,10 @@ def sequence_logps(
     optionally also the entropy of pi_T at each position.
 
     The LM head and log-softmax run over chunks of positions so that no whole
-    [B, T, V] float32 logits tensor exists; under autograd each chunk is
-    checkpointed (recomputed in backward) so the chunks' logits are not kept either.
+    [B, T, V] float32 logits tensor exists; under autograd the chunks' logits are not
+    kept either: a frozen head's chunk computes its gradient with respect to the hidden
+    states in the forward pass (:class:`_FrozenHeadLogps`), a trainable head's chunk is
+    checkpointed (recomputed in backward).
 
     Args:
         input_ids: [B, T] token ids (right-padded).
@@ -143,10 +201,13 @@ def sequence_logps(
         hidden, targets = hidden[index], targets[index]
     lm_head = base.get_output_embeddings()
     chunk = max(1, LOGIT_BLOCK_ELEMENTS // lm_head.weight.shape[0])
+    fused = torch.is_grad_enabled() and hidden.requires_grad and _frozen_head(lm_head)
     outs = []
     for s in range(0, hidden.shape[0], chunk):
         h, y = hidden[s : s + chunk], targets[s : s + chunk]
-        if torch.is_grad_enabled():
+        if fused:
+            out = _FrozenHeadLogps.apply(h, lm_head.weight, lm_head.bias, y, temperature, with_entropy)
+        elif torch.is_grad_enabled():
             out = checkpoint(_target_logps, h, lm_head, y, temperature, with_entropy, use_reentrant=False)
         else:
             out = _target_logps(h, lm_head, y, temperature, with_entropy)
