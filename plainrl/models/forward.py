@@ -61,13 +61,15 @@ class _FrozenHeadLogps(torch.autograd.Function):
         del logits
         out = logp.gather(-1, targets[:, None]).squeeze(-1)  # [c]
         probs = logp.exp()
-        rows = [probs.neg().scatter_add_(-1, targets[:, None], torch.ones_like(out[:, None]))]  # onehot - p
+        rows = []  # d out / d logits, [c, V] each; in place where possible (a chunk's blocks are 64 MiB)
         if with_entropy:
-            plogp = probs * torch.where(probs > 0, logp, torch.zeros_like(logp))  # 0 where p underflows
+            plogp = (probs * logp).nan_to_num_(0.0)  # 0 * -inf = 0: a banned token adds nothing
             entropy = -plogp.sum(-1)  # [c]
-            rows.append(plogp.add_(probs * entropy[:, None]).neg_())  # -p (log p + H)
+            rows.append(plogp.addcmul_(probs, entropy[:, None]).neg_())  # -p (log p + H)
+        del logp
+        rows.insert(0, probs.neg_().scatter_add_(-1, targets[:, None], torch.ones_like(out[:, None])))  # onehot - p
         # dz/dlogits = 1/T; in the head's dtype, as autograd's backward through the matmul would be
-        units = [((r / temperature).to(weight.dtype) @ weight).float() for r in rows]  # [c, H] each
+        units = [(r.div_(temperature).to(weight.dtype) @ weight).float() for r in rows]  # [c, H] each
         ctx.save_for_backward(*units)
         ctx.hidden_dtype = hidden.dtype
         return (out, entropy) if with_entropy else out
