@@ -54,20 +54,23 @@ class _FrozenHeadLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy):
+        # every [c, V] block (64 MiB) is worked on in place where it can be: a fresh product here
         logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [c, V]
         if temperature != 1.0:
-            logits = logits / temperature
+            logits.div_(temperature)
         logp = torch.log_softmax(logits, dim=-1)  # [c, V]
         del logits
         out = logp.gather(-1, targets[:, None]).squeeze(-1)  # [c]
         probs = logp.exp()
-        rows = []  # d out / d logits, [c, V] each; in place where possible (a chunk's blocks are 64 MiB)
-        if with_entropy:
+        rows = []  # d out / d z, [c, V] each, in the order of the outputs
+        if with_entropy:  # before probs is overwritten below
             plogp = (probs * logp).nan_to_num_(0.0)  # 0 * -inf = 0: a banned token adds nothing
             entropy = -plogp.sum(-1)  # [c]
-            rows.append(plogp.addcmul_(probs, entropy[:, None]).neg_())  # -p (log p + H)
+            ent_row = plogp.addcmul_(probs, entropy[:, None]).neg_()  # -p (log p + H)
         del logp
-        rows.insert(0, probs.neg_().scatter_add_(-1, targets[:, None], torch.ones_like(out[:, None])))  # onehot - p
+        rows.append(probs.neg_().scatter_add_(-1, targets[:, None], torch.ones_like(out[:, None])))  # onehot - p
+        if with_entropy:
+            rows.append(ent_row)
         # dz/dlogits = 1/T; in the head's dtype, as autograd's backward through the matmul would be
         units = [(r.div_(temperature).to(weight.dtype) @ weight).float() for r in rows]  # [c, H] each
         ctx.save_for_backward(*units)
@@ -76,12 +79,9 @@ class _FrozenHeadLogps(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        grad = None
-        for g, unit in zip(grads, ctx.saved_tensors):
-            if g is not None:
-                term = g[:, None] * unit
-                grad = term if grad is None else grad + term
-        return (None if grad is None else grad.to(ctx.hidden_dtype)), None, None, None, None, None
+        terms = [g[:, None] * unit for g, unit in zip(grads, ctx.saved_tensors) if g is not None]
+        grad = sum(terms[1:], terms[0]).to(ctx.hidden_dtype) if terms else None
+        return grad, None, None, None, None, None
 
 
 def _frozen_head(lm_head: torch.nn.Module) -> bool:
