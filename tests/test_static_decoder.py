@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qw
 
 from plainrl.config import LoraConfig
 from plainrl.rollout.engines.hf import HFEngine, sample_categorical
-from plainrl.rollout.engines.static_decoder import StaticDecoder, unsupported_reason
-from plainrl.models import apply_lora
+from plainrl.rollout.engines.static_decoder import StaticDecoder, _fused_weight, unsupported_reason
+from plainrl.models import apply_lora, lora_delta
 from plainrl.types import SamplingParams
 
 
@@ -85,6 +85,26 @@ def _reference(model, ids, valid, new):
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         return model(input_ids=full, attention_mask=attn, position_ids=pos).logits.float()  # [2, 9, V]
+
+
+def test_fused_weight_is_the_stack_of_the_lora_folded_weights(llama):
+    attn = llama.base_model.model.model.layers[0].self_attn
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    expected = torch.cat([p.base_layer.weight + lora_delta(p) for p in parts])
+    torch.testing.assert_close(_fused_weight(parts), expected, atol=1e-6, rtol=1e-6)
+    # with two active adapters both deltas are folded in
+    llama.add_adapter("second", llama.peft_config["default"])
+    llama.base_model.set_adapter(["default", "second"])
+    with torch.no_grad():
+        attn.q_proj.lora_B["second"].weight.normal_(0, 0.05)
+    assert len(attn.q_proj.active_adapters) == 2
+    expected = torch.cat([p.base_layer.weight + lora_delta(p) for p in parts])
+    torch.testing.assert_close(_fused_weight(parts), expected, atol=1e-6, rtol=1e-6)
+    # a plain layer comes back as its own weight (no copy), a bf16 LoRA layer on a CPU takes peft's delta
+    with llama.disable_adapter():
+        assert _fused_weight([attn.o_proj]) is attn.o_proj.base_layer.weight
+    bf16 = attn.o_proj.to(torch.bfloat16)
+    torch.testing.assert_close(_fused_weight([bf16]), bf16.base_layer.weight + lora_delta(bf16))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_bias"])

@@ -16,6 +16,7 @@ from plainrl.models.forward import (
 )
 from plainrl.models.loading import (
     EMBEDDED_MODELS,
+    active_lora_adapters,
     ModelLoadError,
     apply_lora,
     convert_gguf,
@@ -44,6 +45,7 @@ __all__ = [
     "EMBEDDED_MODELS",
     "LOGIT_BLOCK_ELEMENTS",
     "ModelLoadError",
+    "active_lora_adapters",
     "apply_lora",
     "convert_gguf",
     "cpu_summary",

@@ -268,14 +268,20 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def active_lora_adapters(linear: torch.nn.Module) -> list[str]:
+    """Names of the LoRA adapters a peft layer applies in its forward; [] for a plain layer,
+    a merged one (its deltas are in the base weight) or one with adapters disabled."""
+    if getattr(linear, "base_layer", None) is None or getattr(linear, "merged", False):
+        return []
+    if getattr(linear, "disable_adapters", False):
+        return []
+    return [a for a in linear.active_adapters if a in linear.lora_A]
+
+
 def lora_delta(linear: torch.nn.Module) -> torch.Tensor | None:
     """The summed delta ``s * B @ A`` [out, in] of a peft LoRA layer's active adapters, in
     its base weight's dtype; None for a plain layer, a merged one, or no active adapter."""
-    if getattr(linear, "base_layer", None) is None or getattr(linear, "merged", False):
-        return None
-    if getattr(linear, "disable_adapters", False):
-        return None
-    active = [a for a in linear.active_adapters if a in linear.lora_A]
+    active = active_lora_adapters(linear)
     if not active:
         return None
     return sum(linear.get_delta_weight(a) for a in active).to(linear.base_layer.weight.dtype)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plainrl.models import is_quantized, lora_delta, unwrap
+from plainrl.models import active_lora_adapters, is_quantized, lora_delta, unwrap
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # model types whose attention normalises each head's query and key (weights [D]) before the rotation
@@ -64,12 +64,55 @@ def _mkldnn_packing_works(dtype: torch.dtype) -> bool:
         return False
 
 
-def _effective_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight [out, in], bias [out] or None) of a Linear, with the active LoRA adapters
-    of a peft-wrapped one folded in (W + s * B @ A), without changing the module."""
-    base = getattr(linear, "base_layer", linear)
-    delta = lora_delta(linear)
-    return (base.weight if delta is None else base.weight + delta), base.bias
+def _lora_factors(linear: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """(s * B [out, r], A [r, in]) of each active adapter of a peft LoRA Linear, whose delta
+    (peft's ``get_delta_weight``) is then ``s * B @ A``; [] without an active adapter. None
+    where :func:`lora_delta` is the way: another layer type, ``fan_in_fan_out``, or a
+    reduced-precision weight on a CPU (peft forms that delta in float32, since a bf16
+    matmul is ~70x slower than float32 on a CPU without AVX512-BF16)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    active = active_lora_adapters(linear)
+    if not active:
+        return []
+    w = linear.base_layer.weight
+    if (type(linear) is not LoraLinear or linear.fan_in_fan_out
+            or (w.device.type == "cpu" and w.dtype != torch.float32)):
+        return None
+    return [((linear.lora_B[a].weight * linear.scaling[a]).to(w.dtype), linear.lora_A[a].weight.to(w.dtype))
+            for a in active]
+
+
+@torch.no_grad()
+def _fused_weight(linears: list[torch.nn.Module]) -> torch.Tensor:
+    """The weights of ``linears`` stacked along the output dimension, [sum out, in], each with
+    its active LoRA adapters folded in (W + s * B @ A), without changing the modules; one
+    plain layer's own weight is returned as it is.
+
+    Each part is written once, into the rows of one new tensor (W + s B @ A as one addmm):
+    ``torch.cat`` of ``W + lora_delta`` would write the delta, the sum and the stack each in
+    full, and the decoder is rebuilt after every update (on a CPU those copies of the whole
+    model were 40% of the build's time).
+    """
+    weights = [getattr(m, "base_layer", m).weight for m in linears]
+    factors = [_lora_factors(m) for m in linears]
+    if len(linears) == 1 and factors[0] == []:
+        return weights[0]
+    out = torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1], dtype=weights[0].dtype,
+                      device=weights[0].device)
+    row = 0
+    for m, w, f in zip(linears, weights, factors):
+        dest = out[row:row + w.shape[0]]
+        row += w.shape[0]
+        if f is None:
+            torch.add(w, lora_delta(m), out=dest)
+        elif not f:
+            dest.copy_(w)
+        else:
+            torch.addmm(w, *f[0], out=dest)
+            for b, a in f[1:]:
+                dest.addmm_(b, a)
+    return out
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -157,25 +200,24 @@ class StaticDecoder:
         self.scaling = self.head_dim**-0.5
         self.embed = decoder.embed_tokens.weight  # [V, H]
         self.final_norm = decoder.norm.weight
-        self.lm_head, _ = _effective_weight(base.get_output_embeddings())  # [V, H]
+        self.lm_head = _fused_weight([base.get_output_embeddings()])  # [V, H]
         self.layers: list[_Layer] = []
         with torch.no_grad():
             for layer in decoder.layers:
                 a, m = layer.self_attn, layer.mlp
-                (wq, bq), (wk, bk), (wv, bv) = (_effective_weight(p) for p in (a.q_proj, a.k_proj, a.v_proj))
+                bq, bk, bv = (getattr(p, "base_layer", p).bias for p in (a.q_proj, a.k_proj, a.v_proj))
                 bias = None if bq is None else torch.cat([bq, bk, bv])
                 qk_norm = None
                 if hasattr(a, "q_norm"):
                     qk_norm = torch.cat([a.q_norm.weight.expand(self.num_heads, -1),
                                          a.k_norm.weight.expand(self.num_kv_heads, -1)])[:, None, :]
-                wo, bo = _effective_weight(a.o_proj)
                 self.layers.append(_Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv=torch.cat([wq, wk, wv]), qkv_bias=bias, qk_norm=qk_norm,
-                    o=wo, o_bias=bo,
+                    qkv=_fused_weight([a.q_proj, a.k_proj, a.v_proj]), qkv_bias=bias, qk_norm=qk_norm,
+                    o=_fused_weight([a.o_proj]), o_bias=getattr(a.o_proj, "base_layer", a.o_proj).bias,
                     post_norm=layer.post_attention_layernorm.weight,
-                    gate_up=torch.cat([_effective_weight(m.gate_proj)[0], _effective_weight(m.up_proj)[0]]),
-                    down=_effective_weight(m.down_proj)[0],
+                    gate_up=_fused_weight([m.gate_proj, m.up_proj]),
+                    down=_fused_weight([m.down_proj]),
                 ))
         dev, dtype = self.embed.device, self.embed.dtype
         if prepack is None:
