@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -90,8 +91,12 @@ def test_trainable_parameters_change_and_final_adapter_loads_without_plainrl(tin
 def test_cli_eval_on_config_and_run_dir(tiny_model_dir, tmp_path, capsys):
     over = tiny_overrides(tiny_model_dir, tmp_path / "run")
     assert main(["eval", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over, "eval.k=2"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert out["eval/n"] == 4 and 0.0 <= out["eval/pass@1"] <= 1.0 and "eval/mean@2" in out
+    # off a terminal the progress is a line per chunk of prompts (rich's live bar draws nothing there)
+    assert re.search(r"eval pass@1: 4/4 rows, 0m\d\ds, ~0m00s left", captured.err), captured.err
+    assert "eval mean@2: 4/4 rows" in captured.err
     assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "run"), f"data.path={DATA / 'gsm_format_mini.jsonl'}", "data.task=null",
