@@ -235,3 +235,52 @@ def test_rl_starts_from_an_sft_adapter(tiny_model_dir, tmp_path):
         load_policy(load_config(None, [f"model.name={tiny_model_dir}", f"model.adapter={adapter}", "model.lora.enabled=false",
                                        "data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]"]).model,
                     torch.device("cpu"))
+
+
+def test_runs_from_an_adapter_take_it_as_their_reference(tiny_model_dir, tmp_path):
+    """With model.adapter, the KL / DPO reference is the policy the run starts from (base +
+    that adapter, loaded a second time, frozen), not the base model under it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from plainrl.models import REFERENCE_ADAPTER, load_policy, reference_policy
+
+    sft = REPO / "examples" / "sft_gsm8k.yaml"
+    assert main(["train", str(sft), *tiny_overrides(tiny_model_dir, tmp_path / "sft"), *_data_overrides(sft),
+                 "train.lr=1e-2"]) == 0
+    adapter = tmp_path / "sft" / "final"
+    over = [f"model.name={tiny_model_dir}", "model.dtype=float32", f"model.adapter={adapter}", "data.task=arithmetic",
+            "rewards=[{fn: plainrl.rewards.builtins:correctness}]"]
+    policy = load_policy(load_config(None, over).model, torch.device("cpu"), reference_adapter=True).eval()
+    trained = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trained and all(".default." in n for n in trained)  # the reference copy is frozen
+    assert any(f".{REFERENCE_ADAPTER}." in n for n, _ in policy.named_parameters())
+    sft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter).eval()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 8]])
+    with torch.no_grad():
+        expected = sft_model(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits
+        for n, p in policy.named_parameters():  # the run's policy moves away from where it started
+            if "lora_B.default" in n:
+                p.add_(0.05)
+        with reference_policy(policy):
+            torch.testing.assert_close(policy(ids).logits, expected)
+        assert (policy(ids).logits - expected).abs().max() > 1e-2  # the trained adapter is back after it
+        assert (expected - base).abs().max() > 1e-3  # (SFT moved the policy: base would be another reference)
+        plain = load_policy(load_config(None, over).model, torch.device("cpu")).eval()  # no reference needed
+        assert REFERENCE_ADAPTER not in plain.peft_config
+
+    # DPO from the adapter: the policy is the reference at step 0 (margin 0, loss log 2)
+    run = offline.train_offline(_offline(tiny_model_dir, tmp_path / "dpo", "dpo", "train.steps=2", "train.lr=1e-2",
+                                         f"model.adapter={adapter}"))
+    rows = _rows(run)
+    assert rows[0]["margin"] == 0.0 and rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert not (run / "final" / REFERENCE_ADAPTER).exists()  # final/ holds the trained adapter only
+    # GRPO with a KL term from the adapter: no KL at the first update, where policy = reference
+    rl = REPO / "examples" / "arithmetic_grpo.yaml"
+    assert main(["train", str(rl), *tiny_overrides(tiny_model_dir, tmp_path / "rl"), f"model.adapter={adapter}",
+                 "algorithm.kl_coef=0.1", "algorithm.kl_placement=loss", "algorithm.kl_estimator=k3",
+                 "train.steps=1"]) == 0
+    first = next(r for r in _rows(tmp_path / "rl") if "kl" in r)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6), first
+    assert not (tmp_path / "rl" / "final" / REFERENCE_ADAPTER).exists()

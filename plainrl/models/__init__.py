@@ -16,6 +16,8 @@ from plainrl.models.forward import (
 )
 from plainrl.models.loading import (
     EMBEDDED_MODELS,
+    REFERENCE_ADAPTER,
+    TRAINED_ADAPTER,
     active_lora_adapters,
     ModelLoadError,
     apply_lora,
@@ -26,6 +28,7 @@ from plainrl.models.loading import (
     load_value_model,
     lora_delta,
     pad_token_id,
+    reference_policy,
     resolve_device,
     resolve_model_path,
     save_policy,
@@ -45,6 +48,8 @@ __all__ = [
     "EMBEDDED_MODELS",
     "LOGIT_BLOCK_ELEMENTS",
     "ModelLoadError",
+    "REFERENCE_ADAPTER",
+    "TRAINED_ADAPTER",
     "active_lora_adapters",
     "apply_lora",
     "convert_gguf",
@@ -60,6 +65,7 @@ __all__ = [
     "lora_delta",
     "model_dtype",
     "pad_token_id",
+    "reference_policy",
     "pack_sequences",
     "packed_hidden",
     "resolve_device",

@@ -7,6 +7,7 @@ GGUF files are dequantised once per machine into plainrl's content-keyed cache
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -157,7 +158,8 @@ def share_frozen_weights(model: torch.nn.Module, donor: torch.nn.Module) -> int:
     return shared
 
 
-def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, share_with=None, **kwargs):
+def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, share_with=None,
+          reference_adapter: bool = False, **kwargs):
     path = resolve_model_path(cfg.name, cfg.cache_dir)
     attn = cfg.attn_implementation
     if attn == "auto":
@@ -186,16 +188,30 @@ def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, sh
     if share_with is not None:
         share_frozen_weights(model, share_with)
     if cfg.adapter is not None:
-        model = load_adapter(model, cfg.adapter, lora_enabled=cfg.lora.enabled)
+        model = load_adapter(model, cfg.adapter, lora_enabled=cfg.lora.enabled, reference=reference_adapter)
     elif cfg.lora.enabled:
         model = apply_lora(model, cfg.lora, task_type=task_type)
     model.train()
     return model
 
 
-def load_adapter(model, adapter: str | Path, *, lora_enabled: bool = True):
+# peft's name of the adapter a run trains (get_peft_model and PeftModel.from_pretrained use it)
+TRAINED_ADAPTER = "default"
+# a frozen second copy of model.adapter: the KL / DPO reference of a run that starts from an adapter
+REFERENCE_ADAPTER = "reference"
+
+
+def load_adapter(model, adapter: str | Path, *, lora_enabled: bool = True, reference: bool = False):
     """Wrap ``model`` with a saved peft LoRA adapter, trainable, in the model's dtype
     (as :func:`apply_lora`): how an RL run starts from an SFT run's ``final/``.
+
+    Args:
+        reference: also load the adapter a second time, frozen, as :data:`REFERENCE_ADAPTER`:
+            the reference policy of :func:`reference_policy` is then the policy the run
+            starts from (base + this adapter), as a KL penalty or DPO means it (Ouyang et
+            al. 2022; Rafailov et al. 2023: the SFT model), not the base model under it.
+            TRL's DPOTrainer does the same with ``ref_adapter_name``. Costs one more copy
+            of the adapter's weights.
 
     Raises:
         ModelLoadError: LoRA is off, the directory is missing or holds no adapter.
@@ -210,13 +226,50 @@ def load_adapter(model, adapter: str | Path, *, lora_enabled: bool = True):
             f"model.adapter={str(adapter)!r}: no adapter_config.json there; give a peft adapter directory "
             "such as a LoRA run's RUN_DIR/final"
         )
-    return PeftModel.from_pretrained(model, str(path), is_trainable=True, autocast_adapter_dtype=False)
+    model = PeftModel.from_pretrained(model, str(path), is_trainable=True, autocast_adapter_dtype=False)
+    if reference:
+        model.load_adapter(str(path), adapter_name=REFERENCE_ADAPTER, is_trainable=False,
+                           autocast_adapter_dtype=False)
+    return model
 
 
-def load_policy(cfg: ModelConfig, device: torch.device):
+@contextlib.contextmanager
+def reference_policy(model: torch.nn.Module):
+    """Within this context ``model`` computes the reference policy of a LoRA run: with a
+    :data:`REFERENCE_ADAPTER` loaded (a run from ``model.adapter``), that adapter instead of
+    the trained one; otherwise the base model (adapters disabled). A model without adapters
+    is left as it is (full fine-tuning keeps a frozen copy instead).
+
+    The switch sets the active adapter of each LoRA layer directly: peft's ``set_adapter``
+    would also flip ``requires_grad`` of the trained adapter, which DDP and FSDP2 registered.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):
+        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        saved = [m._active_adapter for m in layers]
+        try:
+            for m in layers:
+                m._active_adapter = [REFERENCE_ADAPTER]
+            yield
+        finally:
+            for m, active in zip(layers, saved):
+                m._active_adapter = active
+    elif hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            yield
+    else:
+        yield
+
+
+def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bool = False):
     """Load the policy (with LoRA when enabled) in ``cfg.dtype`` on ``device``; with
     ``cfg.quantization`` the base's linear layers are quantized by bitsandbytes (QLoRA,
     :mod:`plainrl.models.quantization`) and only the adapters train.
+
+    Args:
+        reference_adapter: the run computes a reference policy (a KL term, DPO): with
+            ``cfg.adapter``, also load it frozen as that reference (:func:`load_adapter`).
 
     Returns:
         the model (a peft ``PeftModel`` under LoRA, else the transformers model), in train mode.
@@ -227,7 +280,7 @@ def load_policy(cfg: ModelConfig, device: torch.device):
     """
     from transformers import AutoModelForCausalLM
 
-    return _load(cfg, device, AutoModelForCausalLM, "CAUSAL_LM")
+    return _load(cfg, device, AutoModelForCausalLM, "CAUSAL_LM", reference_adapter=reference_adapter)
 
 
 def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool, share_with=None):
@@ -310,7 +363,10 @@ def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef |
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
     try:
-        model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
+        kwargs = {} if state_dict is None else {"state_dict": state_dict}
+        if hasattr(model, "peft_config"):  # the trained adapter, not the frozen reference copy
+            kwargs["selected_adapters"] = [TRAINED_ADAPTER]
+        model.save_pretrained(tmp, **kwargs)
         tokenizer.save_pretrained(tmp)
         if base is not None:
             record_base(tmp, base)

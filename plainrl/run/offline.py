@@ -78,7 +78,7 @@ def _train_offline(cfg: Config, run_dir: Path, resume_from: Path | None, resume_
     if cfg.algorithm.name == "rm":
         model = load_value_model(cfg.model, device, per_token=False)
     else:
-        model = load_policy(cfg.model, device)
+        model = load_policy(cfg.model, device, reference_adapter=cfg.algorithm.name == "dpo")
     trainer = OfflineTrainer(model, cfg, pad_id=pad_token_id(tokenizer), parallel=parallel)
     sampler = PromptSampler(data.train, cfg.train.batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
     start = 0

@@ -330,7 +330,7 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         logger.print(f"train.epochs={cfg.train.epochs}: {cfg.train.total_steps} steps of {cfg.rollout.prompts_per_step} "
                      f"prompts over {len(prep.data.train)} training prompts")
     prep.prestart()
-    model = load_policy(cfg.model, device)
+    model = load_policy(cfg.model, device, reference_adapter=cfg.algorithm.uses_reference)
     # vLLM's start (loading, compiling) or the servers' checks take a while: not in silence
     hf = cfg.rollout.engine == "hf"
     with nullcontext() if hf else logger.phase(f"starting the {cfg.rollout.engine} engine"):

@@ -17,7 +17,7 @@ import torch
 from plainrl.algorithms import aggregate_loss, kl_estimate, policy_loss, truncated_is_weights
 from plainrl.config import AlgorithmConfig, TrainConfig
 from plainrl.frames import completion_frame, make_micro_batches, to_completion_frame
-from plainrl.models import enable_gradient_checkpointing, sequence_logps, trainable_parameters
+from plainrl.models import enable_gradient_checkpointing, reference_policy, sequence_logps, trainable_parameters
 from plainrl.train.distributed import Parallel, connected_positions
 from plainrl.train.optim import MasterAdamW
 from plainrl.types import Episode, MicroBatch
@@ -95,8 +95,9 @@ class Learner:
             (``rollout.completion_budget``: ``max_total_tokens`` for multi-turn), the
             constant of Dr. GRPO's ``seq-mean-token-sum-norm``.
         copy_reference: keep a frozen copy of the model as the KL reference (full
-            fine-tuning with ``kl_coef > 0``); under LoRA the reference is the model with
-            its adapters disabled.
+            fine-tuning with ``kl_coef > 0``); under LoRA the reference is the policy the
+            run starts from (:func:`plainrl.models.reference_policy`: the frozen copy of
+            ``model.adapter`` when there is one, else the base with adapters disabled).
         parallel: under torchrun, this rank's :class:`~plainrl.train.distributed.Parallel`:
             the model is wrapped for ``train.strategy`` here (before the optimiser is built),
             every rank gets the whole batch and computes on its shard, and the loss is
@@ -125,9 +126,7 @@ class Learner:
         return next(self.model.parameters()).device
 
     def _ref_context(self):
-        if self.ref_model is None and hasattr(self.model, "disable_adapter"):
-            return self.model.disable_adapter()
-        return contextlib.nullcontext()
+        return reference_policy(self.model) if self.ref_model is None else contextlib.nullcontext()
 
     def _prompt_lens(self, mb: MicroBatch) -> torch.Tensor | None:
         return mb.prompt_lens if self.train.share_prompts else None

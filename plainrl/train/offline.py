@@ -19,7 +19,13 @@ from plainrl.algorithms import aggregate_loss, bradley_terry_loss, dpo_loss
 from plainrl.config import Config
 from plainrl.data.offline import Example
 from plainrl.frames import pack_by_length
-from plainrl.models import enable_gradient_checkpointing, sequence_logps, sequence_scores, trainable_parameters
+from plainrl.models import (
+    enable_gradient_checkpointing,
+    reference_policy,
+    sequence_logps,
+    sequence_scores,
+    trainable_parameters,
+)
 from plainrl.train.distributed import Parallel, connected_positions
 from plainrl.train.optim import MasterAdamW
 
@@ -127,8 +133,10 @@ class OfflineTrainer:
     """The model, its optimiser and (DPO) the reference; :meth:`step` is one optimiser
     step on a batch of examples, :meth:`evaluate` the same objective without updates.
 
-    The reference policy of DPO is the model with adapters disabled under LoRA (no
-    second copy), or a frozen copy of the initial weights for full fine-tuning.
+    The reference policy of DPO is, under LoRA, the policy the run starts from
+    (:func:`plainrl.models.reference_policy`: a frozen copy of ``model.adapter`` when the
+    run starts from one, else the base model with adapters disabled), or a frozen copy
+    of the initial weights for full fine-tuning.
 
     ``parallel``: under torchrun, every rank gets the whole batch and computes on its
     shard, normalised by the global totals (as :class:`~plainrl.train.Learner`).
@@ -157,7 +165,7 @@ class OfflineTrainer:
         if self.ref_call is not None:
             yield self.ref_call
         else:
-            with self.model.disable_adapter():
+            with reference_policy(self.model):
                 yield self.call
 
     def _run(self, examples: list[Example]) -> tuple[float, dict[str, float]]:

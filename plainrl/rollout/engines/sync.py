@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from plainrl.models import is_quantized, lora_delta, unwrap
+from plainrl.models import TRAINED_ADAPTER, is_quantized, lora_delta, unwrap
 
 SyncMode = Literal["lora", "full"]
 
@@ -118,7 +118,7 @@ class AdapterVersions:
         """Save the model's adapter as the next version; returns (version >= 1, directory)."""
         self.version += 1
         path = self.root / f"adapter-v{self.version}"
-        model.save_pretrained(path)
+        model.save_pretrained(path, selected_adapters=[TRAINED_ADAPTER])  # not a frozen reference copy
         self._dirs.append(path)
         while len(self._dirs) > self.keep:
             shutil.rmtree(self._dirs.pop(0), ignore_errors=True)
