@@ -186,7 +186,7 @@ class AlgorithmConfig(_Section):
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: float = Field(0.0, ge=0.0)
-    # KL to the reference policy (the base model under LoRA)
+    # KL to the reference policy: the policy the run starts from (plainrl.models.reference_policy)
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_placement: KLPlacement = "loss"  # loss: a penalty term; reward: folded into the (token) reward

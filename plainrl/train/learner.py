@@ -78,8 +78,9 @@ class Learner:
     """Holds the optimiser and scheduler; one :meth:`update` is one rollout batch:
     ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimiser steps each.
 
-    The reference policy for the KL term is the same model with adapters disabled
-    under LoRA (no second copy), or a frozen copy for full fine-tuning.
+    The reference policy for the KL term is, under LoRA, the same model with adapters
+    disabled (no second copy) or with the frozen copy of ``model.adapter`` switched in
+    (:func:`plainrl.models.reference_policy`), or a frozen copy for full fine-tuning.
 
     Args:
         model: the policy (a peft model under LoRA).
