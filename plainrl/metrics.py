@@ -28,7 +28,7 @@ _PROGRESS = (
 _PHASES = {"generate": "gen", "reward": "rew", "update": "upd"}
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     """``42s``, ``5m07s``, ``2h05m``."""
     s = int(round(seconds))
     if s < 60:
@@ -51,7 +51,7 @@ def progress_line(step: int, total_steps: int, metrics: dict[str, Any], eta_s: f
                   if k.startswith("time/") and k != "time/step" and isinstance(v, (int, float))]
         line += f" | {metrics['time/step']:.1f}s" + (": " + " ".join(phases) if phases else "")
     if eta_s is not None:
-        line += f" | eta {_duration(eta_s)}"
+        line += f" | eta {format_duration(eta_s)}"
     return line
 
 

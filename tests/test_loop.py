@@ -95,7 +95,7 @@ def test_cli_eval_on_config_and_run_dir(tiny_model_dir, tmp_path, capsys):
     out = json.loads(captured.out)
     assert out["eval/n"] == 4 and 0.0 <= out["eval/pass@1"] <= 1.0 and "eval/mean@2" in out
     # off a terminal the progress is a line per chunk of prompts (rich's live bar draws nothing there)
-    assert re.search(r"eval pass@1: 4/4 rows, 0m\d\ds, ~0m00s left", captured.err), captured.err
+    assert re.search(r"eval pass@1: 4/4 rows, \d+s, ~0s left", captured.err), captured.err
     assert "eval mean@2: 4/4 rows" in captured.err
     assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
     capsys.readouterr()

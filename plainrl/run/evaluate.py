@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plainrl.data import PromptRow
-from plainrl.metrics import mean_interval, wilson_interval
+from plainrl.metrics import format_duration, mean_interval, wilson_interval
 from plainrl.rewards import correctness
 from plainrl.rollout import Engine, MultiTurn, env_metrics, rollout
 from plainrl.types import Episode, SamplingParams
@@ -43,6 +44,14 @@ def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tok
     return scores, episodes
 
 
+@dataclass
+class _Task:
+    name: str
+    total: int  # prompts
+    done: int
+    start: float  # time.monotonic()
+
+
 class _LineProgress:
     """Progress off a terminal (a log file, nohup, a batch job): one line per advance on
     stderr, "eval pass@1: 64/500 rows, 1m05s, ~7m25s left". rich's live bar draws nothing
@@ -50,24 +59,19 @@ class _LineProgress:
 
     def __init__(self, console: Console):
         self.console = console
-        self.tasks: dict[int, list] = {}  # id -> [name, total, done, start time]
+        self.tasks: list[_Task] = []
 
     def add_task(self, description: str, total: int) -> int:
-        self.tasks[len(self.tasks)] = [description, total, 0, time.monotonic()]
+        self.tasks.append(_Task(description, total, 0, time.monotonic()))
         return len(self.tasks) - 1
 
     def advance(self, task: int, n: int) -> None:
         t = self.tasks[task]
-        t[2] += n
-        spent = time.monotonic() - t[3]
-        left = spent / t[2] * (t[1] - t[2])
-        self.console.print(f"eval {t[0]}: {t[2]}/{t[1]} rows, {_clock(spent)}, ~{_clock(left)} left",
-                           highlight=False, soft_wrap=True)
-
-
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m}m{s:02d}s"
+        t.done += n
+        spent = time.monotonic() - t.start
+        left = spent / t.done * (t.total - t.done)
+        self.console.print(f"eval {t.name}: {t.done}/{t.total} rows, {format_duration(spent)}, "
+                           f"~{format_duration(left)} left", highlight=False, soft_wrap=True)
 
 
 @contextmanager
