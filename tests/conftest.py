@@ -41,7 +41,7 @@ def tiny_overrides(model_dir: Path, run_dir: Path) -> list[str]:
     """Dotted overrides that shrink any example config to a seconds-long run."""
     return [
         f"model.name={model_dir}", "model.dtype=float32", f"run_dir={run_dir}",
-        "train.steps=2", "train.warmup_steps=0", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "train.steps=2", "train.epochs=null", "train.warmup_steps=0", "rollout.prompts_per_step=2", "rollout.group_size=2",
         "rollout.max_new_tokens=8", "data.eval_size=4", "log.progress=false", "log.tensorboard=true",
         "rollout.max_total_tokens=null",
         "log.report=false",  # the run-end report is tested in tests/test_report.py; it costs seconds a run
