@@ -23,20 +23,18 @@ import torch
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12}
 
 
-def resident_peak_gb(reset: bool = False) -> float | None:
-    """This process's resident high-water mark (``VmHWM`` of ``/proc/self/status``, GB),
-    optionally reset afterwards to the current RSS (writing ``5`` to ``/proc/self/clear_refs``,
-    Linux >= 4.0), so that the next read is the peak since this one. None where there is no
-    such file (macOS, Windows, some sandboxes).
+def resident_peak_gb() -> float | None:
+    """This process's resident high-water mark (``VmHWM`` of ``/proc/self/status``, GB): its
+    peak since it started. None where there is no such file (macOS, Windows, some sandboxes).
 
     The RSS sampled at a step's end misses the step's peak: activations kept for backward
-    and a rollout's KV cache are freed by then, and the peak is what runs out of memory."""
+    and a rollout's KV cache are freed by then, and the peak is what runs out of memory.
+    Never reset here (``/proc/self/clear_refs``): a reset also lowers the peak that
+    ``getrusage`` (``/usr/bin/time``) reports for the process; the memory benchmarks, which
+    measure phases, reset it themselves."""
     try:
         with open("/proc/self/status") as f:
             kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        if reset:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
     except (OSError, StopIteration, ValueError):
         return None
     return kb * 1024 / 1e9
@@ -44,23 +42,22 @@ def resident_peak_gb(reset: bool = False) -> float | None:
 
 class SystemMonitor:
     """``system/rss_gb`` (this process's resident memory, GB, at the step's end),
-    ``system/rss_peak_gb`` (its resident peak since the previous call or, at the first, since
-    the monitor was made, on Linux:
-    :func:`resident_peak_gb`), ``system/cpu_percent`` (its CPU use since the previous call,
-    100 = one core busy) and, on CUDA, ``system/gpu_mem_allocated_gb`` and
-    ``system/gpu_mem_peak_gb`` (the step's peak: the peak counter is reset after each read).
-    Worker processes (environments, rewards, the sandbox) are not counted."""
+    ``system/rss_peak_gb`` (its resident peak so far, on Linux: :func:`resident_peak_gb`; the
+    step that raised it is the step whose value grew), ``system/cpu_percent`` (its CPU use
+    since the previous call, 100 = one core busy) and, on CUDA, ``system/gpu_mem_allocated_gb``
+    and ``system/gpu_mem_peak_gb`` (the step's peak: the peak counter is reset after each read).
+    Worker processes (environments, rewards, the sandbox) are not counted. The resident peak
+    is not reset between steps, so that ``/usr/bin/time`` still reports it at the end."""
 
     def __init__(self, device: torch.device):
         self.process = psutil.Process()
         self.process.cpu_percent(None)  # the first call only starts the measurement
-        resident_peak_gb(reset=True)  # the first step's peak, not the model loading's
         self.cuda = device.type == "cuda"
 
     def metrics(self) -> dict[str, float]:
         out = {"system/rss_gb": self.process.memory_info().rss / 1e9,
                "system/cpu_percent": self.process.cpu_percent(None)}
-        peak = resident_peak_gb(reset=True)
+        peak = resident_peak_gb()
         if peak is not None:
             out["system/rss_peak_gb"] = peak
         if self.cuda:
