@@ -117,4 +117,4 @@ def test_gsm8k_real_file_loads_for_training(tokenizer):
     cfg = load_config(REPO / "examples" / "gsm8k_grpo.yaml", [f"data.path={GSM8K_TRAIN}", "data.subset=null"])
     data = load_prompt_data(cfg.data, tokenizer, max_prompt_tokens=cfg.model.max_context - cfg.rollout.max_new_tokens,
                             seed=0)
-    assert len(data.train) + len(data.eval) == 7473 and len(data.eval) == cfg.data.eval_holdout == 200
+    assert len(data.train) + len(data.eval) == 7473 and len(data.eval) == cfg.data.eval_holdout == 500

@@ -130,6 +130,7 @@ def test_every_offline_example_runs_tiny(example, tiny_model_dir, tmp_path):
     assert [r["step"] for r in steps] == [0, 1]
     for r in steps + evals:
         assert math.isfinite(r.get("loss", r.get("eval/loss")))
+    assert all(0 < r["system/rss_gb"] <= r.get("system/rss_peak_gb", math.inf) for r in steps)  # memory, as RL runs log it
     cfg = load_config(example)
     # eval.before (sft_gsm8k.yaml: off) and eval.after on the held-out row
     assert [r["step"] for r in evals] == ([0, 2] if cfg.eval.before else [2])

@@ -19,6 +19,7 @@ from plainrl.data import PromptSampler
 from plainrl.data.offline import load_offline_data
 from plainrl.metrics import MetricsLogger, StepTimer
 from plainrl.models import load_policy, load_tokenizer, load_value_model, pad_token_id, resolve_device, resolve_dtype
+from plainrl.perf import SystemMonitor
 from plainrl.run.distributed import join, leave, main_first, make_logger
 from plainrl.run.final import save_final
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run, open_run
@@ -37,7 +38,8 @@ def train_offline(cfg: Config) -> Path:
 
     Returns:
         the run directory: ``config.yaml``, ``metrics.jsonl`` (``loss``, ``grad_norm``,
-        ``lr``; sft ``nll``; dpo/rm ``accuracy``, ``margin``; ``eval/*``), ``tb/``,
+        ``lr``; sft ``nll``; dpo/rm ``accuracy``, ``margin``; ``eval/*``; ``system/*`` as the RL
+        loop's), ``tb/``,
         ``final/`` (the policy, or for rm an ``AutoModelForSequenceClassification`` with
         one label: a peft adapter including its ``score`` head under LoRA).
     Raises:
@@ -110,11 +112,12 @@ def _train_offline(cfg: Config, run_dir: Path, resume_from: Path | None, resume_
         return save_checkpoint(run_dir, step, **kw)
 
     boundary = StepBoundary.for_run(cfg, run_dir)
+    monitor = SystemMonitor(device)
     with GracefulStop(agree=parallel.max if parallel.active else None) as stop:
         for step in range(start, cfg.train.total_steps):
             timer = StepTimer()
             metrics = trainer.step(sampler.next_batch())
-            logger.log(step, {**metrics, **timer.metrics()})
+            logger.log(step, {**metrics, **timer.metrics(), **monitor.metrics()})
             boundary(step, skipped=bool(metrics["skipped_step"]), stop=stop, logger=logger,
                      evaluate=(lambda: trainer.evaluate(data.eval)) if data.eval else None, save=save)
     if cfg.eval.after and data.eval:
