@@ -17,6 +17,7 @@ float32 / int8 (above 1: int8 is faster); the last line is ``int8_speedup_at_16_
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -30,18 +31,18 @@ def _shapes(tiny: bool) -> list[tuple[int, int]]:
 
 
 def _median_ms(fn, repeats: int = 7) -> float:
-    fn()
+    fn()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
+    return statistics.median(times) * 1e3
 
 
 def main(argv=None) -> None:
     from plainrl.models.precision import cpu_summary
-    from plainrl.rollout.engines.static_decoder import _packed_linear
+    from plainrl.rollout.engines.static_decoder import _packed_linear, _prepack
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true")
@@ -50,7 +51,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     shapes = _shapes(args.tiny)
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16) for w in weights]
+    packed = [_prepack(w) for w in weights]
     int8 = []
     for w in weights:  # symmetric per-row quantization: w ~= q * scale
         scale = w.abs().amax(1) / 127

@@ -47,6 +47,12 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
 
 
+def _prepack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [out, in] reordered once into oneDNN's blocked layout for :func:`_packed_linear`
+    (16: the batch-size hint oneDNN chooses the layout for, a typical decode batch)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
+
+
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
@@ -58,8 +64,7 @@ def _mkldnn_packing_works(dtype: torch.dtype) -> bool:
         return False
     try:
         x, w = torch.randn(3, 8, dtype=dtype), torch.randn(5, 8, dtype=dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
-        return torch.allclose(_packed_linear(x, packed).float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2)
+        return torch.allclose(_packed_linear(x, _prepack(w)).float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2)
     except (RuntimeError, AttributeError):
         return False
 
@@ -225,10 +230,9 @@ class StaticDecoder:
         self.linear = F.linear
         if prepack:
             self.linear = _packed_linear
-            pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)  # noqa: E731
-            self.lm_head = pack(self.lm_head)
+            self.lm_head = _prepack(self.lm_head)
             for layer in self.layers:
-                layer.qkv, layer.o, layer.gate_up, layer.down = map(pack, (layer.qkv, layer.o, layer.gate_up, layer.down))
+                layer.qkv, layer.o, layer.gate_up, layer.down = map(_prepack, (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.k_cache = self.v_cache = None  # [L, b, Hkv, C, D]
         self.valid = None  # [b, C] bool: columns holding a real token
         self.positions = None  # [b] position id of each row's next token
