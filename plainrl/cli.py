@@ -148,7 +148,9 @@ def _cmd_cache(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``plainrl`` command line: one sub-parser per command, each with its handler as ``func``
+    (read by ``main``, and by ``tools/docs_check.py`` to check that the documented commands and flags exist)."""
     parser = argparse.ArgumentParser(prog="plainrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="training from a YAML config: RL, or sft/dpo/rm per algorithm.name")
@@ -196,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--legacy", action="store_true",
                            help="only conversions an older plainrl keyed on a file path")
         a.set_defaults(func=_cmd_cache)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from plainrl.checkpoint import CheckpointError
     from plainrl.data import DataError
     from plainrl.rollout.envs import EnvError
