@@ -165,6 +165,8 @@ def _import_module(name: str, label: str) -> ModuleType:
             f"{label}: importing module {name!r} failed because it imports {missing!r}, "
             "which is not installed; install it"
         ) from e
+    except RewardLoadError as e:  # e.g. plainrl.integrations.MissingExtra: it names the fix already
+        raise RewardLoadError(f"{label}: {e}") from e
     except Exception as e:
         raise RewardLoadError(
             f"{label}: importing module {name!r} raised {type(e).__name__}: {e}"
@@ -200,6 +202,8 @@ def _import_file(target: str, label: str) -> ModuleType:
         del sys.modules[mod_name]
         if not isinstance(e, Exception):
             raise
+        if isinstance(e, RewardLoadError):
+            raise RewardLoadError(f"{label}: {e}") from e
         raise RewardLoadError(
             f"{label}: importing {str(path)!r} raised {type(e).__name__}: {e}"
         ) from e
