@@ -10,4 +10,6 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # a field's docstring (the string below it) is its description: docs/configuration.md is generated
+    # from them (plainrl.config.docgen)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)

@@ -16,34 +16,41 @@ BUILTIN_ENVS = ("calculator", "python")  # rollout.env names built into plainrl.
 class VLLMConfig(_Section):
     """``rollout.engine: vllm``: vLLM's ``LLM`` in the trainer's process, and ``plainrl serve``."""
 
-    # CUDA: the share of GPU memory vLLM takes for weights and KV cache; the learner gets the rest
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
-    # CUDA: offload vLLM's weights and drop its KV cache while the learner trains (vLLM sleep mode)
+    """CUDA: the share of GPU memory vLLM takes for weights and KV cache; the learner gets the rest."""
     sleep: bool = True
-    cpu_kv_cache_gb: float = Field(1.0, gt=0)  # CPU: KV cache size (vLLM's VLLM_CPU_KVCACHE_SPACE)
-    enforce_eager: bool = False  # skip graph compilation/capture: a faster start, a slower decode
-    extra_args: dict[str, Any] = Field(default_factory=dict)  # passed to vllm.LLM / `vllm serve` as they are
+    """CUDA: offload vLLM's weights and drop its KV cache while the learner trains (vLLM sleep mode)."""
+    cpu_kv_cache_gb: float = Field(1.0, gt=0)
+    """CPU: KV cache size in GB (vLLM's `VLLM_CPU_KVCACHE_SPACE`)."""
+    enforce_eager: bool = False
+    """Skip graph compilation and capture: a faster start, a slower decode."""
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+    """Passed to `vllm.LLM` / `vllm serve` as they are."""
 
 
 class RemoteConfig(_Section):
     """``rollout.engine: remote``: inference servers, vLLM's started by ``plainrl serve``,
     SGLang's or any OpenAI-compatible one (docs/engines.md)."""
 
-    # vllm: `plainrl serve` servers; sglang: SGLang servers (`python -m sglang.launch_server`);
-    # openai: any OpenAI-compatible completions server, read-only (plainrl eval), not token-exact
     backend: Literal["vllm", "sglang", "openai"] = "vllm"
+    """`vllm`: `plainrl serve` servers; `sglang`: SGLang servers; `openai`: any OpenAI-compatible completions server,
+    read-only (`plainrl eval`), not token-exact."""
     urls: list[str] = Field(default_factory=list)
-    model: str | None = None  # the served model's name to request; default the first a server lists
-    # the NAME of the environment variable holding the API key (sent as a Bearer token), never the key
+    """The servers' base URLs, e.g. `[http://127.0.0.1:8000]`."""
+    model: str | None = None
+    """The served model's name to request; null: the first a server lists."""
     api_key_env: str | None = None
-    timeout_s: float = Field(600.0, gt=0)  # per request: a server silent this long counts as dead
+    """The name of the environment variable holding the API key (sent as a Bearer token), never the key itself."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Per request: a server silent this long counts as dead."""
     connect_timeout_s: float = Field(10.0, gt=0)
-    # full-weight sync: "http" sends the tensors in the request (safetensors bytes), "path" writes
-    # them to shared_dir and sends the path; auto: http up to 1 GiB of changed tensors, else path
+    """Seconds to connect to a server."""
     weights_via: Literal["auto", "http", "path"] = "auto"
-    # a directory the trainer and every server can read (LoRA adapters, weights_via=path);
-    # default: a temporary directory on this machine, which suits servers on this machine
+    """Full-weight sync: `http` sends the tensors in the request, `path` writes them to `shared_dir` and sends the
+    path; `auto`: http up to 1 GiB of changed tensors, else path."""
     shared_dir: str | None = None
+    """A directory the trainer and every server can read (LoRA adapters, `weights_via: path`); null: a temporary
+    directory on this machine."""
 
     @field_validator("api_key_env")
     @classmethod
@@ -68,56 +75,69 @@ class RemoteConfig(_Section):
 class RolloutConfig(_Section):
     """Sampling settings for the rollout engine, multi-turn environments and agents."""
 
-    # hf: the embedded engine (the learner's own model); vllm: vLLM's LLM in this process;
-    # remote: inference servers at rollout.remote.urls (`plainrl serve`, SGLang: rollout.remote.backend)
     engine: Literal["hf", "vllm", "remote"] = "hf"
-    # weight sync to a vllm/remote engine after each update: lora pushes the adapter, full the
-    # changed tensors (merged with the adapter under LoRA); auto: lora under LoRA, else full
+    """`hf`: the embedded engine (the learner's own model); `vllm`: vLLM's `LLM` in this process; `remote`: inference
+    servers at `rollout.remote.urls`."""
     sync: Literal["auto", "lora", "full"] = "auto"
-    # 1: one-step-off policy: servers sample step t+1 (weights of before update t) while the
-    # learner trains on step t (plainrl.run.overlap); needs rollout.engine=remote
+    """Weight sync to a vllm/remote engine after each update: `lora` pushes the adapter, `full` the changed tensors
+    (merged under LoRA); `auto`: lora under LoRA, else full."""
     async_steps: Literal[0, 1] = 0
+    """1: one-step-off policy, servers sample step t+1 while the learner trains on step t; needs `rollout.engine:
+    remote`."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """`rollout.engine: vllm` and `plainrl serve` settings."""
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    """`rollout.engine: remote` settings."""
     group_size: int = Field(8, gt=0)
+    """Completions sampled per prompt."""
     prompts_per_step: int = Field(4, gt=0)
+    """Prompts per step (episodes per step: prompts_per_step x group_size)."""
     max_new_tokens: int = Field(64, gt=0)
+    """Completion budget of one turn."""
     temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold (1: off)."""
     top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
     stop: list[str] = Field(default_factory=list)
-    batch_size: int = Field(64, gt=0)  # sequences decoded together
-    merge_lora: bool = True  # decode with LoRA folded into the weights (faster; one weight copy)
-    # static: fused, prepacked Llama-family decode on a preallocated KV cache (plainrl.rollout.engines.static_decoder);
-    # transformers: the model's own forward (any causal LM); auto: static where the model is supported
+    """Stop strings ending a completion."""
+    batch_size: int = Field(64, gt=0)
+    """Sequences decoded together."""
+    merge_lora: bool = True
+    """Decode with LoRA folded into the weights (faster; one weight copy)."""
     decoder: Literal["auto", "static", "transformers"] = "auto"
-    # Multi-turn: a built-in environment ("calculator", "python") or a factory
-    # "module:fn" / "file.py:fn" returning an Environment (see docs/environments.md).
+    """Embedded engine's forward: `static` (fused, prepacked Llama-family decode), `transformers` (any causal LM),
+    `auto` (static where the model is supported)."""
     env: str | None = None
+    """Multi-turn: a built-in environment (`calculator`, `python`) or a factory `module:fn` / `file.py:fn` returning
+    an `Environment`."""
     max_turns: int = Field(8, gt=0)
-    max_total_tokens: int | None = Field(None, gt=0)  # completion budget over all turns; default max_new_tokens
-    tool_timeout_s: float = Field(5.0, gt=0)  # per code run of the Python tool (its sandbox's wall-clock limit)
-    # per environment call: each episode's environment lives in a worker process and
-    # a reset/step past this many seconds is killed, making the episode unscorable
-    # (null: environments run in this process, without a limit that can kill)
+    """Model turns per multi-turn episode at most."""
+    max_total_tokens: int | None = Field(None, gt=0)
+    """Multi-turn completion budget over all turns; null: `max_new_tokens`."""
+    tool_timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock limit of one code run of the Python tool's sandbox."""
     env_timeout_s: float | None = Field(60.0, gt=0)
-    # environment worker processes, one per episode in flight: in a step with more episodes
-    # the next one starts when one ends (generation batches shrink to match)
+    """Per environment call: each episode's environment lives in a worker process, and a reset or step past this is
+    killed, the episode unscorable (null: in this process, no limit that can kill)."""
     env_workers: int = Field(64, gt=0)
-    # per reward call: reward functions run in worker processes and a call past this
-    # many seconds is killed, making the sample unscorable (null: in process, no limit)
+    """Environment worker processes, one per episode in flight."""
     reward_timeout_s: float | None = Field(60.0, gt=0)
-    reward_workers: int = Field(1, gt=0)  # reward worker processes (kept for the run) scoring in parallel
-    fail_fast: bool = False  # an unscorable sample stops the run instead of being counted
-    # Bring your own agent loop: "module:fn" / "file.py:fn", `async def fn(llm, row)` (or a plain
-    # function) calling `await llm.chat(messages)` as often as it likes and returning a reward,
-    # {"reward": r, **info} or None (see docs/agents.md); exclusive with rollout.env
+    """Per reward call: rewards run in worker processes and a call past this is killed, the sample unscorable (null:
+    in process, no limit)."""
+    reward_workers: int = Field(1, gt=0)
+    """Reward worker processes (kept for the run) scoring in parallel."""
+    fail_fast: bool = False
+    """An unscorable sample stops the run (exit status 1) instead of being counted."""
     agent: str | None = None
-    # episodes in flight at once (rollout.agent and rollout.env); null: a whole step's
+    """Your own agent loop: `module:fn` / `file.py:fn`, `async def fn(llm, row)` returning a reward, `{"reward": r,
+    **info}` or None; exclusive with `rollout.env`."""
     max_concurrent_episodes: int | None = Field(None, gt=0)
-    # per agent episode: seconds it may spend outside model calls (its code, its tools) before it
-    # is cancelled as a failed episode (null: no limit)
+    """Episodes in flight at once (`rollout.agent` and `rollout.env`); null: a whole step's."""
     agent_timeout_s: float | None = Field(600.0, gt=0)
+    """Per agent episode: seconds it may spend outside model calls before it is cancelled as failed (null: no limit).
+    Per agent episode: seconds it may spend outside model calls before it is cancelled as failed (null: no limit)."""
 
     @field_validator("env")
     @classmethod

@@ -18,12 +18,17 @@ class LoraConfig(_Section):
     """LoRA adapters via peft (Hu et al. 2021, arXiv:2106.09685)."""
 
     enabled: bool = True
+    """Train LoRA adapters (true) or the full weights (false)."""
     r: int = Field(16, gt=0)
+    """LoRA rank."""
     alpha: float = Field(32.0, gt=0)
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    """Module names that get adapters, or `all-linear`."""
 
 
 class ModelConfig(_Section):
@@ -34,20 +39,26 @@ class ModelConfig(_Section):
     """
 
     name: str = "smollm2-135m-instruct"
-    # auto: bfloat16 where the device runs it natively, else float32 (plainrl.models.precision)
+    """`smollm2-135m-instruct` (the embedded model), a local transformers directory, a `.gguf` file or a hub id."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """`auto`: bfloat16 where the device runs it natively (CUDA with bf16, CPUs with AVX512-BF16, AMX or ARM bf16),
+    float32 elsewhere; or `bfloat16` / `float32` as asked."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
-    # a peft LoRA adapter directory to start from and train further (e.g. an SFT run's final/);
-    # its own r/alpha/targets are used; needs lora.enabled
+    """LoRA adapters (peft); `enabled: false` trains the full weights."""
     adapter: str | None = None
-    cache_dir: str | None = None  # where GGUF conversions are cached; default ~/.cache/plainrl
-    max_context: int = Field(1024, gt=0)  # prompt + completion tokens
-    # auto: eager attention on CPU (its backward is ~4x faster than the CPU SDPA kernel's
-    # at RL sequence lengths), SDPA on GPU
+    """A saved peft LoRA adapter to start from and train further (e.g. an SFT run's `final/`); its own r, alpha and
+    target modules are used; needs `model.lora.enabled`."""
+    cache_dir: str | None = None
+    """Where GGUF conversions are cached; null: `$PLAINRL_CACHE`, else `~/.cache/plainrl`."""
+    max_context: int = Field(1024, gt=0)
+    """Prompt plus completion tokens, at most."""
     attn_implementation: Literal["auto", "eager", "sdpa"] = "auto"
-    # QLoRA (Dettmers et al. 2023, arXiv:2305.14314): the frozen base's linear layers stored
-    # in 4-bit NF4 or 8-bit by bitsandbytes, LoRA adapters trained on top (plainrl.models.quantization)
+    """`auto`: eager attention on CPU (its backward is about 4x faster than the CPU SDPA kernel's at RL lengths),
+    SDPA on GPU; or `eager` / `sdpa`."""
     quantization: Literal["none", "nf4", "int8"] = "none"
+    """QLoRA: `nf4` or `int8` loads the frozen base 4-/8-bit with bitsandbytes (`pip install 'plainrl[qlora]'`), LoRA
+    trains on top (QLoRA, Dettmers et al. 2023, arXiv:2305.14314); needs `model.lora.enabled`. `none`: no
+    quantization."""
 
     @model_validator(mode="after")
     def _quantization_needs_lora(self) -> "ModelConfig":
@@ -69,26 +80,51 @@ class DataConfig(_Section):
     """
 
     task: Literal["arithmetic", "countdown", "search"] | None = None
+    """A built-in procedural task: `arithmetic`, `countdown` or `search` (seeded; held-out rows disjoint from
+    training)."""
     task_args: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of the built-in task (see the data page), e.g. `{min_value: 0, max_value: 99}` for arithmetic or
+    `num_train` (training rows generated)."""
     path: str | None = None
-    # module:fn or path/to/file.py:fn, fn(**source_args) -> an iterable of row dicts, a torch Dataset or a
-    # datasets.Dataset (a DatasetDict: data.split of it); read once, before any model loads
+    """A JSON/JSONL/CSV/Parquet/Arrow file, a `save_to_disk` directory or a hub dataset id."""
     source: str | None = None
+    """`module:fn` or `path/to/file.py:fn`: `fn(**data.source_args)` returns the rows (an iterable of dicts, a torch
+    `Dataset` or a `datasets.Dataset`); called once, before any model loads."""
     source_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of `data.source`."""
     split: str = "train"
-    subset: str | None = None  # hub dataset configuration, e.g. "main" for openai/gsm8k
+    """The split of a hub dataset or `DatasetDict` to train on."""
+    subset: str | None = None
+    """A hub dataset's configuration, e.g. `main` for `openai/gsm8k`."""
     format: Literal["auto", "gsm8k"] = "auto"
-    prompt_column: str | None = None  # default: "messages" if present, else "prompt"
+    """`gsm8k` maps GSM8K's `question`/`answer` rows (the reference is the number after `####`); `auto` reads
+    `messages` or `prompt` rows as they are."""
+    prompt_column: str | None = None
+    """The column holding the prompt; null: `messages` if the rows have it, else `prompt`."""
     system_prompt: str | None = None
-    prompt_template: str = "{prompt}"  # applied to text prompts, e.g. "{prompt}\nAnswer: "
-    chat_template_kwargs: ChatTemplateKwargs = Field(default_factory=dict)  # e.g. {enable_thinking: false}
+    """A system message put before every chat prompt."""
+    prompt_template: str = "{prompt}"
+    """Python format string applied to text prompts, e.g. `"{prompt}\\nAnswer: "`."""
+    chat_template_kwargs: ChatTemplateKwargs = Field(default_factory=dict)
+    """Variables for the tokenizer's chat template wherever plainrl renders a chat, e.g. `{enable_thinking: false}`
+    for Qwen3."""
     on_invalid: Literal["error", "drop"] = "error"
+    """A row without a usable prompt, or one too long: `error` stops the run naming file, row and column; `drop`
+    drops it and logs how many and why."""
     max_rows: int | None = Field(None, gt=0)
+    """Read at most this many rows (bounds an endless `data.source`)."""
     eval_path: str | None = None
+    """A file or hub id of held-out rows."""
     eval_split: str | None = None
-    eval_size: int = Field(100, ge=0)  # held-out rows for eval (tasks generate their own)
-    eval_holdout: int = Field(0, ge=0)  # with data.path and no eval_path/eval_split: rows held out of training
+    """A split of `data.path` to evaluate on."""
+    eval_size: int = Field(100, ge=0)
+    """Held-out rows a built-in task generates for evaluation."""
+    eval_holdout: int = Field(0, ge=0)
+    """With `data.path` or `data.source` and no `eval_path`/`eval_split`: this many rows, chosen by `seed`, held out
+    of training for evaluation."""
     shuffle: bool = True
+    """Visit the training rows in a new order each epoch, drawn from `seed` (false: in file order); a resumed run
+    continues the same order."""
 
     @model_validator(mode="after")
     def _source_settings(self) -> "DataConfig":
@@ -106,12 +142,17 @@ class RewardSpec(_Section):
     or a trained reward model ``model`` (:class:`plainrl.rewards.model.RewardModel`)."""
 
     fn: str | None = None
-    # a reward model: an algorithm.name=rm run's final/ (adapter or full weights), or an
-    # AutoModelForSequenceClassification directory / hub id with one label and the policy's tokenizer
+    """A reward function: a built-in short name (`correctness`), `module:fn` or `path/to/file.py:fn`, called as
+    `fn(completion, **columns)`, returning a float or None."""
     model: str | None = None
+    """A reward model instead of a function: an `algorithm.name: rm` run's `final/`, or a one-label
+    sequence-classification model with the policy's tokenizer."""
     weight: float = 1.0
-    name: str | None = None  # metric name; default: the function's name, or "reward_model"
-    kwargs: dict[str, Any] = Field(default_factory=dict)  # extra keyword arguments of fn
+    """Weight in the summed reward (0: logged, not trained on)."""
+    name: str | None = None
+    """Metric name (`reward/<name>/mean`); null: the function's name, or `reward_model`."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments of `fn`."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "RewardSpec":
@@ -169,43 +210,69 @@ class AlgorithmConfig(_Section):
     """
 
     name: AlgorithmName = "grpo"
+    """The preset: sets defaults of the other `algorithm.*` knobs that are not given (`grpo`, `dr_grpo`, `dapo`,
+    `rloo`, `reinforce_pp`, `gspo`, `ppo`; `sft`, `dpo`, `rm` train on rows instead)."""
     # advantages
     advantage: AdvantageEstimator = "grpo"
-    norm_std: bool = True  # grpo: divide by the group std (False: Dr. GRPO)
-    gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount per token (reinforce_pp, gae)
-    lam: float = Field(1.0, ge=0.0, le=1.0)  # GAE lambda
-    whiten_advantages: bool = False  # normalise advantages over the batch's loss tokens (PPO)
+    """Advantage estimator: `grpo` (group mean/std), `rloo` (leave-one-out), `reinforce_pp` (batch-normalised
+    returns) or `gae` (learned critic)."""
+    norm_std: bool = True
+    """`grpo` advantages: divide by the group's std (false: Dr. GRPO)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount per token (`reinforce_pp`, `gae`)."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE's lambda."""
+    whiten_advantages: bool = False
+    """Normalise advantages over the batch's loss tokens (PPO)."""
     # policy loss
     clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """Lower clip range of the importance ratio (1 - clip_low)."""
     clip_high: float = Field(0.2, ge=0.0)
+    """Upper clip range of the importance ratio (1 + clip_high; DAPO's clip-higher: 0.28)."""
     dual_clip: float | None = Field(None, gt=1.0)
-    # truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
-    # you off-policy RL training"): the policy loss weighted by min(pi_learner / pi_engine, tis_cap)
-    # per token, correcting for an engine whose logprobs differ from the learner's (None: off)
+    """Dual-clip bound on the ratio for negative advantages (null: off)."""
     tis_cap: float | None = Field(None, gt=0.0)
-    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    """Truncated importance sampling: the policy loss weighted per token by min(pi_learner / pi_engine, tis_cap), for
+    an engine whose logprobs differ from the learner's (Yao et al. 2025, 'Your efficient RL framework secretly
+    brings you off-policy RL training'; null: off)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """`token` ratios, or `sequence` (GSPO's length-normalised sequence ratio)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are averaged: `token-mean`, `seq-mean-token-mean` or `seq-mean-token-sum-norm` (a constant
+    normaliser, Dr. GRPO)."""
     entropy_coef: float = Field(0.0, ge=0.0)
-    # KL to the reference policy: the policy the run starts from (plainrl.models.reference_policy)
+    """Weight of an entropy bonus in the loss."""
     kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL to the reference policy (the policy the run starts from)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_placement: KLPlacement = "loss"  # loss: a penalty term; reward: folded into the (token) reward
-    # a KL penalty in the reward beside the one in the loss (PPO-RLHF's, verl's use_kl_in_reward): subtracted
-    # per token from the reward before advantages, with its own estimator (docs/algorithms.md, "KL")
+    """KL estimator: `k1`, `k2` or `k3`."""
+    kl_placement: KLPlacement = "loss"
+    """`loss`: a penalty term in the loss; `reward`: folded into the per-token reward."""
     kl_reward_coef: float = Field(0.0, ge=0.0)
+    """A KL penalty in the reward beside the one in the loss (PPO-RLHF's per-token penalty), logged as `kl_reward`."""
     kl_reward_estimator: Literal["k1", "k2", "k3"] = "k1"
-    # passes over one rollout batch; >1 in total recomputes old logprobs before the first
+    """Estimator of `kl_reward_coef`'s KL."""
     ppo_epochs: int = Field(1, gt=0)
-    mini_batches: int = Field(1, gt=0)  # optimiser steps per epoch
-    value_clip: float | None = Field(0.2, gt=0.0)  # gae: critic value clipping (None: off)
+    """Passes over one rollout batch; more than one pass in all recomputes old logprobs first."""
+    mini_batches: int = Field(1, gt=0)
+    """Optimiser steps per pass."""
+    value_clip: float | None = Field(0.2, gt=0.0)
+    """`gae`: clip range of the critic's value update (null: off)."""
     # DAPO
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, sample more
-    dynamic_sampling_tries: int = Field(4, gt=0)  # rollout batches per step at most
-    overlong_buffer: float | None = Field(None, gt=0.0, le=1.0)  # L_cache / completion budget (None: off)
-    overlong_penalty: float = Field(1.0, ge=0.0)  # the largest length penalty
-    overlong_filter: bool = False  # truncated completions get loss mask 0
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts."""
+    dynamic_sampling_tries: int = Field(4, gt=0)
+    """Rollout batches per step at most under dynamic sampling."""
+    overlong_buffer: float | None = Field(None, gt=0.0, le=1.0)
+    """DAPO's soft overlong punishment: the last fraction of the completion budget over which a length penalty grows
+    (null: off)."""
+    overlong_penalty: float = Field(1.0, ge=0.0)
+    """The largest overlong length penalty."""
+    overlong_filter: bool = False
+    """Truncated completions get loss mask 0."""
     # DPO
     beta: float = Field(0.1, gt=0.0)
+    """DPO's beta."""
 
     @model_validator(mode="before")
     @classmethod
@@ -262,33 +329,47 @@ class CriticConfig(_Section):
     """The value model of ``algorithm.advantage: gae`` (PPO): a transformers backbone
     with a linear value head, trained by its own optimiser (see docs/algorithms.md)."""
 
-    model: str | None = None  # default: model.name (same dtype and max_context)
-    lora: LoraConfig | None = None  # default: model.lora (its own adapter); enabled=false: full weights
-    lr: float | None = Field(None, gt=0.0)  # default: train.lr
-    warmup_steps: int = Field(0, ge=0)  # the first N steps train only the critic
+    model: str | None = None
+    """The critic's backbone; null: `model.name` (same dtype and `max_context`)."""
+    lora: LoraConfig | None = None
+    """The critic's LoRA; null: `model.lora` (its own adapter); `enabled: false`: full weights."""
+    lr: float | None = Field(None, gt=0.0)
+    """The critic's learning rate; null: `train.lr`."""
+    warmup_steps: int = Field(0, ge=0)
+    """The first N steps train only the critic."""
 
 
 class EvalConfig(_Section):
     """Held-out evaluation: greedy pass@1, and mean@k when k > 1 (sampled)."""
 
     before: bool = True
+    """Evaluate before training."""
     after: bool = True
-    every: int = Field(0, ge=0)  # also every N steps (0: never)
+    """Evaluate after training."""
+    every: int = Field(0, ge=0)
+    """Also evaluate every N steps (0: never)."""
     k: int = Field(1, gt=0)
-    temperature: float = Field(1.0, ge=0.0)  # used only for the k sampled completions
-    max_new_tokens: int | None = Field(None, gt=0)  # default: rollout.max_new_tokens
-    grader: str = "correctness"  # a reward reference scoring each held-out completion 1.0 (right) or 0.0
+    """Sampled completions per prompt for `eval/mean@k` (1: greedy pass@1 only)."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Temperature of the k sampled completions."""
+    max_new_tokens: int | None = Field(None, gt=0)
+    """Completion budget of evaluation; null: `rollout.max_new_tokens`."""
+    grader: str = "correctness"
+    """The reward function grading each held-out completion 1 (right) or 0: `correctness` or e.g. `countdown`."""
 
 
 class CheckpointConfig(_Section):
     """Resumable checkpoints under ``run_dir/checkpoints`` (see docs/checkpointing.md)."""
 
-    every: int = Field(0, ge=0)  # save every N steps and at the end (0: never)
-    keep_last: int | None = Field(3, gt=0)  # None keeps all
-    resume: str = "auto"  # auto (latest complete checkpoint in run_dir, if any) | never | PATH
-    # false: no optimizer state (AdamW's moments, 2x the trainable weights in fp32) in checkpoints; a
-    # resumed run restarts it from zero (with a warning); weights, fp32 masters, LR schedule, RNG, data kept
+    every: int = Field(0, ge=0)
+    """Save every N steps and at the end (0: never)."""
+    keep_last: int | None = Field(3, gt=0)
+    """Checkpoints kept (null: all)."""
+    resume: str = "auto"
+    """`auto` (the latest complete checkpoint in `run_dir`, if any), `never`, or a checkpoint path."""
     save_optimizer: bool = True
+    """false: checkpoints without AdamW's moments (twice the trainable weights in float32); a resumed run restarts
+    them from zero."""
 
 
 class WandbConfig(_Section):
@@ -298,41 +379,69 @@ class WandbConfig(_Section):
     (``wandb sync`` uploads it later)."""
 
     project: str = "plainrl"
-    name: str | None = None  # default: the run directory's name
-    entity: str | None = None  # default: the API key's default entity
+    """W&B project."""
+    name: str | None = None
+    """W&B run name; null: the run directory's name."""
+    entity: str | None = None
+    """W&B entity; null: the API key's default."""
     tags: list[str] = Field(default_factory=list)
+    """W&B tags."""
     mode: Literal["online", "offline", "disabled"] = "online"
-    artifact: bool = False  # log final/ (the adapter or weights) as a "model" artifact at run end
+    """`online`, `offline` (writes `run_dir/wandb/`, upload later with `wandb sync`) or `disabled`."""
+    artifact: bool = False
+    """Log `final/` (adapter or weights) as a `model` artifact at the end."""
 
 
 class LogConfig(_Section):
     tensorboard: bool = True
-    rollouts_per_step: int = Field(4, ge=0)  # sampled episodes written to rollouts.jsonl
+    """Write TensorBoard event files to `run_dir/tb/`."""
+    rollouts_per_step: int = Field(4, ge=0)
+    """Sampled episodes written to `rollouts.jsonl` per step."""
     progress: bool = True
-    report: bool = True  # write run_dir/report.html at run end (plainrl.report, as `plainrl report RUN_DIR`)
-    wandb: WandbConfig | None = None  # a section (even {}) turns W&B logging on
+    """Print one progress line per step (and progress bars and spinners)."""
+    report: bool = True
+    """Write `run_dir/report.html` at the end."""
+    wandb: WandbConfig | None = None
+    """A section (even `{}`) turns Weights & Biases logging on."""
 
 
 class Config(_Section):
     """The whole run. ``run_dir`` receives config.yaml, metrics.jsonl, rollouts.jsonl, final/."""
 
     run_dir: str = "runs/default"
+    """Where the run writes `config.yaml`, `metrics.jsonl`, `rollouts.jsonl`, `errors.jsonl`, `report.html`, `tb/`,
+    `checkpoints/` and `final/`; running the same command again resumes from it."""
     seed: int = 0
+    """Seeds Python, NumPy and torch, the prompt order, the built-in tasks' rows and `data.eval_holdout`'s choice of
+    rows."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs: `auto` (CUDA when available, else CPU), `cpu` or `cuda`."""
     threads: int | None = Field(None, gt=0)
+    """CPU threads for torch (`torch.set_num_threads`); null: torch's default (under torchrun: the cores divided
+    among the local ranks)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy: which model, its dtype, LoRA, quantization."""
     data: DataConfig = Field(default_factory=DataConfig)
+    """Where prompts (or SFT/DPO/RM rows) come from and how they are rendered."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Sampling: the engine, group size, budgets, multi-turn environments, agents and the worker processes."""
     rewards: list[RewardSpec] = Field(default_factory=list)
-    # module:fn or path/to/file.py:fn, fn(scores: {name: [N]}, **columns) -> [N] rewards, replacing the
-    # weighted sum of rewards (plainrl.rewards.combine); None: the weighted sum
+    """A list of rewards `{fn, weight, name, kwargs}` or `{model, weight, name}`, summed with their weights."""
     reward_combine: str | None = None
+    """`module:fn` or `path/to/file.py:fn`, `fn(scores: {name: [N]}, **columns) -> [N]`, replacing the weighted sum
+    of `rewards`; null: the weighted sum."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """The algorithm: a preset `name` and the knobs it sets defaults for."""
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    """PPO's value model (`algorithm.advantage: gae` only)."""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimisation, micro-batching and the distributed strategy."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation before, during and after training."""
     log: LogConfig = Field(default_factory=LogConfig)
+    """TensorBoard, the progress line, rollouts written per step, the HTML report, Weights & Biases."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Resumable checkpoints under `run_dir/checkpoints`."""
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":

@@ -30,37 +30,44 @@ class TrainConfig(_Section):
     """Optimisation (AdamW, linear warm-up then constant or cosine), micro-batches, and the
     distributed strategy under torchrun."""
 
-    # how long: exactly one of steps (optimiser steps; 50 when neither is given) and epochs (passes
-    # over the training rows, turned into steps once the data is loaded: epoch_steps, total_steps)
     steps: int | None = Field(None, gt=0)
+    """Optimiser steps; give this or `train.epochs`, not both (50 when neither is given)."""
     epochs: int | None = Field(None, gt=0)
+    """Passes over the training rows instead of `train.steps`: `ceil(epochs x rows / rows_per_step)` steps."""
     lr: float = Field(1e-5, gt=0.0)
+    """Learning rate (AdamW)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    # linear warm-up: exactly one of warmup_steps (0 when neither is given) and warmup_ratio
-    # (ceil(warmup_ratio * total steps), as transformers' TrainingArguments.get_warmup_steps)
+    """After warm-up: `constant` or `cosine` (to 0)."""
     warmup_steps: int | None = Field(None, ge=0)
+    """Linear warm-up steps; give this or `train.warmup_ratio`, not both (0 when neither is given)."""
     warmup_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    """Warm-up as a fraction of the run's steps (`ceil(ratio x steps)`, as transformers)."""
     weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW's weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's betas."""
     max_grad_norm: float | None = Field(1.0, gt=0.0)
-    micro_batch_tokens: int = Field(4096, gt=0)  # token budget of one forward/backward
-    # RL: samples of one prompt in a micro-batch run the prompt once (plainrl.models.shared_prompt_hidden)
+    """Gradient clipping norm (null: off)."""
+    micro_batch_tokens: int = Field(4096, gt=0)
+    """Token budget of one forward/backward: as few micro-batches as it allows, their tokens balanced."""
     share_prompts: bool = True
-    # recompute each decoder layer's activations in backward instead of keeping them
-    # (plainrl.models.enable_gradient_checkpointing): less memory, about one more forward
+    """RL: the samples of one prompt in a micro-batch run the prompt once."""
     gradient_checkpointing: bool = False
-    # RL: pack a micro-batch's episodes end to end (position ids restart, attention kept within
-    # each episode) so no compute is spent on padding (plainrl.models.packing); on by default:
-    # faster on the demo batch (benchmarks/packing.py; figures in docs/benchmarks.md)
+    """Recompute each decoder layer's activations in backward instead of keeping them: less memory, about one more
+    forward per update."""
     packing: bool = True
-    batch_size: int = Field(8, gt=0)  # sft/dpo/rm: rows (pairs) per optimiser step; RL uses the rollout's
-    max_bad_steps: int = Field(3, gt=0)  # stop after this many non-finite steps in a row
-    # the device's peak FLOP/s for perf/mfu (plainrl.perf); default: a table of CUDA devices in 16-bit
+    """RL: pack a micro-batch's episodes end to end (position ids restart, attention kept within each) so no compute
+    goes to padding."""
+    batch_size: int = Field(8, gt=0)
+    """sft/dpo/rm: rows (pairs) per optimiser step; RL steps take `rollout.prompts_per_step` prompts instead."""
+    max_bad_steps: int = Field(3, gt=0)
+    """Stop after this many steps in a row with a non-finite loss or gradient norm (each skipped)."""
     peak_flops: float | None = Field(None, gt=0)
-    # under torchrun (ignored in one process): how the ranks share the model
+    """The device's peak FLOP/s for `perf/mfu`; null: a table of CUDA GPUs in 16-bit."""
     strategy: Strategy = "ddp"
-    # under torchrun: the longest wait of a collective (a dead or stuck rank ends the run after it)
+    """Under torchrun: `ddp` replicates the model, `fsdp2` shards each decoder layer (ignored in one process)."""
     collective_timeout_s: float = Field(600.0, gt=0)
+    """Under torchrun: the longest wait of a collective; a dead or stuck rank ends the run after it."""
     _epoch_steps: int | None = PrivateAttr(None)  # train.epochs in steps, set by resolve_epochs
 
     @model_validator(mode="before")
