@@ -1,7 +1,8 @@
 """Command line: ``plainrl train CONFIG [key=value ...]`` (RL, or SFT/DPO/RM when
 ``algorithm.name`` is sft, dpo or rm), ``plainrl eval CONFIG_OR_RUN_DIR [key=value ...]``,
-``plainrl report RUN_DIR [RUN_DIR ...] [-o OUT.html]``, ``plainrl export RUN_DIR --merge OUT``
-and ``plainrl cache list|clear``."""
+``plainrl report RUN_DIR [RUN_DIR ...] [-o OUT.html]``, ``plainrl export RUN_DIR --merge OUT``,
+``plainrl cache list|clear`` and ``plainrl examples [copy NAME [DIR]]``. A CONFIG that is not a file
+may name a packaged example (``plainrl train arithmetic_grpo``)."""
 
 from __future__ import annotations
 
@@ -148,13 +149,31 @@ def _cmd_cache(args) -> int:
     return 0
 
 
+def _cmd_examples(args) -> int:
+    from plainrl.config.examples import copy_example, examples_dir, list_examples
+
+    if args.action == "copy":
+        written = copy_example(args.name, args.dir)
+        for path in written:
+            print(f"copied {path}")
+        print(f"run it: plainrl train {written[0]}")
+        return 0
+    examples = list_examples()
+    width = max(len(e.name) for e in examples)
+    for e in examples:
+        print(f"{e.name:<{width}}  {e.description}")
+    print(f"({len(examples)} configs in {examples_dir()}; run one: plainrl train NAME; "
+          "copy one and the files it names: plainrl examples copy NAME [DIR])")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``plainrl`` command line: one sub-parser per command, each with its handler as ``func``
     (read by ``main``, and by ``tools/docs_check.py`` to check that the documented commands and flags exist)."""
     parser = argparse.ArgumentParser(prog="plainrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="training from a YAML config: RL, or sft/dpo/rm per algorithm.name")
-    p.add_argument("config")
+    p.add_argument("config", help="a YAML file, or the name of a packaged example (plainrl examples lists them)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
     p.set_defaults(func=_cmd_train)
     p = sub.add_parser("eval", help="accuracy of a base model (config) or a trained run (run directory)")
@@ -187,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the weights' dtype (default float32; merging is always done in float32)")
     p.set_defaults(func=_cmd_export)
+    p = sub.add_parser("examples", help="the example configs that ship with plainrl: list them (one line each), "
+                                        "or copy one with the files it names")
+    actions = p.add_subparsers(dest="action")
+    actions.add_parser("list", help="the examples, one line each (the default)")
+    a = actions.add_parser("copy", help="copy an example config and the files it names (agents, row sources)")
+    a.add_argument("name", metavar="NAME", help="an example's name, as `plainrl examples` lists it")
+    a.add_argument("dir", metavar="DIR", nargs="?", default=".", help="where to copy them (default: here)")
+    p.set_defaults(func=_cmd_examples, action="list")
     p = sub.add_parser("cache", help="plainrl's model cache (GGUF conversions, one per file content): list or clear")
     actions = p.add_subparsers(dest="action", required=True)
     for action, text in (("list", "the conversions, their sources and sizes"),

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from plainrl.config.examples import example_text, find_example
 from plainrl.config.schema import Config, ConfigError
 
 
@@ -130,7 +131,9 @@ def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, Any
     """Load a YAML config, apply dotted overrides, validate.
 
     Args:
-        path: YAML file, or None for all defaults (overrides still apply).
+        path: YAML file, the name of a packaged example (``arithmetic_grpo``: see
+            :mod:`plainrl.config.examples`) when no such file exists, or None for all defaults
+            (overrides still apply).
         overrides: ``["section.key=value", ...]`` (values parsed as YAML), or a mapping
             ``{"section.key": value}`` of Python values (see :func:`build_config`).
 
@@ -142,15 +145,17 @@ def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, Any
     source = "defaults"
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+        example = None if p.is_file() else find_example(str(path))
+        if not p.is_file() and example is None:
+            raise ConfigError(f"config file {str(p)!r} does not exist, nor is it the name of a packaged example "
+                              "(`plainrl examples` lists them)")
+        text, source = (example_text(example), f"packaged example {example.name}") if example else (p.read_text(), str(p))
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {source!r} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level, got {type(raw).__name__}")
-        source = str(p)
+            raise ConfigError(f"config file {source!r} must hold a mapping at top level, got {type(raw).__name__}")
     return build_config(raw, overrides, source)
 
 
