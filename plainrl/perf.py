@@ -14,13 +14,39 @@ logprobs) are not counted, as PaLM does not count rematerialisation.
 
 from __future__ import annotations
 
+import re
+
 import psutil
 import torch
 
-# Dense bf16/fp16 tensor-core peaks (FLOP/s) from the vendors' data sheets, by a substring of
-# torch.cuda.get_device_name(); used when train.peak_flops is not given and the model is in
-# 16-bit. Float32 peaks differ by device and TF32 setting: give train.peak_flops.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12}
+# Dense bf16/fp16 tensor-core peaks (FLOP/s, without sparsity) from the vendors' data sheets,
+# matched against torch.cuda.get_device_name() by whole words, first match wins: the specific
+# forms (H100 PCIe / NVL) come before the plain name, and "L40" never matches "L40S" or "L4"
+# (a substring match read "NVIDIA L40S" as L4 and every H100 as the SXM part). Used when
+# train.peak_flops is not given and the model is in 16-bit. Float32 peaks differ by device and
+# TF32 setting: give train.peak_flops.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    (r"\bB200\b", 2250e12),
+    (r"\bH200\b.*\bNVL\b", 835e12),
+    (r"\bG?H200\b", 989e12),          # H200 SXM; GH200's GPU is an H100/H200 SXM die
+    (r"\bH100\b.*\bPCIe\b", 756e12),
+    (r"\bH100\b.*\bNVL\b", 835e12),
+    (r"\bH100\b", 989e12),            # "NVIDIA H100 80GB HBM3": the SXM part
+    (r"\bH800\b.*\bPCIe\b", 756e12),
+    (r"\bH800\b", 989e12),
+    (r"\bA[18]00\b", 312e12),          # SXM and PCIe alike
+    (r"\bL40S\b", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+    (r"\bA10G?\b", 125e12),
+)
+
+
+def device_peak_bf16(name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the CUDA device called ``name`` (as
+    ``torch.cuda.get_device_name`` gives it, e.g. ``"NVIDIA H100 PCIe"``), or None for a
+    device not in :data:`PEAK_BF16_FLOPS`."""
+    return next((peak for pattern, peak in PEAK_BF16_FLOPS if re.search(pattern, name, re.IGNORECASE)), None)
 
 
 def resident_peak_gb() -> float | None:
@@ -116,8 +142,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float | Non
         return configured
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return device_peak_bf16(torch.cuda.get_device_name(device))
 
 
 def throughput(*, completion_tokens: int, generate_s: float, train_tokens: int, update_s: float,

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from plainrl.perf import (FlopCounter, SystemMonitor, linear_params, peak_flops, resident_peak_gb, throughput,
-                          training_flops)
+from plainrl.perf import (FlopCounter, SystemMonitor, device_peak_bf16, linear_params, peak_flops, resident_peak_gb,
+                          throughput, training_flops)
 
 
 def test_training_flops_by_hand():
@@ -42,6 +42,18 @@ def test_throughput_and_mfu():
 def test_peak_flops_is_unknown_on_cpu_unless_configured():
     assert peak_flops(torch.device("cpu"), torch.bfloat16, None) is None
     assert peak_flops(torch.device("cpu"), torch.float32, 2e12) == 2e12
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA GH200 480GB", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA L40S", 362e12),
+    ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("NVIDIA A10G", 125e12), ("NVIDIA A10", 125e12),
+    ("NVIDIA B200", 2250e12), ("Tesla T4", None), ("NVIDIA GeForce RTX 4090", None), ("NVIDIA A40", None),
+])
+def test_device_peaks_match_whole_names(name, peak):
+    # "L40" must not read as L4 nor "L40S" as L40, and an H100 PCIe is not the SXM part
+    assert device_peak_bf16(name) == peak
 
 
 def test_system_monitor():

@@ -91,3 +91,19 @@ def test_this_machine(capsys):
     assert resolve_dtype("auto", "cpu") is choice  # decided once per process
     speed = precision.measure_matmul_speed(n=64)
     assert speed.float32 > 0 and speed.bfloat16 > 0
+
+
+@pytest.mark.parametrize("capability, name, expected", [
+    ((7, 5), "Tesla T4", torch.float32), ((7, 0), "Tesla V100-SXM2-16GB", torch.float32),
+    ((8, 0), "NVIDIA A100-SXM4-80GB", torch.bfloat16), ((8, 9), "NVIDIA L4", torch.bfloat16),
+    ((9, 0), "NVIDIA H100 80GB HBM3", torch.bfloat16),
+])
+def test_cuda_auto_takes_bfloat16_from_compute_capability_8(monkeypatch, capability, name, expected):
+    # torch.cuda.is_bf16_supported() is True on a T4/V100 (emulated): it must not decide
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    choice = resolve_dtype("auto", "cuda")
+    assert choice.dtype == expected
+    assert f"compute capability {capability[0]}.{capability[1]}" in choice.reason and name in choice.reason

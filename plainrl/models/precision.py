@@ -5,7 +5,9 @@ where it does not, PyTorch emulates it and a bf16 matmul runs ~70x slower (measu
 an AVX2-only CPU with torch 2.13: 1.0 GFLOP/s against 70.7 in float32). So ``auto``
 takes bfloat16 only where it is native:
 
-- CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and later).
+- CUDA: compute capability 8.0 or above (Ampere and later). Not
+  ``torch.cuda.is_bf16_supported()``, which is also true on a T4 or V100 (7.x), where bf16 is
+  emulated and vLLM refuses it; those GPUs get float32.
 - x86 CPUs: the ``avx512_bf16`` or ``amx_bf16`` flag (Cooper Lake, Sapphire Rapids and
   later Xeons, Zen 4 and later).
 - ARM CPUs: the ``bf16`` feature (ARMv8.6+, e.g. Graviton3, Apple M2+ under Linux).
@@ -171,6 +173,23 @@ def _cpu_bf16_native() -> tuple[bool, str]:
                   f"{speed.bfloat16:.1f} GFLOP/s against {speed.float32:.1f} in float32")
 
 
+def _cuda_bf16_native() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device visible"
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    return cuda_bf16_native(major, minor, name)
+
+
+def cuda_bf16_native(major: int, minor: int, name: str) -> tuple[bool, str]:
+    """Whether a CUDA device of compute capability ``major.minor`` runs bfloat16 on its tensor
+    cores (8.0 and above: Ampere, Ada, Hopper, Blackwell), and why, for the dtype log line."""
+    if (major, minor) >= (8, 0):
+        return True, f"{name}, compute capability {major}.{minor}, has bfloat16 tensor cores"
+    return False, (f"{name}, compute capability {major}.{minor}, emulates bfloat16 (native from 8.0); "
+                   "float32 is used")
+
+
 @functools.lru_cache(maxsize=None)
 def resolve_dtype(requested: str, device_type: str) -> DtypeChoice:
     """The dtype for ``model.dtype`` on a device of type ``device_type`` (``cpu`` / ``cuda``).
@@ -189,8 +208,7 @@ def resolve_dtype(requested: str, device_type: str) -> DtypeChoice:
     if requested not in ("auto", *DTYPES):
         raise ValueError(f"model.dtype={requested!r}: use auto, float32 or bfloat16")
     if device_type == "cuda":
-        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        why = "this GPU supports bfloat16" if native else "this GPU has no bfloat16 (pre-Ampere)"
+        native, why = _cuda_bf16_native()
     elif device_type == "cpu":
         native, why = _cpu_bf16_native()
     else:

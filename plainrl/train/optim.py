@@ -40,8 +40,12 @@ class MasterAdamW:
         self.params = params
         self.master = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in params]
         self.max_grad_norm = train.max_grad_norm
+        # fused AdamW on CUDA: one kernel for every parameter instead of a handful per tensor
+        # (what torchtitan and TRL default to); on CPU the foreach path torch picks is kept
+        self.fused = bool(self.master) and all(m.device.type == "cuda" for m in self.master)
         self.optimizer = torch.optim.AdamW(
-            self.master, lr=lr or train.lr, betas=train.betas, weight_decay=train.weight_decay
+            self.master, lr=lr or train.lr, betas=train.betas, weight_decay=train.weight_decay,
+            fused=self.fused or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
