@@ -231,10 +231,21 @@ class AlgorithmConfig(_Section):
     """Upper clip range of the importance ratio (1 + clip_high; DAPO's clip-higher: 0.28)."""
     dual_clip: float | None = Field(None, gt=1.0)
     """Dual-clip bound on the ratio for negative advantages (null: off)."""
-    tis_cap: float | None = Field(None, gt=0.0)
+    tis_cap: float | Literal["auto"] | None = "auto"
     """Truncated importance sampling: the policy loss weighted per token by min(pi_learner / pi_engine, tis_cap), for
     an engine whose logprobs differ from the learner's (Yao et al. 2025, 'Your efficient RL framework secretly
-    brings you off-policy RL training'; null: off)."""
+    brings you off-policy RL training'; null: off). `auto`: 2.0 (the paper's cap; TRL corrects vLLM rollouts by
+    default) when the engine's logprobs can differ from the learner's (`vllm` or `remote` engines, 16-bit weights,
+    `rollout.async_steps: 1`), off when the embedded engine samples with the learner's own float32 weights
+    (`plainrl.run.setup.resolve_tis_cap`; the run's log says which)."""
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _positive_cap(cls, v):
+        if isinstance(v, float) and v <= 0:
+            raise ValueError(f"algorithm.tis_cap must be > 0, auto or null, got {v}")
+        return v
+
     ratio_level: Literal["token", "sequence"] = "token"
     """`token` ratios, or `sequence` (GSPO's length-normalised sequence ratio)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from plainrl.config import LoraConfig, ModelConfig
+from plainrl.models.errors import ModelLoadError
 from plainrl.models.gguf import EMBEDDED_MODELS, GGUFError, convert_gguf, embedded_gguf
 from plainrl.models.portable import BaseModelRef, record_base
 from plainrl.models.precision import model_dtype
@@ -29,10 +30,6 @@ from plainrl.models.quantization import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class ModelLoadError(RuntimeError):
-    """The model named in ``model.name`` could not be found or loaded; the message says why."""
 
 
 def resolve_device(device: str) -> torch.device:

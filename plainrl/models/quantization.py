@@ -22,14 +22,10 @@ import logging
 
 import torch
 
+from plainrl.models.errors import ModelLoadError
+
 # the floor of plainrl's qlora extra (the multi-backend releases; CPU is verified with 0.50.2)
 MIN_BITSANDBYTES = "0.46"
-
-
-def _error(message: str) -> Exception:
-    from plainrl.models.loading import ModelLoadError  # loading imports this module
-
-    return ModelLoadError(message)
 
 
 def _probe(bnb, quantization: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -67,26 +63,26 @@ def check_support(quantization: str, device: torch.device, dtype: torch.dtype) -
     try:
         import bitsandbytes as bnb
     except ImportError as e:
-        raise _error(f"model.quantization={quantization} loads the base model through bitsandbytes, which is not "
-                     f"installed ({e}): pip install 'bitsandbytes>={MIN_BITSANDBYTES}' (or the plainrl[qlora] "
-                     f"extra), {fix}") from None
+        raise ModelLoadError(f"model.quantization={quantization} loads the base model through bitsandbytes, which is not "
+                             f"installed ({e}): pip install 'bitsandbytes>={MIN_BITSANDBYTES}' (or the plainrl[qlora] "
+                             f"extra), {fix}") from None
     from packaging.version import Version
 
     version = getattr(bnb, "__version__", "0")
     if Version(version) < Version(MIN_BITSANDBYTES):
-        raise _error(f"model.quantization={quantization}: bitsandbytes {version} is older than {MIN_BITSANDBYTES}, "
-                     f"which plainrl needs: pip install -U 'bitsandbytes>={MIN_BITSANDBYTES}', {fix}")
+        raise ModelLoadError(f"model.quantization={quantization}: bitsandbytes {version} is older than {MIN_BITSANDBYTES}, "
+                             f"which plainrl needs: pip install -U 'bitsandbytes>={MIN_BITSANDBYTES}', {fix}")
     supported = getattr(bnb, "supported_torch_devices", {"cuda"})
     if device.type not in supported:
-        raise _error(f"model.quantization={quantization}: bitsandbytes {version} has no backend for device "
-                     f"{device.type!r} (it supports {sorted(supported)}); set device=cuda or cpu, {fix}")
+        raise ModelLoadError(f"model.quantization={quantization}: bitsandbytes {version} has no backend for device "
+                             f"{device.type!r} (it supports {sorted(supported)}); set device=cuda or cpu, {fix}")
     try:
         quiet_int8_cast()
         _probe(bnb, quantization, device, dtype)
     except Exception as e:  # bitsandbytes raises many types for a missing kernel or library
-        raise _error(f"model.quantization={quantization}: bitsandbytes {version} cannot run {quantization} on "
-                     f"{device} in {str(dtype).removeprefix('torch.')} here ({type(e).__name__}: {e}); use a "
-                     f"device it supports (CUDA; CPU with a recent bitsandbytes, e.g. 0.50), {fix}") from e
+        raise ModelLoadError(f"model.quantization={quantization}: bitsandbytes {version} cannot run {quantization} on "
+                             f"{device} in {str(dtype).removeprefix('torch.')} here ({type(e).__name__}: {e}); use a "
+                             f"device it supports (CUDA; CPU with a recent bitsandbytes, e.g. 0.50), {fix}") from e
     return f"quantization: {quantization} by bitsandbytes {version} on {device}"
 
 

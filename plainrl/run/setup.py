@@ -257,11 +257,48 @@ def state_step(ckpt: Path) -> int:
     return step_of(ckpt.name) or 0
 
 
+TIS_CAP_AUTO = 2.0  # Yao et al. 2025's cap, TRL's vllm_importance_sampling_cap default
+
+
+def resolve_tis_cap(tis_cap: float | str | None, *, engine: str, weights_dtype: torch.dtype,
+                    async_steps: int) -> tuple[float | None, str]:
+    """``algorithm.tis_cap`` with ``auto`` resolved, and why (for the run's log).
+
+    ``auto`` corrects whenever the engine's logprobs can differ from the learner's: a vLLM or
+    server engine (other kernels, its own copy of the weights), 16-bit weights (the embedded
+    engine decodes in bf16 while the learner's logprobs are float32), or rollouts one step
+    behind (``rollout.async_steps=1``). Only the embedded engine sampling with the learner's
+    own float32 weights in step is on-policy to float tolerance, and there it stays off.
+
+    Returns:
+        ``(cap or None, reason)``.
+    """
+    if tis_cap != "auto":
+        return tis_cap, "as configured" if tis_cap is not None else "off, as configured"
+    why = [f"the {engine} engine samples with its own copy of the weights"] if engine != "hf" else []
+    if weights_dtype != torch.float32:
+        why.append(f"the policy's weights are {str(weights_dtype).removeprefix('torch.')}")
+    if async_steps:
+        why.append("rollouts are one step behind (rollout.async_steps=1)")
+    if not why:
+        return None, "auto: off, the embedded engine samples with the learner's float32 weights"
+    return TIS_CAP_AUTO, f"auto: {TIS_CAP_AUTO} since " + " and ".join(why)
+
+
+def _algorithm(cfg: Config, model: torch.nn.Module):
+    """``cfg.algorithm`` with ``tis_cap`` resolved for ``model``, and the reason."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    cap, why = resolve_tis_cap(cfg.algorithm.tis_cap, engine=cfg.rollout.engine, weights_dtype=dtype,
+                               async_steps=cfg.rollout.async_steps)
+    return cfg.algorithm.model_copy(update={"tis_cap": cap}), why
+
+
 def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Parallel | None = None) -> Learner:
-    """The policy learner for ``model`` with the config's algorithm, optimiser and sampling
-    temperature; the KL reference is a frozen copy only for full fine-tuning with a KL.
-    ``parallel``: under torchrun, the model is wrapped for ``train.strategy``."""
-    return Learner(model, cfg.algorithm, cfg.train, pad_id=pad_id, temperature=cfg.rollout.temperature,
+    """The policy learner for ``model`` with the config's algorithm (``tis_cap: auto`` resolved by
+    :func:`resolve_tis_cap`), optimiser and sampling temperature; the KL reference is a frozen copy
+    only for full fine-tuning with a KL. ``parallel``: under torchrun, the model is wrapped for
+    ``train.strategy``."""
+    return Learner(model, _algorithm(cfg, model)[0], cfg.train, pad_id=pad_id, temperature=cfg.rollout.temperature,
                    completion_budget=cfg.rollout.completion_budget,
                    copy_reference=cfg.algorithm.uses_reference and not cfg.model.lora.enabled, parallel=parallel)
 
@@ -342,6 +379,7 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         torch.Generator(device=device).manual_seed(rank_seed(cfg.seed, parallel)), sampling_params(cfg.rollout),
         advantage_params(cfg), start=0, parallel=parallel,
     )
+    logger.print(f"algorithm.tis_cap: {run.learner.algorithm.tis_cap} ({_algorithm(cfg, model)[1]})")
     run.monitor, run.flops = SystemMonitor(device), FlopCounter(model, passes=cfg.algorithm.ppo_epochs)
     run.peak_flops = peak_flops(device, model_dtype(cfg.model.dtype, device), cfg.train.peak_flops)
     if cfg.algorithm.advantage == "gae":
