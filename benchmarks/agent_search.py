@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -122,11 +123,8 @@ def main(argv=None) -> int:
                         gen = torch.Generator(device=dev).manual_seed(r)
                         t = time.perf_counter()
                         eps = agent_rollout(engine, batch, slow_tool_agent(m.agent, latency, r), run.params, tok,
-                                            group_size=args.group_size, step=r, max_total_tokens=m.max_total_tokens,
-                                            max_context=m.max_context, generator=gen, max_live=m.max_live,
-                                            timeout_s=m.timeout_s, busy_wait_s=wait, system_prompt=m.system_prompt,
-                                            prompt_template=m.prompt_template,
-                                            chat_template_kwargs=m.chat_template_kwargs)
+                                            dataclasses.replace(m.loop_settings(), busy_wait_s=wait),
+                                            group_size=args.group_size, step=r, generator=gen)
                         if dev.type == "cuda":
                             torch.cuda.synchronize(dev)
                         if r == 0:

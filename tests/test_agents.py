@@ -13,7 +13,8 @@ import torch
 
 from conftest import REPO, learner_logps, tiny_overrides
 from plainrl.data import PromptRow, build_prompt_ids
-from plainrl.rollout import AgentError, ContextLengthError, agent_rollout, env_metrics, render_chat_continuation
+from plainrl.rollout import (AgentError, ContextLengthError, LoopSettings, agent_rollout, env_metrics,
+                             render_chat_continuation)
 from plainrl.rollout.trajectory import Trajectory
 from plainrl.types import Generation, SamplingParams
 
@@ -68,8 +69,8 @@ def hf(model, tokenizer):
 
 def run(engine, tok, agent, rows, *, group_size=1, params=None, budget=96, **kw):
     return agent_rollout(engine, rows_to_prompts(tok, rows), agent, params or SamplingParams(max_new_tokens=8), tok,
-                         group_size=group_size, step=0, max_total_tokens=budget, max_context=2048,
-                         generator=torch.Generator().manual_seed(0), **kw)
+                         LoopSettings(budget, max_context=2048, **kw), group_size=group_size, step=0,
+                         generator=torch.Generator().manual_seed(0))
 
 
 # ------------------------------------------------------------------ trajectory
@@ -357,6 +358,28 @@ def test_sampling_settings_are_checked(tokenizer, tiny):
     assert eps[3].env.error is None
     assert "the run's temperature" in eps[0].env.error and "unknown sampling setting(s) ['beam']" in eps[1].env.error
     assert "non-empty strings" in eps[2].env.error
+
+
+def test_openai_names_are_aliases_of_max_new_tokens(tokenizer):
+    """An agent written for the OpenAI API calls with ``max_tokens``; each alias reaches the engine as
+    ``max_new_tokens``, None means no limit of its own, and two names for one setting fail the episode."""
+    class Long:  # never ends on its own: every call samples exactly its budget
+        def generate(self, prompts, params, *, generator=None):
+            return [Generation([7] * params.max_new_tokens, [-0.5] * params.max_new_tokens, "length")
+                    for _ in prompts]
+
+    async def agent(llm, row):
+        return float(len((await llm.chat(llm.prompt_messages, **row["kw"])).token_ids))
+
+    kws = [dict(max_tokens=3), dict(max_completion_tokens=2), dict(max_tokens=None),
+           dict(max_tokens=3, max_new_tokens=4), dict(max_tokens=3, max_completion_tokens=3), dict(max_tokens=0)]
+    eps = run(Long(), tokenizer, agent, [{"prompt": "a", "answer": "1", "kw": kw} for kw in kws],
+              params=SamplingParams(max_new_tokens=6))
+    assert [e.env.error for e in eps[:3]] == [None, None, None]
+    assert [e.env.reward for e in eps[:3]] == [3.0, 2.0, 6.0]  # None: the run's max_new_tokens
+    assert "max_new_tokens and max_tokens name the same setting" in eps[3].env.error
+    assert "max_tokens and max_completion_tokens name the same setting" in eps[4].env.error
+    assert "must be a positive int" in eps[5].env.error
 
 
 def test_a_failing_engine_fails_the_rollout(tokenizer):

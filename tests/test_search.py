@@ -17,7 +17,7 @@ from plainrl.data.world import QUESTION_KINDS, make_world, search_task, world_qu
 from plainrl.rewards import exact_match
 from plainrl.rewards.exact import normalize_answer, tagged_answer
 from plainrl.rewards.loading import load_reward_fn
-from plainrl.rollout import agent_rollout
+from plainrl.rollout import LoopSettings, agent_rollout
 from plainrl.rollout.envs.search import BM25Index, format_results, world_index
 from plainrl.types import Generation, SamplingParams
 
@@ -211,7 +211,7 @@ def test_search_agent_searches_reads_and_is_graded_like_held_out_rows(tokenizer)
             {"prompt": "Who founded nothing?", "answer": "Selas", "hops": 1, "world": world}]
     prompts = [PromptRow(r, build_prompt_ids(r, tokenizer), i) for i, r in enumerate(rows)]
     eps = agent_rollout(Researcher(tokenizer), prompts, agent, SamplingParams(max_new_tokens=32), tokenizer,
-                        group_size=1, step=0, max_total_tokens=256, max_context=2048,
+                        LoopSettings(256, max_context=2048), group_size=1, step=0,
                         generator=torch.Generator().manual_seed(0))
     info = [e.env.info for e in eps]
     # 1-hop: the question finds its fact first and the answer is copied from it; the 2-hop

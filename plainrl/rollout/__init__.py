@@ -23,6 +23,7 @@ from plainrl.rollout.episodes import (
 from plainrl.rollout.chat import build_env_prompt, prompt_messages, render_chat_continuation
 from plainrl.rollout.multiturn import env_metrics, multi_turn_rollout
 from plainrl.rollout.agents import AgentError, agent_rollout
+from plainrl.rollout.episode_loop import LoopSettings
 from plainrl.rollout.llm import LLM, AgentCancelled, Completion, ContextLengthError
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "ContextLengthError",
     "Engine",
     "HFEngine",
+    "LoopSettings",
     "MultiTurn",
     "agent_rollout",
     "build_env_prompt",

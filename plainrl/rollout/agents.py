@@ -21,7 +21,7 @@ import torch
 from plainrl.data import PromptRow
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs.base import EnvError
-from plainrl.rollout.episode_loop import EpisodeRun, run_episodes
+from plainrl.rollout.episode_loop import EpisodeRun, LoopSettings, run_episodes
 from plainrl.rollout.llm import LLM, SyncLLM
 from plainrl.types import EnvOutcome, Episode, SamplingParams
 
@@ -63,19 +63,11 @@ def agent_rollout(
     agent: Callable[..., Any],
     params: SamplingParams,
     tokenizer,
+    settings: LoopSettings,
     *,
     group_size: int,
     step: int,
-    max_total_tokens: int,
-    max_context: int | None = None,
     generator: torch.Generator | None = None,
-    max_live: int | None = None,
-    timeout_s: float | None = None,
-    max_in_flight: int = 1,
-    busy_wait_s: float = 0.05,
-    system_prompt: str | None = None,
-    prompt_template: str = "{prompt}",
-    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[Episode]:
     """Run ``agent(llm, row)`` ``group_size`` times per prompt, every episode on its own.
 
@@ -83,8 +75,8 @@ def agent_rollout(
     None (the configured rewards score the episode). An episode fails, unscorable with its
     error in ``Episode.env.error``, when the agent raised (a
     :class:`~plainrl.rollout.llm.ContextLengthError` for a call past the budget included),
-    returned another type, never called the model, or spent more than ``timeout_s``
-    seconds outside model calls.
+    returned another type, never called the model, or spent more than
+    ``settings.timeout_s`` seconds outside model calls.
 
     The episode trains on its last segment (:class:`~plainrl.rollout.trajectory.Segment`):
     ``prompt_ids`` is that segment's prompt and ``completion_ids`` everything after it,
@@ -95,9 +87,8 @@ def agent_rollout(
     Args:
         agent: ``async def agent(llm, row)`` or a plain function (run in a thread of its
             own, its ``llm.chat`` blocking); see :func:`load_agent`.
-        max_total_tokens: completion tokens per segment (``rollout.max_total_tokens``).
-        max_context: the model's context (``model.max_context``).
-        timeout_s: ``rollout.agent_timeout_s``.
+        settings: budgets and limits (``rollout.max_total_tokens`` per segment,
+            ``model.max_context``, ``rollout.agent_timeout_s``, ...): :class:`LoopSettings`.
         Others: as :func:`~plainrl.rollout.episode_loop.run_episodes`.
     Returns:
         ``len(prompts) * group_size`` episodes, each prompt's contiguous. ``env`` is an
@@ -121,11 +112,7 @@ def agent_rollout(
             return await agent(llm, prompt.row)
         return await _in_thread(agent, SyncLLM(llm, asyncio.get_running_loop()), prompt.row)
 
-    runs = run_episodes(engine, flat, runner, params, tokenizer, max_total_tokens=max_total_tokens,
-                        max_context=max_context, generator=generator, max_live=max_live, timeout_s=timeout_s,
-                        max_in_flight=max_in_flight, busy_wait_s=busy_wait_s, system_prompt=system_prompt,
-                        prompt_template=prompt_template,
-                        chat_template_kwargs=chat_template_kwargs)
+    runs = run_episodes(engine, flat, runner, params, tokenizer, settings, generator=generator)
     episodes = [_episode(run, flat[i], tokenizer, f"s{step}-r{flat[i].source_index}-{i % group_size}",
                          i // group_size) for i, run in enumerate(runs)]
     failed = [e for e in episodes if e.env.error is not None]

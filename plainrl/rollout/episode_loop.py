@@ -27,7 +27,7 @@ from plainrl.rollout.llm import LLM
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import SamplingParams
 
-__all__ = ["DaemonThreads", "EpisodeRun", "Runner", "run_episodes"]
+__all__ = ["DaemonThreads", "EpisodeRun", "LoopSettings", "Runner", "run_episodes"]
 
 Runner = Callable[[LLM, PromptRow], Awaitable[Any]]
 
@@ -50,30 +50,62 @@ class EpisodeRun:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """How :func:`run_episodes` runs a rollout's episodes (the config's values, set at setup).
+
+    max_total_tokens: completion tokens per segment (model and inserted tokens together).
+    max_context:      the model's context; a call that would run past it raises
+                      :class:`~plainrl.rollout.llm.ContextLengthError` in the runner (None: unchecked).
+    max_live:         episodes in flight at once (None: all).
+    timeout_s:        the most seconds an episode may spend outside model calls (its own code,
+                      tools); past it the episode is cancelled and fails. None: no limit.
+    max_in_flight:    engine calls at once (1 for the embedded and in-process engines; more
+                      for servers, which batch concurrent requests themselves).
+    busy_wait_s:      how long a batch waits for an episode that just got busy with its own work
+                      (:class:`RequestBatcher`).
+    system_prompt, prompt_template: the data config's, for ``llm.prompt_messages``.
+    chat_template_kwargs: ``data.chat_template_kwargs``, variables for every chat rendering.
+
+    Raises:
+        ValueError: bad ``max_live``, ``max_total_tokens`` or ``timeout_s``.
+    """
+
+    max_total_tokens: int
+    max_context: int | None = None
+    max_live: int | None = None
+    timeout_s: float | None = None
+    max_in_flight: int = 1
+    busy_wait_s: float = 0.05
+    system_prompt: str | None = None
+    prompt_template: str = "{prompt}"
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_live is not None and self.max_live < 1:
+            raise ValueError(f"max_live must be >= 1 or None, got {self.max_live}")
+        if self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
+
+
 def run_episodes(
     engine: Engine,
     prompts: list[PromptRow],
     runner: Runner,
     params: SamplingParams,
     tokenizer,
+    settings: LoopSettings,
     *,
-    max_total_tokens: int,
-    max_context: int | None = None,
     generator: torch.Generator | None = None,
-    max_live: int | None = None,
-    timeout_s: float | None = None,
-    max_in_flight: int = 1,
-    busy_wait_s: float = 0.05,
-    system_prompt: str | None = None,
-    prompt_template: str = "{prompt}",
-    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[EpisodeRun]:
     """Run ``runner`` once per prompt, every episode independently; return in prompt order.
 
-    At most ``max_live`` episodes run at once (a new one starts as soon as one ends). An
-    episode's model calls wait in the batcher, which sends every pending call to the engine
-    as one batch whenever the engine is free (see :class:`RequestBatcher`), so an episode
-    that is busy (a slow tool) never holds the others.
+    At most ``settings.max_live`` episodes run at once (a new one starts as soon as one
+    ends). An episode's model calls wait in the batcher, which sends every pending call to
+    the engine as one batch whenever the engine is free (see :class:`RequestBatcher`), so
+    an episode that is busy (a slow tool) never holds the others.
 
     Args:
         engine: any :class:`~plainrl.rollout.engines.base.Engine`.
@@ -81,45 +113,30 @@ def run_episodes(
         runner: ``async (llm, prompt) -> value``; raising ends that episode only.
         params: the run's sampling settings (each call may narrow them).
         tokenizer: the policy's tokenizer.
-        max_total_tokens: completion tokens per segment (model and inserted tokens together).
-        max_context: the model's context; a call that would run past it raises
-            :class:`~plainrl.rollout.llm.ContextLengthError` in the runner (None: unchecked).
+        settings: budgets, limits and prompt rendering (:class:`LoopSettings`).
         generator: the run's RNG (see :class:`EngineCalls` for how concurrent calls use it).
-        max_live: episodes in flight at once (None: all).
-        timeout_s: the most seconds an episode may spend outside model calls (its own code,
-            tools); past it the episode is cancelled and fails. None: no limit.
-        max_in_flight: engine calls at once (1 for the embedded and in-process engines; more
-            for servers, which batch concurrent requests themselves).
-        busy_wait_s: how long a batch waits for an episode that just got busy with its own work
-            (:class:`RequestBatcher`).
-        system_prompt, prompt_template: the data config's, for ``llm.prompt_messages``.
     Returns:
         One :class:`EpisodeRun` per prompt.
     Raises:
-        ValueError: bad ``max_live``, ``max_total_tokens`` or ``timeout_s``.
         Exception: whatever the engine raised (the rollout stops: no episode can go on).
     """
-    if max_live is not None and max_live < 1:
-        raise ValueError(f"max_live must be >= 1 or None, got {max_live}")
-    if max_total_tokens < 1:
-        raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
     if not prompts:
         return []
-    calls = EngineCalls(engine, generator, max_in_flight=max_in_flight)
+    s = settings
+    calls = EngineCalls(engine, generator, max_in_flight=s.max_in_flight)
     box: dict[str, Any] = {}
 
     def make_llm(batcher: RequestBatcher, i: int) -> LLM:
         p = prompts[i]
         return LLM(batcher, i, tokenizer, params, row=p.row, prompt_ids=p.prompt_ids,
-                   prompt_messages=_messages(p, system_prompt, prompt_template),
-                   max_total_tokens=max_total_tokens, max_context=max_context,
-                   chat_template_kwargs=chat_template_kwargs)
+                   prompt_messages=_messages(p, s.system_prompt, s.prompt_template),
+                   max_total_tokens=s.max_total_tokens, max_context=s.max_context,
+                   chat_template_kwargs=s.chat_template_kwargs)
 
     async def main() -> list[EpisodeRun]:
         box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()
-        return await _run_all(prompts, runner, make_llm, calls, max_live or len(prompts), timeout_s, busy_wait_s)
+        return await _run_all(prompts, runner, make_llm, calls, s.max_live or len(prompts), s.timeout_s,
+                              s.busy_wait_s)
 
     def loop_thread() -> None:
         try:

@@ -12,6 +12,7 @@ import torch
 from plainrl.config import RolloutConfig
 from plainrl.data import DataError, PromptRow
 from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.episode_loop import LoopSettings
 from plainrl.types import Episode, SamplingParams
 
 
@@ -148,6 +149,13 @@ class MultiTurn:
         if (self.env_factory is None) == (self.agent is None):
             raise ValueError("MultiTurn needs exactly one of env_factory and agent")
 
+    def loop_settings(self) -> LoopSettings:
+        """These settings as the agent loop's (:class:`~plainrl.rollout.episode_loop.LoopSettings`)."""
+        return LoopSettings(self.max_total_tokens, max_context=self.max_context, max_live=self.max_live,
+                            timeout_s=self.timeout_s, max_in_flight=self.max_in_flight,
+                            system_prompt=self.system_prompt, prompt_template=self.prompt_template,
+                            chat_template_kwargs=self.chat_template_kwargs)
+
 
 def rollout(
     engine: Engine,
@@ -176,13 +184,8 @@ def rollout(
     if m is not None and m.agent is not None:
         from plainrl.rollout.agents import agent_rollout
 
-        return agent_rollout(
-            engine, prompts, m.agent, params, tokenizer, group_size=group_size, step=step,
-            max_total_tokens=m.max_total_tokens, max_context=m.max_context, generator=generator,
-            max_live=m.max_live, timeout_s=m.timeout_s, max_in_flight=m.max_in_flight,
-            system_prompt=m.system_prompt, prompt_template=m.prompt_template,
-            chat_template_kwargs=m.chat_template_kwargs,
-        )
+        return agent_rollout(engine, prompts, m.agent, params, tokenizer, m.loop_settings(), group_size=group_size,
+                             step=step, generator=generator)
     if m is not None:
         from plainrl.rollout.multiturn import multi_turn_rollout
 

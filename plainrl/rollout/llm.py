@@ -29,6 +29,8 @@ __all__ = ["AgentCancelled", "Completion", "ContextLengthError", "LLM", "SyncLLM
 T = TypeVar("T")
 # what a call may change: the temperature is the run's (the learner's logprobs assume it)
 SAMPLING_KEYS = ("max_new_tokens", "stop", "top_p", "top_k", "temperature")
+# OpenAI's names for a sampling key, accepted as aliases (an agent written for the OpenAI API keeps its calls)
+SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 
 
 class ContextLengthError(RuntimeError):
@@ -147,8 +149,9 @@ class LLM:
             messages: chat messages ``{"role", "content", ...}``.
             tools: JSON schemas for the template's ``tools=``, rendered into a segment's
                 first prompt only.
-            sampling: ``max_new_tokens``, ``stop`` (added to the run's stop strings),
-                ``top_p``, ``top_k``.
+            sampling: ``max_new_tokens`` (or OpenAI's ``max_tokens`` /
+                ``max_completion_tokens``; None there: no limit of its own), ``stop`` (added to
+                the run's stop strings), ``top_p``, ``top_k``.
         Returns:
             A :class:`Completion`.
         Raises:
@@ -213,10 +216,11 @@ class LLM:
     # ------------------------------------------------------------------ helpers
 
     def _sampling(self, sampling: dict[str, Any]) -> SamplingParams:
-        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS) - set(SAMPLING_ALIASES))
         if unknown:
-            raise TypeError(f"unknown sampling setting(s) {unknown}; a call takes {', '.join(SAMPLING_KEYS)}")
-        base, kw = self._params, dict(sampling)
+            raise TypeError(f"unknown sampling setting(s) {unknown}; a call takes {', '.join(SAMPLING_KEYS)} "
+                            f"(or OpenAI's {' / '.join(SAMPLING_ALIASES)})")
+        base, kw = self._params, _resolve_aliases(sampling)
         if "temperature" in kw and kw["temperature"] != base.temperature:
             raise ValueError(f"temperature={kw['temperature']!r}: an agent samples at the run's temperature "
                              f"({base.temperature}, rollout.temperature), which the learner's logprobs assume")
@@ -248,6 +252,25 @@ class LLM:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw,
                                                   **self._chat_kwargs)
         return encode_rendered(self.tokenizer, text)
+
+
+def _resolve_aliases(sampling: dict[str, Any]) -> dict[str, Any]:
+    """``sampling`` with OpenAI's names (:data:`SAMPLING_ALIASES`) turned into plainrl's; an alias
+    set to None (OpenAI's "no limit") is dropped.
+
+    Raises:
+        TypeError: two names for one setting (an alias and the native name, or two aliases).
+    """
+    kw = {k: v for k, v in sampling.items() if k not in SAMPLING_ALIASES}
+    for alias, name in SAMPLING_ALIASES.items():
+        if alias not in sampling:
+            continue
+        given = [k for k in (name, *SAMPLING_ALIASES) if k in sampling and SAMPLING_ALIASES.get(k, k) == name]
+        if len(given) > 1:
+            raise TypeError(f"{' and '.join(given)} name the same setting; pass only one of them")
+        if sampling[alias] is not None:
+            kw[name] = sampling[alias]
+    return kw
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from plainrl.rollout.chat import build_env_prompt, encode_rendered, render_chat_
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs.base import EnvState, Environment, StepResult
 from plainrl.rollout.envs.isolated import EnvWorkerError
-from plainrl.rollout.episode_loop import DaemonThreads, run_episodes
+from plainrl.rollout.episode_loop import DaemonThreads, LoopSettings, run_episodes
 from plainrl.rollout.llm import LLM
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import EnvOutcome, Episode, FinishReason, Generation, SamplingParams
@@ -210,10 +210,10 @@ def multi_turn_rollout(
                 await blocking(_close, r)
         return r
 
-    runs = run_episodes(engine, flat, runner, params, tokenizer, max_total_tokens=max_total_tokens,
-                        generator=generator, max_live=max_live, max_in_flight=max_in_flight,
-                        system_prompt=system_prompt, prompt_template=prompt_template,
-                        chat_template_kwargs=chat_template_kwargs)
+    settings = LoopSettings(max_total_tokens, max_live=max_live, max_in_flight=max_in_flight,
+                            system_prompt=system_prompt, prompt_template=prompt_template,
+                            chat_template_kwargs=chat_template_kwargs)
+    runs = run_episodes(engine, flat, runner, params, tokenizer, settings, generator=generator)
     episodes = []
     for i, run in enumerate(runs):
         if run.error is not None:  # a bug of the adapter itself: environment errors are recorded, not raised
