@@ -92,6 +92,10 @@ class DataConfig(_Section):
     `Dataset` or a `datasets.Dataset`); called once, before any model loads."""
     source_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of `data.source`."""
+    eval_source_args: dict[str, Any] | None = None
+    """With `data.source`: the eval rows are `data.source` called again with `data.source_args` updated by these
+    (e.g. `{seed: 1000000}`, another seed of a procedural source), the first `data.eval_size` of them; rows whose
+    prompt is also a training prompt are dropped."""
     split: str = "train"
     """The split of a hub dataset or `DatasetDict` to train on."""
     subset: str | None = None
@@ -131,6 +135,14 @@ class DataConfig(_Section):
         if self.source_args and self.source is None:
             raise ValueError("data.source_args are the keyword arguments of data.source, which is not set; "
                              "set data.source (module:fn) or remove data.source_args")
+        if self.eval_source_args is not None:
+            if self.source is None:
+                raise ValueError("data.eval_source_args update data.source_args for the eval rows, but data.source "
+                                 "is not set; set data.source (module:fn) or remove data.eval_source_args")
+            others = [k for k in ("eval_path", "eval_split") if getattr(self, k) is not None]
+            others += ["eval_holdout"] if self.eval_holdout else []
+            if others:
+                raise ValueError(f"data.eval_source_args and data.{others[0]} both choose the eval rows; keep one")
         if self.source is not None and self.eval_split is not None and self.eval_path is None:
             raise ValueError(f"data.eval_split={self.eval_split!r} picks a split of data.path; with data.source, "
                              "give eval rows by data.eval_path or data.eval_holdout")

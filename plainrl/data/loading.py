@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from plainrl.data.prompts import build_prompt_ids, check_prompt_lengths
 from plainrl.data.rows import DataError, DropReport, InvalidRow, handle_invalid, indexed_prompt_rows
-from plainrl.data.sources import held_out_indices, load_rows, training_rows
+from plainrl.data.sources import held_out_indices, load_rows, source_rows, training_rows
 from plainrl.data.tasks import make_task_split
 
 if TYPE_CHECKING:
@@ -125,7 +125,8 @@ def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: in
 
     File or hub data (``cfg.path``): rows from ``cfg.path``/``cfg.split`` (first
     ``cfg.max_rows``); or the rows ``cfg.source`` returns (:func:`plainrl.data.sources.source_rows`),
-    with ``cfg.eval_path`` or ``cfg.eval_holdout`` for eval rows. Eval rows (the first ``cfg.eval_size``) come from
+    with ``cfg.eval_path``, ``cfg.eval_holdout`` or ``cfg.eval_source_args`` (the source called again with
+    these arguments over ``cfg.source_args``; rows that repeat a training prompt dropped) for eval rows. Eval rows (the first ``cfg.eval_size``) come from
     ``cfg.eval_path`` with split ``cfg.eval_split or cfg.split``, or, when only
     ``cfg.eval_split`` is set, from that split of ``cfg.path``. Otherwise there are
     no eval rows: training rows are never reused for eval implicitly.
@@ -190,6 +191,17 @@ def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: in
             eval_rows = load_rows(eval_path, eval_split, cfg.eval_size, label=label,
                                   subset=cfg.subset if label == "data.path" else None)
             evals = _prepare(eval_rows, source=f"{label} {eval_path!r} (eval, split {eval_split!r})", **common)
+        elif cfg.eval_size > 0 and cfg.eval_source_args is not None:
+            args = {**cfg.source_args, **cfg.eval_source_args}
+            eval_rows = source_rows(cfg.source, args, split=cfg.split, max_rows=cfg.eval_size)
+            label = f"data.source {cfg.source!r} (eval, data.eval_source_args)"
+            evals = _prepare(eval_rows, source=label, **common)
+            seen = {tuple(p.prompt_ids) for p in train}
+            shared = sum(tuple(p.prompt_ids) in seen for p in evals)
+            if shared:  # a small procedural task repeats prompts across seeds: never evaluate on training prompts
+                evals = [p for p in evals if tuple(p.prompt_ids) not in seen]
+                notes.append(f"data.eval_source_args: {shared} of {shared + len(evals)} eval rows are also training "
+                             "prompts and were dropped")
         elif cfg.eval_holdout > 0:
             held = held_out_indices(len(rows), cfg.eval_holdout, seed)  # chosen among the raw rows: see its docstring
             train, evals = [p for p in train if p.source_index not in held], [p for p in train if p.source_index in held]
