@@ -30,7 +30,9 @@ def test_epochs_become_steps_and_warmup_ratio_rounds_up():
     assert t.resolve_epochs(100, 10) == 30 and t.total_steps == 30
     assert t.warmup == 3  # ceil(0.1 * 30), though 0.1 * 30 is 3.0000000000000004 in floats
     assert TrainConfig(steps=7, warmup_ratio=0.5).warmup == 4
-    assert (TrainConfig().steps, TrainConfig().warmup) == (50, 0)  # neither given: the old defaults
+    assert (TrainConfig().steps, TrainConfig().warmup) == (50, 0)  # neither given: the fields' defaults
+    assert TrainConfig.model_fields["steps"].default == 50  # the default the docs' key table shows
+    assert TrainConfig(epochs=2).steps is None and TrainConfig(warmup_ratio=0.1).warmup_steps is None
     cfg = load_config(None, RL + ["train.steps=null", "train.epochs=2", "rollout.prompts_per_step=4"])
     assert cfg.resolve_steps(10) == 5 and cfg.train.total_steps == 5  # RL: prompts per step
     off = load_config(REPO / "examples" / "dpo_ultrafeedback.yaml", ["train.steps=null", "train.epochs=2",
@@ -42,6 +44,8 @@ def test_epochs_become_steps_and_warmup_ratio_rounds_up():
     (["train.steps=10", "train.epochs=2"], ["train.steps=10 and train.epochs=2", "exactly one"]),
     (["train.warmup_ratio=0.1", "train.warmup_steps=3"], ["train.warmup_steps=3 and train.warmup_ratio=0.1"]),
     (["train.warmup_ratio=1.5"], ["train.warmup_ratio"]),
+    (["train.steps=null"], ["train.steps and train.epochs are both null: set one of them"]),
+    (["train.warmup_steps=null", "train.warmup_ratio=null"], ["train.warmup_steps and train.warmup_ratio are both null"]),
 ])
 def test_one_of_each_pair(override, needles):
     with pytest.raises(ConfigError) as e:

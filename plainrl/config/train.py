@@ -15,7 +15,7 @@ from plainrl.config.base import ConfigError, _Section
 # layer gathered for its forward and backward (torch.distributed.fsdp.fully_shard)
 Strategy = Literal["ddp", "fsdp2"]
 
-DEFAULT_STEPS = 50  # train.steps when neither train.steps nor train.epochs is given
+DEFAULT_STEPS = 50  # train.steps unless train.epochs is given
 
 
 def epoch_steps(epochs: int, rows: int, rows_per_step: int) -> int:
@@ -30,16 +30,16 @@ class TrainConfig(_Section):
     """Optimisation (AdamW, linear warm-up then constant or cosine), micro-batches, and the
     distributed strategy under torchrun."""
 
-    steps: int | None = Field(None, gt=0)
-    """Optimiser steps; give this or `train.epochs`, not both (50 when neither is given)."""
+    steps: int | None = Field(DEFAULT_STEPS, gt=0)
+    """Optimiser steps; or give `train.epochs` instead (then this default does not apply)."""
     epochs: int | None = Field(None, gt=0)
     """Passes over the training rows instead of `train.steps`: `ceil(epochs x rows / rows_per_step)` steps."""
     lr: float = Field(1e-5, gt=0.0)
     """Learning rate (AdamW)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: `constant` or `cosine` (to 0)."""
-    warmup_steps: int | None = Field(None, ge=0)
-    """Linear warm-up steps; give this or `train.warmup_ratio`, not both (0 when neither is given)."""
+    warmup_steps: int | None = Field(0, ge=0)
+    """Linear warm-up steps; or give `train.warmup_ratio` instead (then this default does not apply)."""
     warmup_ratio: float | None = Field(None, ge=0.0, le=1.0)
     """Warm-up as a fraction of the run's steps (`ceil(ratio x steps)`, as transformers)."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -73,13 +73,13 @@ class TrainConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _defaults(cls, data: Any) -> Any:
-        # the defaults of each pair apply only when neither of the two is given, so that a config
-        # written back (config.yaml) holds one of each pair and loads again
+        # `steps` (and `warmup_steps`) keep their defaults unless the other of the pair is given:
+        # `train.epochs: 2` alone means an epoch-counted run, not 50 steps and 2 epochs at once
         if isinstance(data, dict):
             data = dict(data)
-            for given, other, default in (("steps", "epochs", DEFAULT_STEPS), ("warmup_steps", "warmup_ratio", 0)):
-                if data.get(given) is None and data.get(other) is None:
-                    data[given] = default
+            for default, other in (("steps", "epochs"), ("warmup_steps", "warmup_ratio")):
+                if data.get(other) is not None and default not in data:
+                    data[default] = None
         return data
 
     @model_validator(mode="after")
@@ -88,6 +88,8 @@ class TrainConfig(_Section):
             if getattr(self, a) is not None and getattr(self, b) is not None:
                 raise ValueError(f"train.{a}={getattr(self, a)!r} and train.{b}={getattr(self, b)!r}: set exactly "
                                  f"one of them (remove the other, or set it to null)")
+            if getattr(self, a) is None and getattr(self, b) is None:
+                raise ValueError(f"train.{a} and train.{b} are both null: set one of them")
         return self
 
     def resolve_epochs(self, rows: int, rows_per_step: int) -> int:
