@@ -111,13 +111,15 @@ class RolloutConfig(_Section):
     `auto` (static where the model is supported)."""
     env: str | None = None
     """Multi-turn: a built-in environment (`calculator`, `python`) or a factory `module:fn` / `file.py:fn` returning
-    an `Environment`."""
+    an `Environment`, or a class: a plainrl `Environment`, a TRL `environment_factory` class or an OpenEnv
+    `Environment` (docs/environments.md)."""
     max_turns: int = Field(8, gt=0)
     """Model turns per multi-turn episode at most."""
     max_total_tokens: int | None = Field(None, gt=0)
     """Multi-turn completion budget over all turns; null: `max_new_tokens`."""
     tool_timeout_s: float = Field(5.0, gt=0)
-    """Wall-clock limit of one code run of the Python tool's sandbox."""
+    """Wall-clock limit of one code run of the Python tool's sandbox, and of one tool call of an environment class
+    (TRL `environment_factory`, OpenEnv): one that runs over fails its episode."""
     env_timeout_s: float | None = Field(60.0, gt=0)
     """Per environment call: each episode's environment lives in a worker process, and a reset or step past this is
     killed, the episode unscorable (null: in this process, no limit that can kill)."""

@@ -71,7 +71,9 @@ def build_env_prompt(
     tools, ``prompt.prompt_ids`` are used unchanged. Otherwise the prompt is
     re-rendered with the chat template (``add_generation_prompt=True``) from
     ``reset``'s messages followed by the row's (a leading system message of
-    ``reset`` is merged into the row's), and with ``tools=env.tools_schema()``;
+    ``reset`` is merged into the row's) or, when ``reset`` returned a string, the
+    row's messages with that string appended to the last one's content (TRL's
+    ``environment_factory`` contract), and with ``tools=env.tools_schema()``;
     if the template ignores ``tools`` (the rendering does not change), the tools
     are described in the system message instead (:func:`hermes_tools_prompt`).
 
@@ -95,7 +97,12 @@ def build_env_prompt(
         return list(prompt.prompt_ids), messages
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("an environment that adds prompt messages or tools needs a tokenizer with a chat template")
-    if extra:
+    if isinstance(extra, str):
+        if not messages or not isinstance(messages[-1].get("content"), str):
+            raise ValueError("env.reset returned text to append to the last prompt message, but the row's last "
+                             "message has no text content")
+        messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + extra}]
+    elif extra:
         extra = [dict(m) for m in extra]
         if extra[0].get("role") == "system":
             messages = _add_system(messages, extra[0]["content"], first=True)

@@ -27,11 +27,14 @@ def sampling_params(cfg: RolloutConfig, **overrides) -> SamplingParams:
 
 def env_constructor(cfg: RolloutConfig) -> Callable[..., Any] | None:
     """``rollout.env`` as the callable that builds one environment, ``factory(**env_args)``
-    (a data row's ``env_args``), or None (single turn).
+    (a data row's ``env_args``), or None (single turn). A class is taken as it is when it is a
+    plainrl environment, or adapted when it is a TRL ``environment_factory`` class or an OpenEnv
+    environment (:func:`plainrl.rollout.envs.classes.adapt_env_class`).
 
     Raises:
-        RewardLoadError: a ``module:fn`` reference that cannot be loaded (before any model
-            loads; the config already refused names that are neither built-in nor references).
+        RewardLoadError: a ``module:fn`` reference that cannot be loaded, or a class that is no
+            environment (before any model loads; the config already refused names that are neither
+            built-in nor references).
     """
     if cfg.env is None:
         return None
@@ -42,7 +45,12 @@ def env_constructor(cfg: RolloutConfig) -> Callable[..., Any] | None:
         return builtins[cfg.env]
     from plainrl.rewards.loading import load_reward_fn
 
-    return load_reward_fn(cfg.env, what="rollout.env")
+    target = load_reward_fn(cfg.env, what="rollout.env")
+    if inspect.isclass(target):
+        from plainrl.rollout.envs.classes import adapt_env_class
+
+        return adapt_env_class(target, cfg.env, tool_timeout_s=cfg.tool_timeout_s)
+    return target
 
 
 def make_env_factory(cfg: RolloutConfig):

@@ -125,7 +125,7 @@ def multi_turn_rollout(
       after an empty one continues the same turn);
     - the completion reached ``max_total_tokens`` (an observation that does not
       fit is cut to fit; ``finish_reason`` is ``"length"``);
-    - the env raised (building it, ``reset`` or ``step``; with
+    - the env raised (building it, ``reset``, ``step`` or ``final_reward``; with
       :class:`~plainrl.rollout.envs.isolated.EnvWorkers`, also a call over its time
       limit): ``"Type: message (at file:line)"`` goes to ``Episode.env.error``
       and the episode is unscorable (an env that failed to start has an empty
@@ -205,6 +205,8 @@ def multi_turn_rollout(
                 _absorb(r, await llm.sample(turn_params), llm, tokenizer)
                 res, err = await blocking(_do_step, r)
                 _apply(r, res, err, llm, tokenizer, max_total_tokens, user_stop)
+            if r.env is not None and r.error is None:
+                await blocking(_final_reward, r)
         finally:
             if r.env is not None:
                 await blocking(_close, r)
@@ -242,6 +244,21 @@ def _start(r: _Run, env_factory: Callable[[], Environment], tokenizer, system_pr
     r.stop = tuple(getattr(r.env, "stop", ()) or ())
     r.max_turns = min(limits) if limits else None
     return True
+
+
+def _final_reward(r: _Run) -> None:
+    """The environment's ``final_reward()`` (when it has one), read once the episode is over, into its
+    rewards; raising fails the episode."""
+    final = getattr(r.env, "final_reward", None)
+    if not callable(final):
+        return
+    try:
+        value = final()
+        if value is not None:
+            r.rewards.append(float(value))
+    except Exception as e:  # recorded on the episode: the caller makes it unscorable
+        r.error = f"env.final_reward: {_describe(e)}"
+        r.end = "env_error"
 
 
 def _close(r: _Run) -> None:

@@ -5,6 +5,7 @@ environment."""
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from contextlib import contextmanager
@@ -37,11 +38,28 @@ def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tok
         episodes = rollout(engine, flat, params, tokenizer, group_size=1, step=-1, multi_turn=multi_turn,
                            generator=generator)
         texts = [e.completion_text for e in episodes]
+    env_cols = _env_columns_taken(grader)
     scores = []
-    for r, text in zip(flat, texts):
-        s = grader(text, **r.row)
+    for i, (r, text) in enumerate(zip(flat, texts)):
+        cols = r.row
+        if episodes and env_cols:  # an environment's outcome, for a grader that reads it (env_reward)
+            cols = {**r.row, **{k: v for k, v in episodes[i].columns().items() if k in env_cols}}
+        s = grader(text, **cols)
         scores.append(0.0 if s is None else float(s))
     return scores, episodes
+
+
+_ENV_COLUMNS = ("env_reward", "env_error", "env_info")
+
+
+def _env_columns_taken(grader: Grader) -> tuple[str, ...]:
+    """The environment columns ``grader`` names as parameters (none for ``**kwargs``: graders written
+    for data rows keep getting only the row's columns)."""
+    try:
+        params = inspect.signature(grader).parameters
+    except (TypeError, ValueError):
+        return ()
+    return tuple(k for k in _ENV_COLUMNS if k in params)
 
 
 @dataclass
@@ -111,7 +129,9 @@ def evaluate(
             environment (a tool-using policy is graded with its tools), graded on
             the whole completion text, tool output included.
         grader: scores a completion given the row's columns as keywords (``eval.grader``):
-            1.0 right, 0.0 wrong; None counts as wrong.
+            1.0 right, 0.0 wrong; None counts as wrong. With ``multi_turn``, a grader that
+            names ``env_reward``, ``env_error`` or ``env_info`` as parameters gets the episode's
+            (``plainrl.rollout.envs:env_reward`` grades by the environment's reward).
         chunk_size: prompts handed to the engine at a time (the unit of progress); a
             multiple of the engine's batch size leaves the batches, and so the greedy
             results, as one call would make them.

@@ -98,20 +98,23 @@ class Environment(Protocol):
 
     Optionally, ``tools_schema() -> list[dict]`` (JSON schemas for the chat
     template's ``tools=`` argument): when present and non-empty, the prompt is
-    re-rendered with the tools; and ``close() -> None``, called once when the
+    re-rendered with the tools; ``final_reward() -> float | None``, called once when
+    the episode is over (not when it failed), its value added to the episode's
+    reward (raising fails the episode); and ``close() -> None``, called once when the
     episode is over (also when it failed), to release what the episode held.
     """
 
     stop: tuple[str, ...]
     max_turns: int | None
 
-    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]] | str | None:
         """Start an episode for ``row``.
 
         Returns:
-            None to use the row's prompt ids unchanged, or messages to put before
+            None to use the row's prompt ids unchanged, messages to put before
             the row's messages (a leading system message is merged into the row's
-            own system message); the prompt is then re-rendered.
+            own system message), or text to append to the last prompt message; the
+            prompt is then re-rendered.
         """
         ...
 
@@ -174,11 +177,13 @@ def call_with_timeout(fn: Callable[..., T], *args: Any, timeout_s: float | None,
     return box["value"]
 
 
-def env_reward(completion: str, env_reward: float | None = None, env_error: str | None = None) -> float | None:
+def env_reward(completion: str, env_reward: float | None = None, env_error: str | None = None,
+               **_: Any) -> float | None:
     """Reward function that returns the environment's summed reward for the episode.
 
     Use it as the reward spec ``plainrl.rollout.envs:env_reward``; it reads the columns
-    :func:`plainrl.rollout.envs.multi_turn_rollout` adds to each episode's row.
+    :func:`plainrl.rollout.envs.multi_turn_rollout` adds to each episode's row (the row's other
+    columns are ignored, so it also serves as ``eval.grader`` of a run with ``rollout.env``).
 
     Returns:
         ``Episode.env.reward``; None (unscorable) when the environment raised or

@@ -7,7 +7,7 @@
 :class:`EnvWorkers` is an environment factory: each call gives a :class:`RemoteEnv`,
 a stand-in whose real environment is built by the factory inside a worker process
 (:class:`plainrl.rollout.workers.Worker`) and lives there for the whole episode, so it
-keeps its state across turns. ``reset``, ``tools_schema`` and ``step`` are
+keeps its state across turns. ``reset``, ``tools_schema``, ``step`` and ``final_reward`` are
 forwarded to it, each limited to ``timeout_s`` seconds. A call that runs over gets
 its worker's whole process group killed; the call raises :class:`EnvWorkerError`,
 which ends that episode as unscorable (``Episode.env.error``) while the other
@@ -43,6 +43,7 @@ class _Spec:
     stop: tuple[str, ...]
     max_turns: int | None
     has_tools: bool
+    has_final_reward: bool = False
 
 
 def _host(factory: Callable[[], Environment]) -> Callable[[tuple], Any]:
@@ -57,7 +58,7 @@ def _host(factory: Callable[[], Environment]) -> Callable[[tuple], Any]:
             env = held["env"] = factory(**(args[0] if args else {}))
             held["scratch"] = {}
             return _Spec(tuple(getattr(env, "stop", ()) or ()), getattr(env, "max_turns", None),
-                         callable(getattr(env, "tools_schema", None)))
+                         callable(getattr(env, "tools_schema", None)), callable(getattr(env, "final_reward", None)))
         if env is None:
             raise RuntimeError(f"no environment in this worker for {op!r} (it was closed or never built)")
         if op == "reset":
@@ -71,6 +72,8 @@ def _host(factory: Callable[[], Environment]) -> Callable[[tuple], Any]:
             if not isinstance(res, StepResult):
                 raise TypeError(f"env.step must return a StepResult, got {type(res).__name__}")
             return res
+        if op == "final_reward":
+            return env.final_reward()
         if op == "close":
             held["env"], held["scratch"] = None, {}
             close = getattr(env, "close", None)
@@ -97,8 +100,10 @@ class RemoteEnv:
     def __init__(self, pool: EnvWorkers, worker: Worker, spec: _Spec) -> None:
         self._pool, self._worker = pool, worker
         self.stop, self.max_turns, self._has_tools = spec.stop, spec.max_turns, spec.has_tools
+        if spec.has_final_reward:  # present only when the real environment has one
+            self.final_reward = lambda: self._call("final_reward")
 
-    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]] | str | None:
         return self._call("reset", row)
 
     def tools_schema(self) -> list[dict[str, Any]] | None:
@@ -153,7 +158,7 @@ class EnvWorkers(WorkerPool):
             through ``fork``, never pickled). Rows, messages and step results
             cross a pipe and must pickle; ``EnvState.scratch`` stays in the worker.
         timeout_s: the time limit of each call (building the environment,
-            ``reset``, ``tools_schema``, ``step``, ``close``), in seconds.
+            ``reset``, ``tools_schema``, ``step``, ``final_reward``, ``close``), in seconds.
     Raises:
         ValueError: ``timeout_s`` is not positive, or this OS cannot ``fork`` (Windows).
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
@@ -26,6 +27,7 @@ __all__ = [
     "function_schema",
     "hermes_tools_prompt",
     "parse_tool_calls",
+    "run_sync",
 ]
 
 
@@ -234,6 +236,17 @@ def _check_value(name: str, value: Any, schema: dict[str, Any]) -> str | None:
     return None
 
 
+def run_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, awaited to its result when it returns an awaitable (an ``async`` tool or
+    method), on an event loop of its own (``asyncio.run``): call it from a thread without a running loop."""
+    out = fn(*args, **kwargs)
+    if inspect.isawaitable(out):
+        async def wait() -> Any:
+            return await out
+        return asyncio.run(wait())
+    return out
+
+
 class ToolEnv:
     """Tools as typed Python functions, called with ``<tool_call>`` blocks.
 
@@ -252,11 +265,18 @@ class ToolEnv:
     error is shown to the model).
 
     Args:
-        tools: the functions (names must be unique).
+        tools: the functions (names must be unique); ``async`` ones are run to completion
+            (``asyncio.run``, in the call's own thread).
         max_turns: the most assistant turns; None = no own limit.
         timeout_s: limit per function call (see :func:`call_with_timeout`);
             None = no limit.
         max_output_chars: the most characters of a result shown to the model.
+        schemas: the tools' JSON schemas, one per function in the same order, when they do not
+            come from the functions' signatures (tools described by another library); None:
+            :func:`function_schema` of each.
+        fail_on_timeout: a call past ``timeout_s`` raises :class:`EnvTimeoutError` (ending the
+            episode as an environment error) instead of being shown to the model: for tools
+            that share an object's state, which is unknown while the call may still be running.
     Raises:
         ValueError: a function has no usable schema, or two share a name.
     """
@@ -264,8 +284,11 @@ class ToolEnv:
     stop: tuple[str, ...] = ("</tool_call>",)
 
     def __init__(self, tools: list[Callable[..., Any]], *, max_turns: int | None = None,
-                 timeout_s: float | None = 10.0, max_output_chars: int = 2000):
-        self.schemas = [function_schema(fn) for fn in tools]
+                 timeout_s: float | None = 10.0, max_output_chars: int = 2000,
+                 schemas: list[dict[str, Any]] | None = None, fail_on_timeout: bool = False):
+        if schemas is not None and len(schemas) != len(tools):
+            raise ValueError(f"{len(schemas)} schemas for {len(tools)} tools")
+        self.schemas = list(schemas) if schemas is not None else [function_schema(fn) for fn in tools]
         names = [s["function"]["name"] for s in self.schemas]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -275,6 +298,7 @@ class ToolEnv:
         self.max_turns = max_turns
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
+        self.fail_on_timeout = fail_on_timeout
 
     def tools_schema(self) -> list[dict[str, Any]]:
         """The tools' JSON schemas, for ``tokenizer.apply_chat_template(..., tools=...)``."""
@@ -305,9 +329,11 @@ class ToolEnv:
             try:
                 fn, args = self.tools[call.name], call.arguments
                 # a closure, so tool arguments cannot collide with call_with_timeout's own
-                result = call_with_timeout(lambda: fn(**args), timeout_s=self.timeout_s)
+                result = call_with_timeout(lambda: run_sync(fn, **args), timeout_s=self.timeout_s)
                 content = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
             except EnvTimeoutError:
+                if self.fail_on_timeout:
+                    raise EnvTimeoutError(f"tool {call.name} did not return within {self.timeout_s:g} s") from None
                 info["tool_errors"] += 1
                 content = f"Error: {call.name} did not return within {self.timeout_s:g} s"
             except Exception as e:  # a tool's failure is information for the model, not a crash
