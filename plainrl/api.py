@@ -5,7 +5,7 @@
     import plainrl
     result = plainrl.train("examples/arithmetic_grpo.yaml", train__steps=10, **{"rollout.group_size": 4})
     run = plainrl.load_run(result.run_dir)
-    run.metrics["reward"].plot()
+    run.metrics["reward/mean"].plot()
 
 Overrides: each keyword names a dotted config key, as on the command line
 (``plainrl train CONFIG train.lr=1e-5``). A Python keyword cannot hold a dot, so ``__``
@@ -46,10 +46,13 @@ class LoadedRun:
         path: the run directory.
         config: the resolved :class:`~plainrl.config.Config` the run trained with (its ``config.yaml``).
         metrics: one row per training step, indexed by ``step`` (0-based); a column per metric
-            (``reward``, ``reward/<fn>``, ``kl``, ``loss``, ``time/*``, ...). A step logged twice
+            (``reward/mean``, ``reward/<fn>/mean``, ``kl``, ``loss``, ``time/*``, ...; sft/dpo/rm: ``loss``,
+            ``nll`` or ``accuracy``/``margin``, ``lr``, ...). A step logged twice
             (a run resumed from an earlier checkpoint) keeps its last row.
         evals: one row per evaluation, indexed by ``step`` (training steps done when it ran:
-            0 is ``eval.before``), with the ``eval/`` columns (``eval/accuracy``, ...).
+            0 is ``eval.before``), with the ``eval/`` columns (RL: ``eval/pass@1``, ``eval/pass@1_ci_low``,
+            ``eval/pass@1_ci_high``, ``eval/mean@k``, ``eval/n``, ...; sft: ``eval/loss``, ``eval/nll``;
+            dpo/rm: ``eval/loss``, ``eval/accuracy``, ``eval/margin``).
         rollouts: the ``rollouts.jsonl`` records: ``step``, ``prompt``, ``completion``, ``segments``
             (policy and environment text), ``reward``, ``reward_parts``, ``advantage``, ``finish_reason``, ...
         errors: the ``errors.jsonl`` records (``step``, ``sample_id``, ``source``, ``error``).
@@ -86,8 +89,8 @@ class RunResult:
     Attributes:
         run_dir: the run directory (``config.yaml``, ``metrics.jsonl``, ``rollouts.jsonl``, ``final/``, ...).
         config: the resolved :class:`~plainrl.config.Config` the run trained with.
-        metrics: the last training step's metrics (``{"step": 39, "reward": 0.81, ...}``).
-        eval: the last evaluation's results (``{"step": 40, "eval/accuracy": 0.62, ...}``: ``step`` is
+        metrics: the last training step's metrics (``{"step": 39, "reward/mean": 0.81, ...}``).
+        eval: the last evaluation's results (``{"step": 40, "eval/pass@1": 0.62, ...}``: ``step`` is
             the training steps done when it ran); empty when none ran.
         run: the whole run directory read back (:class:`LoadedRun`): every step, the rollouts, the errors.
     """
