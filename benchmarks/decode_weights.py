@@ -8,7 +8,7 @@ for weight-only int8, a quarter of the bytes to stream).
 
 A float32 decode step on an AVX2 CPU streams every weight once (540 MB for the embedded
 model), so fewer bytes per weight is the lever left for decode speed (docs/benchmarks.md,
-"Session 11"); this measures whether torch's own int8 kernel delivers it here. Random weights
+"Where the time goes"); this measures whether torch's own int8 kernel delivers it here. Random weights
 (the timing does not depend on the values); median of 7 passes after one warm-up. Prints
 milliseconds per pass over all linears at each batch size (rows) and the ratio
 float32 / int8 (above 1: int8 is faster); the last line is ``int8_speedup_at_16_rows=X.XX``.

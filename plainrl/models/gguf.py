@@ -37,7 +37,7 @@ class EmbeddedModel:
 
     hub_id: the hub repository the GGUF was quantised from; what saved adapters name as
         their base, so they load anywhere (the weights differ by the quantisation: see
-        docs/checkpointing.md, "Portable outputs").
+        docs/outputs.md, "Outputs that travel").
     """
 
     package: str
