@@ -82,6 +82,36 @@ def test_remote_greedy_equals_embedded_and_full_sync_lands(server, tok):
         engine.close()
 
 
+def test_full_sync_over_the_weight_group_lands_and_matches_the_learner(server, tok):
+    """weights_via=group: the trainer and the server's worker form a gloo group; the float32
+    135M model (~540 MB) goes as 2 buckets of whole layers and lands in every layer."""
+    url, _ = server
+    policy = load_policy(ModelConfig(name=MODEL, dtype="float32", lora={"enabled": False}), torch.device("cpu"))
+    engine = RemoteEngine([url], tok, sync="full", weights_via="group", max_model_len=512, group_timeout_s=120)
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, len(policy.model.layers) - 1)]
+    try:
+        before = [engine.weight_sum(n) for n in names]
+        with torch.no_grad():
+            for layer in policy.model.layers:
+                layer.mlp.down_proj.weight.mul_(1.5)
+        engine.load_weights(policy)
+        assert engine._group is not None and engine._group.world_size == 2 and engine._group.backend == "gloo"
+        assert [engine.weight_sum(n) for n in names] == pytest.approx([1.5 * b for b in before], rel=1e-4)
+        prompt = _prompt(tok)
+        fresh = engine.generate([prompt], SamplingParams(max_new_tokens=16, temperature=1.0))[0]
+        diff = (learner_logps(policy, prompt, fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
+        assert diff < LOGPROB_TOL
+        with torch.no_grad():  # the second sync reuses the group; the served weights go back for later tests
+            for layer in policy.model.layers:
+                layer.mlp.down_proj.weight.div_(1.5)
+        group = engine._group
+        engine.load_weights(policy)
+        assert engine._group is group
+        assert [engine.weight_sum(n) for n in names] == pytest.approx(before, rel=1e-4)
+    finally:
+        engine.close()
+
+
 def test_runs_one_after_another_on_one_server_sync_their_own_adapters(server, tok):
     """A server outlives training runs: a run killed before it could unload its last adapter
     leaves it loaded, and the next run's adapters must not collide with its names (vLLM

@@ -45,9 +45,14 @@ class RemoteConfig(_Section):
     """Per request: a server silent this long counts as dead."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """Seconds to connect to a server."""
-    weights_via: Literal["auto", "http", "path"] = "auto"
-    """Full-weight sync: `http` sends the tensors in the request, `path` writes them to `shared_dir` and sends the
-    path; `auto`: http up to 1 GiB of changed tensors, else path."""
+    weights_via: Literal["auto", "group", "http", "path"] = "auto"
+    """Full-weight sync: `group` broadcasts buckets of whole layers over a process group the trainer and every server
+    worker join (gloo on CPU, NCCL on CUDA; `plainrl serve` servers), `http` sends the tensors in the request, `path`
+    writes them to `shared_dir` and sends the path; `auto`: `group` where one forms, else http up to 1 GiB, else
+    path (the log says which)."""
+    group_timeout_s: float = Field(60.0, gt=0)
+    """`weights_via: group`: seconds for the trainer and the servers to form the group, and for each bucket's
+    broadcast; a server that misses it ends the group (`auto` then falls back to http or path)."""
     shared_dir: str | None = None
     """A directory the trainer and every server can read (LoRA adapters, `weights_via: path`); null: a temporary
     directory on this machine."""
@@ -66,6 +71,9 @@ class RemoteConfig(_Section):
             raise ValueError("rollout.remote.weights_via=http: SGLang loads full weights from disk "
                              "(/update_weights_from_disk), so use weights_via=path (or auto) with a "
                              "rollout.remote.shared_dir every server can read")
+        if self.backend == "sglang" and self.weights_via == "group":
+            raise ValueError("rollout.remote.weights_via=group broadcasts to `plainrl serve` (vLLM) servers; SGLang "
+                             "servers load full weights from disk: use weights_via=path (or auto)")
         if self.backend == "sglang" and self.model is not None:
             raise ValueError("rollout.remote.model: an SGLang server's /generate serves its one model (it takes no "
                              "model name); leave rollout.remote.model unset with backend=sglang")

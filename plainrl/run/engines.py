@@ -78,7 +78,8 @@ def _remote_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTra
     sync = _sync(cfg.rollout.sync, model)
     if rc.backend == "sglang":
         return SGLangEngine(rc.urls, tokenizer, sync=sync, shared_dir=rc.shared_dir, **common)
-    return RemoteEngine(rc.urls, tokenizer, sync=sync, weights_via=rc.weights_via, shared_dir=rc.shared_dir, **common)
+    return RemoteEngine(rc.urls, tokenizer, sync=sync, weights_via=rc.weights_via, group_timeout_s=rc.group_timeout_s,
+                        shared_dir=rc.shared_dir, **common)
 
 
 def api_key(env_name: str | None) -> str | None:

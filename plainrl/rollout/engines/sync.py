@@ -47,7 +47,7 @@ def resolve_sync(requested: str, model: torch.nn.Module, *, lora_is_slow: bool =
 
 
 @torch.no_grad()
-def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def policy_weights(model: torch.nn.Module, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """The policy's whole state under Hugging Face names, for a ``full`` sync: the weights
     as they are for full fine-tuning; for a LoRA model, the base with each adapted layer's
     weight merged, W + s * B @ A.
@@ -56,8 +56,12 @@ def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     and its in-place reload must see every tensor of a fused layer, so sending the frozen
     ones too is what keeps a partial adapter (say q_proj and v_proj only) correct.
 
+    Args:
+        device: where the tensors go (``cpu`` for HTTP and disk; the model's CUDA device for an
+            NCCL broadcast, which sends from GPU memory).
+
     Returns:
-        name -> contiguous CPU tensor in the model's dtype.
+        name -> contiguous tensor on ``device`` in the model's dtype.
     """
     base = unwrap(model)
     merged = {}
@@ -75,7 +79,7 @@ def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
         if ".original_module." in name:
             continue
-        out[name] = merged.get(name, p).detach().cpu().contiguous()
+        out[name] = merged.get(name, p).detach().to(device).contiguous()
     return out
 
 

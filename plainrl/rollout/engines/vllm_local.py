@@ -24,6 +24,7 @@ from plainrl.rollout.engines.requests import (
 )
 from plainrl.rollout.engines.sync import AdapterVersions, SyncMode, policy_weights, to_safetensors
 from plainrl.rollout.engines.vllm_worker import WORKER_EXTENSION
+from plainrl.rollout.engines.weight_group import plan_buckets
 from plainrl.types import Generation, SamplingParams
 
 VLLM_INSTALL = ("pip install 'plainrl[vllm]' (CUDA), or on a CPU machine in its own venv: "
@@ -131,8 +132,9 @@ class VLLMEngine:
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Push the learner's weights: the adapter as a new LoRA request, or the whole
-        (merged) state dict through the worker extension (then the prefix cache, computed with the old
-        weights, is dropped)."""
+        (merged) state dict through the worker extension in buckets of whole layers
+        (:func:`~plainrl.rollout.engines.weight_group.plan_buckets`; then the prefix cache,
+        computed with the old weights, is dropped)."""
         self._wake()
         if self._adapters is not None:
             from vllm.lora.request import LoRARequest
@@ -142,7 +144,12 @@ class VLLMEngine:
             if previous is not None:
                 self.llm.llm_engine.remove_lora(previous.lora_int_id)
             return
-        self.llm.collective_rpc("plainrl_load_weights", args=(to_safetensors(policy_weights(model)),))
+        # bucket by bucket (whole layers, at most 512 MiB each): one safetensors blob of the whole
+        # model would pass vLLM's msgpack RPC limit of 4 GiB above ~2.1B bf16 parameters
+        tensors = policy_weights(model)
+        for bucket in plan_buckets(tensors.items()):
+            blob = to_safetensors({s.name: tensors[s.name] for s in bucket})
+            self.llm.collective_rpc("plainrl_load_weights", args=(blob,))
         self.llm.reset_prefix_cache()
 
     def weight_sum(self, name: str) -> float:

@@ -6,9 +6,11 @@ for RL weight updates, as TRL and verl use it) and calls its methods through
 ``POST /collective_rpc`` (``plainrl serve`` starts vLLM with it). Methods are prefixed
 ``plainrl_`` because vLLM refuses an extension whose names clash with the worker's.
 
-Tensors travel as safetensors (a file path, or the bytes themselves, base64 over
-HTTP): vLLM's RPC passes strings and bytes between processes, and safetensors
-carries names, dtypes and shapes without pickle.
+Full weights travel over a process group where one can be formed (the trainer broadcasts
+buckets of whole layers, :mod:`plainrl.rollout.engines.weight_group`; the RPC carries only
+their JSON layout), else as safetensors (a file path, or the bytes themselves, base64 over
+HTTP): vLLM's RPC passes strings and bytes between processes, and safetensors carries
+names, dtypes and shapes without pickle.
 """
 
 from __future__ import annotations
@@ -62,6 +64,38 @@ class WeightSyncExtension:
         named = decode_payload(payload)
         self.model_runner.reload_weights(weights_iterator=iter(named.items()))
         return len(named)
+
+    def plainrl_join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
+                                  timeout_s: float) -> int:
+        """Join the trainer's weight group (its TCP store at ``host:port``) as rank
+        ``rank_offset`` + this worker's rank, replacing any group joined before. Blocks until
+        every rank has joined. Returns this worker's rank in the group."""
+        from plainrl.rollout.engines.weight_group import join_group
+
+        self._plainrl_group = None  # a previous group's ranks are gone with its store
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._plainrl_group = join_group(host, port, world_size, rank, backend, timeout_s)  # type: ignore[arg-type]
+        self._plainrl_group_timeout = timeout_s
+        return rank
+
+    def plainrl_receive_weights(self, layout: str) -> int:
+        """Receive one full sync over the weight group (buckets as ``layout``, the JSON of
+        :func:`~plainrl.rollout.engines.weight_group.layout_json`) and load each bucket in place
+        as it arrives, through the same reload as :meth:`plainrl_load_weights`. Returns the
+        number of tensors received.
+
+        Raises:
+            RuntimeError: no group joined, or a broadcast timed out.
+        """
+        from plainrl.rollout.engines.weight_group import layout_from_json, receive
+
+        group = getattr(self, "_plainrl_group", None)
+        if group is None:
+            raise RuntimeError("plainrl_receive_weights before plainrl_join_weight_group")
+        buckets = layout_from_json(layout)
+        device = getattr(self, "device", None) or torch.device("cpu")
+        self.model_runner.reload_weights(weights_iterator=receive(group, buckets, device, self._plainrl_group_timeout))
+        return sum(len(b) for b in buckets)
 
     def plainrl_ping(self) -> str:
         """The plainrl version this worker runs (the trainer's start-up check that the

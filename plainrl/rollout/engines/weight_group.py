@@ -1,0 +1,229 @@
+"""Full weights over a process group: the trainer broadcasts, every inference worker receives.
+
+Both sides of ``rollout.remote.weights_via: group`` (and its ``auto``): the trainer
+(:class:`WeightGroup`, rank 0, the TCP store's host) and each server worker
+(:func:`join_group` inside :mod:`plainrl.rollout.engines.vllm_worker`, rank ``offset + its
+tensor-parallel rank``) form a private process group over their own ``TCPStore``, gloo on CPU
+and NCCL on CUDA, built straight from the store (``ProcessGroupGloo`` / ``ProcessGroupNCCL``),
+so neither side's default group (torchrun's, vLLM's own) is touched. This is how TRL's and
+verl's vLLM weight sync and SGLang's ``/init_weights_update_group`` work, with torch's own
+process groups instead of vLLM's ``PyNcclCommunicator``.
+
+Weights go as buckets of whole decoder layers, at most :data:`BUCKET_BYTES` each (a layer
+larger than that is a bucket of its own): a bucket is one flat ``uint8`` tensor holding its
+tensors at 16-byte aligned offsets, so any mix of dtypes travels in one broadcast, and the
+receiver loads each bucket as it arrives (vLLM's layerwise reload processes a layer once all
+its tensors are in), holding at most a bucket or two beyond the model itself. Nothing is
+pickled: the layout (names, dtypes, shapes, offsets) goes as JSON over the RPC that starts
+the receive.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 512 << 20  # 512 MiB: what TRL's and verl's bucketed syncs use as an upper bound
+_ALIGN = 16  # byte offsets within a bucket: any dtype's view of a slice starts aligned
+Backend = Literal["gloo", "nccl"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor's place in a bucket: ``numel`` elements of ``dtype`` from byte ``offset``."""
+
+    name: str
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _layer_key(name: str) -> str:
+    """The unit a bucket never splits: ``...layers.<i>.`` for a decoder layer, else the name."""
+    m = re.search(r"^(.*?\blayers\.\d+)\.", name)
+    return m.group(1) if m else name
+
+
+def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int = BUCKET_BYTES) -> list[list[Slot]]:
+    """Group named tensors, in order, into buckets of whole layers of at most ``max_bytes``.
+
+    Consecutive tensors of one decoder layer (``model.layers.3.*``) stay in one bucket (vLLM
+    reloads fused projections only when all their parts arrive together); a unit larger than
+    ``max_bytes`` becomes a bucket of its own.
+
+    Returns:
+        buckets, each a list of :class:`Slot` with offsets within its bucket.
+
+    Raises:
+        ValueError: ``max_bytes`` is not positive.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+    units: list[list[tuple[str, torch.Tensor]]] = []
+    for name, t in tensors:
+        if units and _layer_key(units[-1][-1][0]) == _layer_key(name):
+            units[-1].append((name, t))
+        else:
+            units.append([(name, t)])
+    buckets: list[list[Slot]] = []
+    size = 0
+    for unit in units:
+        unit_bytes = sum(_aligned(t.numel() * t.element_size()) for _, t in unit)
+        if not buckets or (size and size + unit_bytes > max_bytes):
+            buckets.append([])
+            size = 0
+        for name, t in unit:
+            buckets[-1].append(Slot(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), size))
+            size += _aligned(t.numel() * t.element_size())
+    return buckets
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def bucket_bytes(bucket: list[Slot]) -> int:
+    """The flat buffer's length in bytes (the last slot's end, aligned)."""
+    last = bucket[-1]
+    return last.offset + _aligned(last.nbytes)
+
+
+def pack(bucket: list[Slot], tensors: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The bucket's tensors as one flat ``uint8`` tensor [bucket_bytes] on ``device``."""
+    flat = torch.empty(bucket_bytes(bucket), dtype=torch.uint8, device=device)
+    for s in bucket:
+        src = tensors[s.name].detach().contiguous().reshape(-1)
+        flat[s.offset:s.offset + s.nbytes].copy_(src.view(torch.uint8), non_blocking=True)
+    return flat
+
+
+def unpack(bucket: list[Slot], flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of ``flat`` [bucket_bytes] as the bucket's named tensors (no copies)."""
+    for s in bucket:
+        yield s.name, flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+
+
+def layout_json(buckets: list[list[Slot]]) -> str:
+    """The buckets' layout as JSON (what the receive RPC carries)."""
+    return json.dumps([[[s.name, s.dtype, list(s.shape), s.offset] for s in b] for b in buckets])
+
+
+def layout_from_json(text: str) -> list[list[Slot]]:
+    """Inverse of :func:`layout_json`."""
+    return [[Slot(n, d, tuple(shape), off) for n, d, shape, off in b] for b in json.loads(text)]
+
+
+def make_group(backend: Backend, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+    """A process group of ``world_size`` ranks over ``store``, apart from any default group.
+
+    Blocks until every rank has joined (or ``timeout_s`` passes).
+
+    Raises:
+        ValueError: an unknown backend.
+        RuntimeError (torch's DistBackendError): the rendezvous timed out.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        # NCCL connects lazily, at the first broadcast, on the device of its tensors
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
+
+
+def broadcast(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast ``flat`` from rank 0 of ``group`` in place (receivers pass a buffer of its size).
+
+    Raises:
+        RuntimeError: a rank did not take part within ``timeout_s``.
+    """
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    group.broadcast([flat], opts).wait(timedelta(seconds=timeout_s))
+
+
+def join_group(host: str, port: int, world_size: int, rank: int, backend: Backend,
+               timeout_s: float) -> dist.ProcessGroup:
+    """A receiver's side: connect to the trainer's store at ``host:port`` and join as ``rank``."""
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return make_group(backend, dist.PrefixStore("plainrl-weights", store), rank, world_size, timeout_s)
+
+
+def receive(group: dist.ProcessGroup, buckets: list[list[Slot]], device: torch.device,
+            timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """A receiver's side of one sync: each bucket broadcast into a fresh buffer, its tensors
+    yielded as they arrive (a lazy iterator: the caller's loader consumes bucket by bucket)."""
+    for bucket in buckets:
+        flat = torch.empty(bucket_bytes(bucket), dtype=torch.uint8, device=device)
+        broadcast(group, flat, timeout_s)
+        yield from unpack(bucket, flat)
+
+
+def route_address(peer_host: str, peer_port: int) -> str:
+    """This machine's address on the route to ``peer_host`` (what a server on it must dial to
+    reach the trainer): a UDP socket's ``connect`` picks the interface without sending anything."""
+    if peer_host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer_host, peer_port))
+        return s.getsockname()[0]
+
+
+class WeightGroup:
+    """The trainer's side: the TCP store (on a free port of ``host``) and rank 0 of the group.
+
+    Args:
+        host: the address the receivers dial (:func:`route_address`).
+        world_size: 1 + the number of receiving workers.
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
+        timeout_s: the rendezvous's and every broadcast's timeout.
+    """
+
+    def __init__(self, host: str, world_size: int, backend: Backend, timeout_s: float):
+        self.host, self.world_size, self.backend, self.timeout_s = host, world_size, backend, timeout_s
+        self.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        self.port = self.store.port
+        self.group: dist.ProcessGroup | None = None
+
+    def connect(self) -> None:
+        """Join as rank 0; returns once every receiver has joined (they are told to by RPC)."""
+        self.group = make_group(self.backend, dist.PrefixStore("plainrl-weights", self.store), 0, self.world_size,
+                                self.timeout_s)
+
+    def send(self, tensors: dict[str, torch.Tensor], buckets: list[list[Slot]], device: torch.device) -> int:
+        """Broadcast ``tensors`` bucket by bucket; returns the bytes sent."""
+        if self.group is None:
+            raise RuntimeError("WeightGroup.send before connect()")
+        sent = 0
+        for bucket in buckets:
+            flat = pack(bucket, tensors, device)
+            broadcast(self.group, flat, self.timeout_s)
+            sent += flat.numel()
+        return sent
+
+    def close(self) -> None:
+        """Drop the group and stop the store (receivers see their group fail at its next use)."""
+        self.group = None
+        self.store = None  # type: ignore[assignment]

@@ -1,0 +1,92 @@
+"""Full weights over a process group (plainrl.rollout.engines.weight_group): bucket plans by
+hand, packing of mixed dtypes, and a real broadcast to two receiving processes over gloo.
+(The same code against a `plainrl serve` server: tests/test_vllm_remote.py, `make test-vllm`.)"""
+
+import io
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from plainrl.rollout.engines import weight_group as wg
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(100, 8),                # 3200 bytes
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8).bfloat16(),  # 128
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(3),          # 12 -> 16 aligned
+        "model.layers.1.mlp.up_proj.weight": torch.randn(8, 8),          # 256
+        "model.norm.weight": torch.randn(8).half(),                      # 16
+    }
+
+
+def test_buckets_keep_whole_layers_and_respect_the_byte_cap():
+    t = _tensors()
+    buckets = wg.plan_buckets(t.items(), max_bytes=380)
+    names = [[s.name for s in b] for b in buckets]
+    # the embedding alone exceeds the cap: a bucket of its own; layer 0's two tensors (128 + 16 bytes)
+    # stay together; layer 1 (256) does not fit beside them (144 + 256 > 380); the norm (16) joins it
+    assert names == [["model.embed_tokens.weight"],
+                     ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias"],
+                     ["model.layers.1.mlp.up_proj.weight", "model.norm.weight"]]
+    assert [s.offset for s in buckets[1]] == [0, 128] and [wg.bucket_bytes(b) for b in buckets] == [3200, 144, 272]
+    assert sum(len(b) for b in wg.plan_buckets(t.items())) == len(t) and len(wg.plan_buckets(t.items())) == 1
+    with pytest.raises(ValueError, match="max_bytes"):
+        wg.plan_buckets(t.items(), max_bytes=0)
+
+
+def test_pack_and_unpack_round_trip_mixed_dtypes_through_the_json_layout():
+    t = _tensors()
+    buckets = wg.layout_from_json(wg.layout_json(wg.plan_buckets(t.items(), max_bytes=400)))
+    got = {}
+    for b in buckets:
+        flat = wg.pack(b, t, torch.device("cpu"))
+        assert flat.dtype == torch.uint8 and flat.numel() == wg.bucket_bytes(b)
+        got.update(wg.unpack(b, flat.clone()))
+    assert got.keys() == t.keys()
+    for name, x in t.items():
+        assert got[name].dtype == x.dtype and torch.equal(got[name], x), name
+
+
+def _receive(port: int, rank: int, layout: str, out: "mp.Queue") -> None:
+    group = wg.join_group("127.0.0.1", port, 3, rank, "gloo", timeout_s=60)
+    got = {k: v.clone() for k, v in wg.receive(group, wg.layout_from_json(layout), torch.device("cpu"), 60)}
+    buf = io.BytesIO()
+    torch.save(got, buf)
+    out.put(buf.getvalue())
+
+
+def test_two_processes_receive_every_tensor_over_gloo():
+    t = _tensors()
+    buckets = wg.plan_buckets(t.items(), max_bytes=400)
+    group = wg.WeightGroup("127.0.0.1", 3, "gloo", timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_receive, args=(group.port, r, wg.layout_json(buckets), out)) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        group.connect()
+        assert group.send(t, buckets, torch.device("cpu")) == sum(wg.bucket_bytes(b) for b in buckets)
+        for _ in procs:
+            got = torch.load(io.BytesIO(out.get(timeout=120)))
+            assert got.keys() == t.keys() and all(torch.equal(got[k], t[k]) for k in t)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        group.close()
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_a_receiver_that_never_joins_ends_the_rendezvous_with_an_error():
+    group = wg.WeightGroup("127.0.0.1", 2, "gloo", timeout_s=2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):  # torch's DistBackendError / DistStoreError are RuntimeErrors
+        group.connect()
+    assert time.monotonic() - start < 60  # bounded by the timeout, not a hang
+    group.close()
