@@ -126,3 +126,24 @@ def test_an_unreachable_server_stops_the_run_naming_it(tmp_path, capsys, tiny_mo
     assert main(["train", "examples/arithmetic_grpo.yaml", *over]) == 1
     err = capsys.readouterr().err
     assert url in err and "plainrl serve" in err
+
+
+def test_served_weight_loads_are_confined_to_the_shared_directory(tmp_path, monkeypatch):
+    from plainrl.rollout.engines.vllm_worker import SHARED_DIR_ENV, checked_weight_path, decode_payload
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    good = shared / "w.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.ones(2)}, good)
+    monkeypatch.setenv(SHARED_DIR_ENV, str(shared))
+    assert checked_weight_path(str(good)) == good.resolve()
+    assert torch.equal(decode_payload(json.dumps({"path": str(good)}))["x"], torch.ones(2))
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file({"x": torch.ones(2)}, outside)
+    for bad in (str(outside), str(shared / ".." / "elsewhere.safetensors"), "/etc/passwd", str(shared / "w.bin")):
+        with pytest.raises(ValueError, match="refused to load weights from"):
+            decode_payload(json.dumps({"path": bad}))
+    assert server_env(1.0, base={}, shared_dir=str(shared))[SHARED_DIR_ENV] == str(shared)
+    assert SHARED_DIR_ENV not in server_env(1.0, base={})

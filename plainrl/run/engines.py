@@ -134,7 +134,7 @@ def serve_command(cfg: Config, *, host: str, port: int) -> tuple[list[str], dict
                 lora_rank = int(json.loads(adapter_cfg.read_text())["r"])
     args = vllm_args(cfg, resolve_device(cfg.device), lora_rank)
     return (server_argv(args, served_name=cfg.model.name, host=host, port=port),
-            server_env(cfg.rollout.vllm.cpu_kv_cache_gb))
+            server_env(cfg.rollout.vllm.cpu_kv_cache_gb, shared_dir=cfg.rollout.remote.shared_dir))
 
 
 def serve(cfg: Config, *, host: str, port: int) -> NoReturn:

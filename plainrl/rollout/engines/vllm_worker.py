@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -24,16 +25,47 @@ import torch
 WORKER_EXTENSION = "plainrl.rollout.engines.vllm_worker.WeightSyncExtension"
 
 
+SHARED_DIR_ENV = "PLAINRL_SHARED_DIR"  # set by `plainrl serve` from rollout.remote.shared_dir
+
+
+def allowed_weight_dirs() -> list[Path]:
+    """Where a ``{"path": ...}`` payload may point: ``$PLAINRL_SHARED_DIR`` (``plainrl serve``
+    sets it from ``rollout.remote.shared_dir``), else the temporary directories a trainer on
+    this machine writes (``<tmp>/plainrl-sync-*``, :class:`~plainrl.rollout.engines.sync.AdapterVersions`)."""
+    import tempfile
+
+    shared = os.environ.get(SHARED_DIR_ENV)
+    if shared:
+        return [Path(shared).resolve()]
+    return sorted(Path(tempfile.gettempdir()).resolve().glob("plainrl-sync-*"))
+
+
+def checked_weight_path(path: str) -> Path:
+    """``path`` resolved, if it is a ``.safetensors`` file inside :func:`allowed_weight_dirs`.
+
+    Raises:
+        ValueError: anywhere else (``/collective_rpc`` is open to whoever reaches the server, so
+            a load may not read arbitrary files of the server's machine).
+    """
+    resolved = Path(path).resolve()
+    allowed = allowed_weight_dirs()
+    if resolved.suffix != ".safetensors" or not any(resolved.is_relative_to(d) for d in allowed):
+        raise ValueError(f"refused to load weights from {path}: a weight file must be a .safetensors file inside the "
+                         f"server's shared directory ({', '.join(map(str, allowed)) or 'none'}; `plainrl serve` takes "
+                         f"it from rollout.remote.shared_dir, exported as {SHARED_DIR_ENV})")
+    return resolved
+
+
 def decode_payload(payload: str | bytes) -> dict[str, torch.Tensor]:
     """Named tensors from a sync payload.
 
     Args:
-        payload: safetensors bytes, or a JSON string ``{"path": file}`` or
-            ``{"safetensors_b64": text}``.
+        payload: safetensors bytes, or a JSON string ``{"path": file}`` (a file inside the
+            server's shared directory, :func:`checked_weight_path`) or ``{"safetensors_b64": text}``.
     Returns:
         name -> tensor, Hugging Face parameter names (``model.layers.0.mlp.up_proj.weight``).
     Raises:
-        ValueError: a payload of neither form.
+        ValueError: a payload of neither form, or a path outside the shared directory.
     """
     from safetensors.torch import load, load_file
 
@@ -41,7 +73,7 @@ def decode_payload(payload: str | bytes) -> dict[str, torch.Tensor]:
         return load(payload)
     spec = json.loads(payload)
     if "path" in spec:
-        return load_file(Path(spec["path"]))
+        return load_file(checked_weight_path(spec["path"]))
     if "safetensors_b64" in spec:
         return load(base64.b64decode(spec["safetensors_b64"]))
     raise ValueError(f"weight payload needs 'path' or 'safetensors_b64', got keys {sorted(spec)}")
