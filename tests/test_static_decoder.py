@@ -108,14 +108,16 @@ def test_fused_weight_is_the_stack_of_the_lora_folded_weights(llama):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_bias"])
-@pytest.mark.parametrize("prepack", [False, True])
-def test_logits_equal_the_transformers_forward(arch, prepack, request):
+@pytest.mark.parametrize("prepack, sdpa", [(False, False), (True, False), (False, True)])
+def test_logits_equal_the_transformers_forward(arch, prepack, sdpa, request):
+    # sdpa: the attention CUDA takes by default (scaled_dot_product_attention), checked here on CPU
     model = request.getfixturevalue(arch)
     if prepack and not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
     ids, valid, new = _batch()
     ref = _reference(model, ids, valid, new)
-    dec = StaticDecoder(model, prepack=prepack)
+    dec = StaticDecoder(model, prepack=prepack, sdpa=sdpa)
+    assert dec.sdpa is sdpa
     outs = [dec.start(ids, valid, capacity=12)]
     outs += [dec.step(new[:, t]) for t in range(3)]
     for t, out in enumerate(outs):
@@ -142,6 +144,20 @@ def test_qwen3_greedy_tokens_equal_the_transformers_engine(qwen3, tokenizer):
     for got, expect in zip(static.generate(prompts, greedy), reference.generate(prompts, greedy)):
         assert got.token_ids == expect.token_ids
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expect.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_sdpa_attention_gives_the_same_greedy_tokens_and_logprobs_in_bfloat16(qwen3, tokenizer):
+    """The SDPA path (CUDA's default) against the materialised-scores path, greedy, bf16 weights."""
+    model = qwen3.to(torch.bfloat16)
+    assert not StaticDecoder(model).sdpa  # CPU keeps the grouped matmuls by default
+    ids, valid, new = _batch()
+    out = {}
+    for sdpa in (False, True):
+        dec = StaticDecoder(model, sdpa=sdpa)
+        logits = [dec.start(ids, valid, capacity=12)] + [dec.step(new[:, t]) for t in range(3)]
+        out[sdpa] = torch.stack(logits)  # [4, b, V]
+    assert torch.equal(out[True].argmax(-1), out[False].argmax(-1))
+    torch.testing.assert_close(out[True].log_softmax(-1), out[False].log_softmax(-1), atol=0.02, rtol=0.02)
 
 
 def test_select_repeats_and_drops_rows(llama):

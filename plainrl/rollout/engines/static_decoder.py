@@ -185,12 +185,15 @@ class StaticDecoder:
         model: a supported transformers causal LM (:func:`unsupported_reason`),
             possibly peft-wrapped.
         prepack: prepack the weights for oneDNN (CPU only; None: when it works here).
+        sdpa: attention through ``torch.nn.functional.scaled_dot_product_attention`` (fused
+            kernels, no materialised float32 scores [b, Hq, s, C]); None: on CUDA only, since on
+            CPU the grouped matmuls below were measured as the faster decode (docs/benchmarks.md).
 
     Raises:
         ValueError: the model is not supported (the message says why).
     """
 
-    def __init__(self, model: torch.nn.Module, *, prepack: bool | None = None):
+    def __init__(self, model: torch.nn.Module, *, prepack: bool | None = None, sdpa: bool | None = None):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"StaticDecoder does not support this model: {reason}")
@@ -225,6 +228,7 @@ class StaticDecoder:
                     down=_fused_weight([m.down_proj]),
                 ))
         dev, dtype = self.embed.device, self.embed.dtype
+        self.sdpa = dev.type == "cuda" if sdpa is None else sdpa
         if prepack is None:
             prepack = dev.type == "cpu" and _mkldnn_packing_works(dtype)
         self.linear = F.linear
@@ -275,8 +279,10 @@ class StaticDecoder:
             own = torch.zeros(s, end, dtype=torch.bool, device=h.device)
             own[:, start:end] = torch.eye(s, dtype=torch.bool, device=h.device)
             keep = (keep & causal) | own
-        mask = torch.zeros(keep.shape, dtype=torch.float32, device=h.device).masked_fill_(~keep, float("-inf"))
-        mask = mask[:, None, None]  # [b, 1, 1, s, end]
+        mask = None
+        if not self.sdpa:
+            mask = torch.zeros(keep.shape, dtype=torch.float32, device=h.device).masked_fill_(~keep, float("-inf"))
+            mask = mask[:, None, None]  # [b, 1, 1, s, end]
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
             qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [b, s, (hq + 2 hkv) d]
@@ -287,11 +293,15 @@ class StaticDecoder:
             self.k_cache[i, :, :, start:end] = k
             self.v_cache[i, :, :, start:end] = v
             keys, values = self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end]  # [b, hkv, end, d]
-            # grouped-query attention without repeating keys: the g query heads of a kv head share its rows
-            qg = (q * self.scaling).reshape(b, hkv, g * s, d)
-            scores = torch.matmul(qg, keys.transpose(2, 3)).view(b, hkv, g, s, end)
-            probs = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
-            out = torch.matmul(probs.view(b, hkv, g * s, end), values)  # [b, hkv, g s, d]
+            if self.sdpa:  # the mask as booleans [b, 1, s, end]; kv heads shared by enable_gqa, not repeated
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=keep[:, None], scale=self.scaling,
+                                                     enable_gqa=g > 1)  # [b, hq, s, d]
+            else:
+                # grouped-query attention without repeating keys: the g query heads of a kv head share its rows
+                qg = (q * self.scaling).reshape(b, hkv, g * s, d)
+                scores = torch.matmul(qg, keys.transpose(2, 3)).view(b, hkv, g, s, end)
+                probs = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
+                out = torch.matmul(probs.view(b, hkv, g * s, end), values)  # [b, hkv, g s, d]
             out = out.view(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d)
             h = h + self.linear(out, layer.o, layer.o_bias)
             x = self._rms_norm(h, layer.post_norm)
