@@ -92,7 +92,7 @@ def _cmd_eval(args) -> int:
 def _cmd_serve(args) -> int:
     from plainrl.run.engines import serve
 
-    serve(load_config(args.config, args.overrides), host=args.host, port=args.port)
+    serve(load_config(args.config, args.overrides), host=args.host, port=args.port, colocated=args.colocated)
     return 0  # (serve replaces this process)
 
 
@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: the weight-sync "
                                                        "endpoints let any client change the weights)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--colocated", action="store_true",
+                   help="the server shares the trainer's GPU: the config's rollout.vllm.gpu_memory_utilization (a "
+                        "number) and sleep mode (default: a GPU of its own, 0.9 of its memory, no sleep mode)")
     p.set_defaults(func=_cmd_serve)
     p = sub.add_parser("report", help="a self-contained HTML report of one or several runs (curves overlaid, "
                                       "eval, config diff, rollout browser, errors)")

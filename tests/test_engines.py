@@ -147,3 +147,50 @@ def test_served_weight_loads_are_confined_to_the_shared_directory(tmp_path, monk
             decode_payload(json.dumps({"path": bad}))
     assert server_env(1.0, base={}, shared_dir=str(shared))[SHARED_DIR_ENV] == str(shared)
     assert SHARED_DIR_ENV not in server_env(1.0, base={})
+
+
+def test_auto_memory_share_by_hand():
+    from plainrl.rollout.engines.vllm_local import auto_memory_share
+
+    gib = 1 << 30
+    # 4 GiB of weights + 1 GiB overhead + 16 sequences x 1000 tokens x 64 KiB = 1000 MiB of cache: 5 GiB +
+    # 1000 MiB of an 80 GiB device, with 40 GiB free and sleep (room 36 GiB): everything fits
+    share, why = auto_memory_share(weight_bytes=4 * gib, kv_per_token=64 << 10, sequences=16, max_model_len=1000,
+                                   free_bytes=40 * gib, total_bytes=80 * gib, sleep=True)
+    assert share == pytest.approx((5 * gib + 16 * 1000 * (64 << 10)) / (80 * gib))
+    assert "16 of the step's 16 sequences" in why
+    # without sleep only half the free memory: 10 GiB of 20 free -> 5 GiB of cache, 80 sequences of the 200
+    share, why = auto_memory_share(weight_bytes=4 * gib, kv_per_token=64 << 10, sequences=200, max_model_len=1024,
+                                   free_bytes=20 * gib, total_bytes=80 * gib, sleep=False)
+    assert share == pytest.approx(10 * gib / (80 * gib)) and "80 of the step's 200 sequences" in why
+    with pytest.raises(EngineError, match="needs 15.1 GiB"):  # a 14 GiB model on a card with 16 GiB free
+        auto_memory_share(weight_bytes=14 * gib, kv_per_token=64 << 10, sequences=8, max_model_len=2048,
+                          free_bytes=16 * gib, total_bytes=24 * gib, sleep=True)
+
+
+def test_kv_bytes_per_token_of_a_grouped_query_decoder():
+    from transformers import Qwen2Config
+
+    from plainrl.rollout.engines.vllm_local import kv_bytes_per_token
+
+    cfg = Qwen2Config(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_size=3584,
+                      torch_dtype="bfloat16")
+    assert kv_bytes_per_token(cfg) == 2 * 28 * 4 * 128 * 2  # Qwen2.5-7B: 57,344 bytes a token
+
+
+_REWARD = ["rewards=[{fn: plainrl.rewards.builtins:correctness}]"]
+
+
+def test_serve_defaults_to_a_gpu_of_its_own_and_colocated_needs_a_share(monkeypatch):
+    import plainrl.run.engines as run_engines
+
+    cfg = load_config(None, ["data.task=arithmetic", "device=cpu", *_REWARD])
+    seen = {}
+    monkeypatch.setattr(run_engines, "vllm_args", lambda cfg, device, rank, **kw: seen.update(kw) or {"model": "m"})
+    run_engines.serve_command(cfg, host="127.0.0.1", port=1)
+    assert seen == {"memory_share": 0.9, "sleep": False}
+    with pytest.raises(ConfigError, match="--colocated"):
+        run_engines.serve_command(cfg, host="127.0.0.1", port=1, colocated=True)
+    shared = load_config(None, ["data.task=arithmetic", "device=cpu", *_REWARD, "rollout.vllm.gpu_memory_utilization=0.3"])
+    run_engines.serve_command(shared, host="127.0.0.1", port=1, colocated=True)
+    assert seen == {"memory_share": 0.3, "sleep": True}

@@ -16,10 +16,21 @@ BUILTIN_ENVS = ("calculator", "python")  # rollout.env names built into plainrl.
 class VLLMConfig(_Section):
     """``rollout.engine: vllm``: vLLM's ``LLM`` in the trainer's process, and ``plainrl serve``."""
 
-    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
-    """CUDA: the share of GPU memory vLLM takes for weights and KV cache; the learner gets the rest."""
+    gpu_memory_utilization: float | Literal["auto"] = "auto"
+    """CUDA: the share of GPU memory vLLM takes for weights and KV cache; the learner gets the rest. `auto`: in the
+    trainer's process, the weights plus a KV cache for the step's sequences cut to the free memory (the run's log
+    gives the figures; an error when not even one sequence fits); `plainrl serve` 0.9 (a GPU of its own) unless
+    started with `--colocated`, which needs a number here."""
     sleep: bool = True
-    """CUDA: offload vLLM's weights and drop its KV cache while the learner trains (vLLM sleep mode)."""
+    """CUDA: free vLLM's GPU memory while the learner runs (vLLM sleep mode: level 2 for a full sync, whose weights
+    are all rewritten, level 1 for LoRA). `plainrl serve` uses it only with `--colocated`."""
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _share(cls, v):
+        if isinstance(v, float) and not 0.0 < v <= 1.0:
+            raise ValueError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1] or auto, got {v}")
+        return v
     cpu_kv_cache_gb: float = Field(1.0, gt=0)
     """CPU: KV cache size in GB (vLLM's `VLLM_CPU_KVCACHE_SPACE`)."""
     enforce_eager: bool = False

@@ -19,16 +19,39 @@ from plainrl.rollout.engines.hf import HFEngine
 from plainrl.rollout.engines.sync import SyncMode, resolve_sync
 
 
-def vllm_args(cfg: Config, device: torch.device, lora_rank: int | None) -> dict[str, Any]:
-    """vLLM engine arguments for the config's model, in the learner's dtype."""
+def vllm_args(cfg: Config, device: torch.device, lora_rank: int | None, *, memory_share: float,
+              sleep: bool) -> dict[str, Any]:
+    """vLLM engine arguments for the config's model, in the learner's dtype; ``memory_share``
+    and ``sleep`` as resolved for where vLLM runs (:func:`colocated_memory_share`, serve's)."""
     from plainrl.rollout.engines.vllm_local import engine_args
 
     v = cfg.rollout.vllm
     return engine_args(resolve_model_path(cfg.model.name, cfg.model.cache_dir),
                        dtype=str(model_dtype(cfg.model.dtype, device)).removeprefix("torch."),
                        max_model_len=cfg.model.max_context, seed=cfg.seed, lora_rank=lora_rank, device=device.type,
-                       gpu_memory_utilization=v.gpu_memory_utilization, sleep=v.sleep, enforce_eager=v.enforce_eager,
+                       gpu_memory_utilization=memory_share, sleep=sleep, enforce_eager=v.enforce_eager,
                        extra=v.extra_args)
+
+
+def colocated_memory_share(cfg: Config, model: torch.nn.Module, device: torch.device) -> tuple[float, str | None]:
+    """``rollout.vllm.gpu_memory_utilization`` for vLLM in the trainer's process: as configured,
+    or ``auto`` sized from ``model``'s weights, the step's sequences and the device's free memory
+    now (:func:`~plainrl.rollout.engines.vllm_local.auto_memory_share`); with the log line of an
+    ``auto`` choice (None otherwise, and on CPU, where the share does not apply)."""
+    from plainrl.models import unwrap
+    from plainrl.rollout.engines.vllm_local import auto_memory_share, kv_bytes_per_token
+
+    share = cfg.rollout.vllm.gpu_memory_utilization
+    if share != "auto":
+        return share, None
+    if device.type != "cuda":
+        return 0.9, None
+    free, total = torch.cuda.mem_get_info(device)
+    weights = sum(p.numel() * p.element_size() for p in unwrap(model).parameters())
+    r = cfg.rollout
+    return auto_memory_share(weight_bytes=weights, kv_per_token=kv_bytes_per_token(unwrap(model).config),
+                             sequences=r.prompts_per_step * r.group_size, max_model_len=cfg.model.max_context,
+                             free_bytes=free, total_bytes=total, sleep=r.vllm.sleep)
 
 
 def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase,
@@ -54,7 +77,11 @@ def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTraine
     from plainrl.rollout.engines.vllm_local import VLLMEngine
 
     lora_rank = max(c.r for c in model.peft_config.values()) if sync == "lora" else None
-    return VLLMEngine(vllm_args(cfg, device, lora_rank), sync=sync, cpu_kv_cache_gb=r.vllm.cpu_kv_cache_gb)
+    share, why = colocated_memory_share(cfg, model, device)
+    if why is not None:
+        print(why, flush=True)
+    return VLLMEngine(vllm_args(cfg, device, lora_rank, memory_share=share, sleep=r.vllm.sleep), sync=sync,
+                      cpu_kv_cache_gb=r.vllm.cpu_kv_cache_gb)
 
 
 def _sync(requested: str, model: torch.nn.Module, *, lora_is_slow: bool = False) -> SyncMode:
@@ -116,12 +143,18 @@ def require_trainable_engine(cfg: Config) -> None:
                           "or sglang (docs/engines.md)")
 
 
-def serve_command(cfg: Config, *, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+def serve_command(cfg: Config, *, host: str, port: int, colocated: bool = False) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of a vLLM server for ``cfg``'s model that a run with
     ``rollout.engine=remote`` and the same model can sample from and sync weights to.
 
     LoRA is enabled when the run would sync adapters (``model.lora.enabled`` and
-    ``rollout.sync`` not ``full``), with the adapter's rank (``model.adapter``'s own).
+    ``rollout.sync`` not ``full``), with the adapter's rank (``model.adapter``'s own). On a GPU
+    of its own (the default) the server takes 0.9 of its memory (``gpu_memory_utilization:
+    auto``) and no sleep mode; ``colocated`` (it shares the trainer's GPU) keeps the config's
+    sleep mode and needs an explicit share.
+
+    Raises:
+        ConfigError: ``colocated`` with ``rollout.vllm.gpu_memory_utilization: auto``.
     """
     from plainrl.rollout.engines.server import server_argv, server_env
 
@@ -132,12 +165,20 @@ def serve_command(cfg: Config, *, host: str, port: int) -> tuple[list[str], dict
             adapter_cfg = Path(cfg.model.adapter) / "adapter_config.json"
             if adapter_cfg.is_file():
                 lora_rank = int(json.loads(adapter_cfg.read_text())["r"])
-    args = vllm_args(cfg, resolve_device(cfg.device), lora_rank)
+    from plainrl.rollout.engines.vllm_local import SERVER_MEMORY_SHARE
+
+    share = cfg.rollout.vllm.gpu_memory_utilization
+    if colocated and share == "auto":
+        raise ConfigError("plainrl serve --colocated shares the trainer's GPU, whose free memory the server cannot "
+                          "see: give its share as rollout.vllm.gpu_memory_utilization=0.3 (say)")
+    args = vllm_args(cfg, resolve_device(cfg.device), lora_rank,
+                     memory_share=SERVER_MEMORY_SHARE if share == "auto" else share,
+                     sleep=cfg.rollout.vllm.sleep and colocated)
     return (server_argv(args, served_name=cfg.model.name, host=host, port=port),
             server_env(cfg.rollout.vllm.cpu_kv_cache_gb, shared_dir=cfg.rollout.remote.shared_dir))
 
 
-def serve(cfg: Config, *, host: str, port: int) -> NoReturn:
+def serve(cfg: Config, *, host: str, port: int, colocated: bool = False) -> NoReturn:
     """Replace this process with the vLLM server of :func:`serve_command`.
 
     Raises:
@@ -146,6 +187,6 @@ def serve(cfg: Config, *, host: str, port: int) -> NoReturn:
     from plainrl.rollout.engines.vllm_local import import_vllm
 
     import_vllm()
-    argv, env = serve_command(cfg, host=host, port=port)
+    argv, env = serve_command(cfg, host=host, port=port, colocated=colocated)
     print("plainrl serve: " + " ".join(argv[1:]), flush=True)
     os.execvpe(argv[0], argv, env)

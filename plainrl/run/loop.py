@@ -170,10 +170,12 @@ def _train(run: Run) -> Path:
                 batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: one step ahead
                 episodes, rewards_out, extra = batch.episodes, batch.rewards, batch.metrics
                 frame = completion_frame(episodes)  # [N, L] loss masks and engine logprobs
+                # vLLM's sleep mode on CUDA: the learner gets its GPU memory for every forward from here
+                # on (the reference's and the critic's in the estimate, then the update)
+                run.engine.offload()
                 with timer("reward"):
                     adv, values, kl_metrics = estimate(run, episodes, frame)  # per algorithm.advantage
                 extra.update(kl_metrics)
-                run.engine.offload()  # vLLM's sleep mode on CUDA: the learner gets its GPU memory
                 with timer("update"):
                     if run.critic is not None:
                         extra.update(run.critic.update(episodes, adv.returns, values, frame.mask))

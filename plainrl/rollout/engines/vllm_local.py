@@ -66,6 +66,53 @@ def engine_args(model_path: str, *, dtype: str, max_model_len: int, seed: int, l
     return args
 
 
+SERVER_MEMORY_SHARE = 0.9  # `plainrl serve` on a GPU of its own: vLLM's own default
+
+
+def kv_bytes_per_token(config) -> int:
+    """Bytes of KV cache one token takes in a decoder of Hugging Face ``config`` (keys and
+    values of every layer's KV heads), in ``config``'s dtype (2 bytes for 16-bit)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+    size = 4 if dtype in (torch.float32, "float32") else 2
+    return 2 * config.num_hidden_layers * heads * head_dim * size
+
+
+def auto_memory_share(*, weight_bytes: int, kv_per_token: int, sequences: int, max_model_len: int,
+                      free_bytes: int, total_bytes: int, sleep: bool, overhead_bytes: int = 1 << 30) -> tuple[float, str]:
+    """``rollout.vllm.gpu_memory_utilization: auto`` for vLLM in the trainer's process on CUDA.
+
+    vLLM's share (of the device's total memory) holds its copy of the weights, an overhead
+    for activations and graphs, and a KV cache for the step's ``sequences`` at
+    ``max_model_len`` tokens each, cut to what fits: 90% of the memory free now when vLLM
+    sleeps while the learner trains (it then gives it all back), 50% when it does not (the
+    learner needs the rest at the same time). A smaller cache only means fewer sequences
+    decoded at once.
+
+    Returns:
+        ``(share in (0, 1], the figures as a log line)``.
+
+    Raises:
+        EngineError: not even the weights, the overhead and one sequence's cache fit.
+    """
+    gib = 1 << 30
+    room = free_bytes * (0.9 if sleep else 0.5)
+    fixed = weight_bytes + overhead_bytes
+    one = kv_per_token * max_model_len
+    if fixed + one > room:
+        raise EngineError(
+            f"vLLM in the trainer's process needs {(fixed + one) / gib:.1f} GiB on the GPU (weights "
+            f"{weight_bytes / gib:.1f}, overhead {overhead_bytes / gib:.1f}, one {max_model_len}-token sequence's KV "
+            f"cache {one / gib:.2f}) but can have {room / gib:.1f} of the {free_bytes / gib:.1f} GiB free; lower "
+            f"model.max_context, use a bigger GPU, or sample on servers of their own (rollout.engine=remote)")
+    kv = min(one * max(1, sequences), room - fixed)
+    share = min(1.0, (fixed + kv) / total_bytes)
+    return share, (f"rollout.vllm.gpu_memory_utilization auto: {share:.3f} of {total_bytes / gib:.1f} GiB (weights "
+                   f"{weight_bytes / gib:.1f} GiB, KV cache {kv / gib:.1f} GiB for {int(kv // one)} of the step's "
+                   f"{sequences} sequences at {max_model_len} tokens; {free_bytes / gib:.1f} GiB free)")
+
+
 class VLLMEngine:
     """The :class:`~plainrl.rollout.engines.base.Engine` protocol over an in-process ``vllm.LLM``.
 
@@ -83,15 +130,28 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cpu_kv_cache_gb))))
         self.sync = sync
         self.sleeps = bool(args.get("enable_sleep_mode"))
+        # level 2 drops the weights instead of copying them to host memory and back: a full sync
+        # overwrites every one of them anyway (verl and TRL do the same); LoRA keeps the base (level 1)
+        self.sleep_level = 2 if sync == "full" else 1
         self.llm = vllm.LLM(**args)
-        self._asleep = False
+        self._asleep: set[str] = set()  # the parts asleep: "weights", "kv_cache"
         self._adapters = AdapterVersions() if sync == "lora" else None
         self._lora = None  # the current vllm LoRARequest, None until the first LoRA sync
 
-    def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def _wake(self, *tags: str) -> None:
+        """Wake the parts ``tags`` (all when none) that are asleep."""
+        parts = [t for t in (tags or ("weights", "kv_cache")) if t in self._asleep]
+        if not parts:
+            return
+        if not tags and "weights" in parts and self.sleep_level == 2:
+            raise EngineError("vLLM's weights were dropped by sleep level 2 (rollout.sync=full): push the learner's "
+                              "with load_weights before sampling")
+        if torch.cuda.is_available():
+            # the learner's freed blocks sit in torch's caching allocator, invisible to vLLM's own
+            # allocator: hand them back to the device first (TRL does the same before waking)
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=parts)
+        self._asleep.difference_update(parts)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  generator: torch.Generator | None = None) -> list[Generation]:
@@ -123,20 +183,23 @@ class VLLMEngine:
         return {}
 
     def offload(self) -> None:
-        """With sleep mode (CUDA, ``rollout.vllm.sleep``): offload vLLM's weights to CPU memory
-        and free its KV cache while the learner trains (level 1); the next sync or rollout
-        wakes it. Otherwise a no-op."""
+        """With sleep mode (CUDA, ``rollout.vllm.sleep``): free vLLM's GPU memory while the
+        learner runs (its forwards, the reference's and the critic's included): the KV cache
+        dropped, the weights dropped for a full sync (level 2, they are all rewritten next) or
+        kept in host memory for LoRA (level 1). The next sync or rollout wakes it. Otherwise a
+        no-op."""
         if self.sleeps and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Push the learner's weights: the adapter as a new LoRA request, or the whole
         (merged) state dict through the worker extension in buckets of whole layers
         (:func:`~plainrl.rollout.engines.weight_group.plan_buckets`; then the prefix cache,
-        computed with the old weights, is dropped)."""
-        self._wake()
+        computed with the old weights, is dropped). Waking from sleep goes weights -> load ->
+        KV cache, so the cache is not allocated while the new weights arrive."""
         if self._adapters is not None:
+            self._wake()
             from vllm.lora.request import LoRARequest
 
             version, path = self._adapters.save(model)
@@ -144,12 +207,14 @@ class VLLMEngine:
             if previous is not None:
                 self.llm.llm_engine.remove_lora(previous.lora_int_id)
             return
+        self._wake("weights")
         # bucket by bucket (whole layers, at most 512 MiB each): one safetensors blob of the whole
         # model would pass vLLM's msgpack RPC limit of 4 GiB above ~2.1B bf16 parameters
         tensors = policy_weights(model)
         for bucket in plan_buckets(tensors.items()):
             blob = to_safetensors({s.name: tensors[s.name] for s in bucket})
             self.llm.collective_rpc("plainrl_load_weights", args=(blob,))
+        self._wake("kv_cache")
         self.llm.reset_prefix_cache()
 
     def weight_sum(self, name: str) -> float:
