@@ -1,6 +1,7 @@
 # All targets do their own set-up from nothing: a virtual environment in .venv,
-# torch pinned first (the CPU build on the dev machines; GPU users install their
-# own build before `pip install plainrl`), then the package, then the embedded model.
+# torch pinned first (the build pip's configured index serves: PyPI's default Linux wheel is a
+# CUDA build, a CPU-only index gives the CPU one; docs/installation.md), then the package, then
+# the embedded model.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
