@@ -147,3 +147,9 @@ def test_site_build_fails_on_a_broken_anchor(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "s")],
                           cwd=copy, capture_output=True, text=True, timeout=300, env=_quiet_env())
     assert proc.returncode != 0 and "no-such-heading" in proc.stdout + proc.stderr
+
+
+def test_benchmarks_readme_lists_every_script():
+    listed = (ROOT / "benchmarks" / "README.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if f"`{p.name}`" not in listed]
+    assert missing == [], f"add these scripts to benchmarks/README.md's table: {missing}"
