@@ -80,7 +80,8 @@ def test_cli_commands_and_flags_exist():
 def test_cli_fails_on_a_bad_page(tmp_path):
     page = _page(tmp_path, "`plainrl report RUN --png x.png --metrics a` and `plainrl cache clear --legacy` "
                            "exist; `from plainrl import train` is Python.\n"
-                           "```bash\nplainrl trian c.yaml\nplainrl report RUN --pngg x  # a comment: plainrl keeps\n```\n")
+                           "```bash\nplainrl trian c.yaml\n"
+                           "plainrl report RUN --pngg x  # a comment: plainrl keeps\n```\n")
     problems = docs_check.check_cli([page])
     assert len(problems) == 2, problems
     assert "`plainrl trian` is not a command" in problems[0] and "no flag --pngg" in problems[1]
@@ -153,3 +154,16 @@ def test_benchmarks_readme_lists_every_script():
     listed = (ROOT / "benchmarks" / "README.md").read_text()
     missing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if f"`{p.name}`" not in listed]
     assert missing == [], f"add these scripts to benchmarks/README.md's table: {missing}"
+
+
+def test_yaml_snippets_use_schema_keys():
+    assert docs_check.check_yaml_blocks(PAGES) == []
+
+
+def test_yaml_snippets_fail_on_a_bad_page(tmp_path):
+    page = _page(tmp_path, "```yaml\ntrain: {lr: 1e-5, steps: 3}\nrewards:\n  - {fn: correctness, wieght: 1}\n"
+                           "data: {task: arithmetic, task_args: {anything: 1}}\n```\n\n"
+                           "```yaml\nmodel: [unclosed\n```\n\n```bash\ntrain: {nope: 1}\n```\n")
+    problems = docs_check.check_yaml_blocks([page])
+    assert len(problems) == 2, problems
+    assert "'rewards.wieght'" in problems[0] and "does not parse" in problems[1]

@@ -7,7 +7,7 @@ Each check takes Markdown files and returns its problems as ``"path:line: messag
   (headings as GitHub and MkDocs slug them, or ``<a id=...>``); a page under ``docs/`` links
   only inside ``docs/`` (the site is built from that folder alone);
 - :func:`check_config_keys`: every dotted config key in code (``train.lr``, ``rollout.remote.urls``)
-  exists in the schema;
+  exists in the schema, and so does every key of a ```yaml config snippet (:func:`check_yaml_blocks`);
 - :func:`check_schema_documented`: every schema key has a description and appears in the pages;
 - :func:`check_cli`: every ``plainrl COMMAND [--flag]`` in code is a command and flag of
   ``plainrl.cli.build_parser()``;
@@ -47,8 +47,6 @@ _REFERENCE_RE = re.compile(r"(?<![\w/.-])plainrl(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_]
 # file names and paths that look like dotted keys: train.py, data.jsonl, model.safetensors
 _FILE_SUFFIXES = {"py", "yaml", "yml", "json", "jsonl", "md", "html", "png", "txt", "csv", "parquet", "arrow",
                   "safetensors", "bin", "gguf", "ipynb", "j2", "toml", "cfg", "sh", "log", "pt", "svg"}
-# schema fields whose value is a free mapping: any key under them is the user's
-_MAPPING_FIELDS = {"task_args", "source_args", "kwargs", "extra_args", "chat_template_kwargs"}
 
 
 # --- reading pages --------------------------------------------------------------------------
@@ -158,14 +156,26 @@ def check_links(paths: Iterable[Path], docs_dir: Path = ROOT / "docs") -> list[s
 # --- configuration keys ---------------------------------------------------------------------
 
 
-def _schema() -> tuple[set[str], set[str]]:
-    """(every dotted schema key, the keys whose value is a free mapping)."""
-    from plainrl.config.docgen import schema_keys
+def _is_mapping(annotation: object) -> bool:
+    """A field whose value is a free mapping (``task_args``, ``kwargs``): any key under it is the user's."""
+    import typing
 
-    keys = set(schema_keys())
-    plain = {k.replace("[]", "") for k in keys}
-    mapping = {k for k in plain if k.rsplit(".", 1)[-1] in _MAPPING_FIELDS}
-    return plain, mapping
+    # pydantic's FieldInfo.annotation has Annotated[...] stripped: dict[str, Any], or dict[str, Any] | None
+    return any(t is dict or typing.get_origin(t) is dict for t in (annotation, *typing.get_args(annotation)))
+
+
+def _schema() -> tuple[set[str], set[str]]:
+    """(every dotted schema key, ``rewards[]`` written ``rewards``; the keys whose value is a free mapping)."""
+    from plainrl.config.docgen import sections
+
+    keys, mapping = set(), set()
+    for prefix, model in sections():
+        for name, field in model.model_fields.items():
+            key = (prefix + name).replace("[]", "")
+            keys.add(key)
+            if _is_mapping(field.annotation):
+                mapping.add(key)
+    return keys, mapping
 
 
 def _key_candidates(code: str, keys: set[str]) -> Iterator[str]:
@@ -197,6 +207,54 @@ def check_config_keys(paths: Iterable[Path]) -> list[str]:
                 hint = [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
                 problems.append(f"{_where(path, n)}: config key {key!r} is not in the schema"
                                 + (f" (did you mean {', '.join(sorted(hint))}?)" if hint else ""))
+    return problems
+
+
+def _yaml_blocks(path: Path) -> Iterator[tuple[int, str]]:
+    """``(first line number, text)`` of each fenced ```yaml block of ``path``."""
+    block: list[str] | None = None
+    start = 0
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if block is None and re.match(r"^\s*```ya?ml\s*$", line):
+            block, start = [], n + 1
+        elif block is not None and _FENCE_RE.match(line):
+            yield start, "\n".join(block)
+            block = None
+        elif block is not None:
+            block.append(line)
+
+
+def _yaml_keys(value: object, prefix: str = "") -> Iterator[str]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            key = f"{prefix}{k}"
+            yield key
+            yield from _yaml_keys(v, key + ".")
+    elif isinstance(value, list):
+        for item in value:
+            yield from _yaml_keys(item, prefix)
+
+
+def check_yaml_blocks(paths: Iterable[Path]) -> list[str]:
+    """Keys of the config snippets in ``paths`` (fenced ```yaml blocks, nested mappings) that the
+    schema lacks, and blocks that are not YAML."""
+    import yaml
+
+    keys, mapping = _schema()
+    problems = []
+    for path in paths:
+        for n, text in _yaml_blocks(path):
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                problems.append(f"{_where(path, n)}: the yaml block does not parse: {str(e).splitlines()[0]}")
+                continue
+            if not isinstance(data, dict):
+                continue
+            for key in _yaml_keys(data):
+                if key in keys or any(key.startswith(m + ".") for m in mapping):
+                    continue
+                problems.append(f"{_where(path, n)}: config key {key!r} (in a yaml block) is not in the schema")
     return problems
 
 
@@ -324,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pages", nargs="*", type=Path, help="Markdown files (default: README.md and docs/)")
     args = parser.parse_args(argv)
     pages = args.pages or user_pages()
-    problems = (check_links(pages) + check_config_keys(pages) + check_cli(pages) + check_references(pages)
+    problems = (check_links(pages) + check_config_keys(pages) + check_yaml_blocks(pages) + check_cli(pages)
+                + check_references(pages)
                 + check_process_words(pages) + ([] if args.pages else check_schema_documented(pages)))
     for p in problems:
         print(p)

@@ -168,7 +168,8 @@ def render_page(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m plainrl.config.docgen", description=__doc__.split("\n")[0])
-    parser.add_argument("page", nargs="?", default=str(PAGE), help="the page to rewrite (default docs/configuration.md)")
+    parser.add_argument("page", nargs="?", default=str(PAGE),
+                        help="the page to rewrite (default docs/configuration.md)")
     parser.add_argument("--check", action="store_true", help="only check that the page is up to date")
     args = parser.parse_args(argv)
     path = Path(args.page)
