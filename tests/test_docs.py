@@ -167,3 +167,12 @@ def test_yaml_snippets_fail_on_a_bad_page(tmp_path):
     problems = docs_check.check_yaml_blocks([page])
     assert len(problems) == 2, problems
     assert "'rewards.wieght'" in problems[0] and "does not parse" in problems[1]
+
+
+def test_readme_and_site_index_every_page():
+    """README.md's documentation index and docs/index.md link every page of docs/."""
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    readme = (ROOT / "README.md").read_text()
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert [p for p in sorted(pages) if f"(docs/{p})" not in readme] == [], "add them to README.md's Documentation"
+    assert [p for p in sorted(pages) if f"({p})" not in index] == [], "add them to docs/index.md's Pages table"
