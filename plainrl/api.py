@@ -193,7 +193,10 @@ def train(config: Mapping[str, Any] | str | Path | Config, /, **overrides: Any) 
 
     from plainrl.report.data import read_run
 
-    data = read_run((train_offline if cfg.algorithm.offline else train_rl)(cfg))
+    from plainrl.run.runlog import run_log
+
+    with run_log(cfg.run_dir):  # third-party warnings and logging to RUN_DIR/log.txt, not the notebook
+        data = read_run((train_offline if cfg.algorithm.offline else train_rl)(cfg))
     return RunResult(run_dir=data.path, config=cfg, metrics=dict(data.train[-1]) if data.train else {},
                      eval=dict(data.evals[-1]) if data.evals else {}, run=_loaded(data))
 

@@ -19,10 +19,14 @@ def _cmd_train(args) -> int:
     from plainrl.run.loop import train
     from plainrl.run.offline import train_offline
 
+    from plainrl.run.runlog import run_log
+
     cfg = load_config(args.config, args.overrides)
     try:
-        # algorithm.name picks the trainer: sft/dpo/rm learn from data rows, the rest by RL
-        (train_offline if cfg.algorithm.offline else train)(cfg)
+        # algorithm.name picks the trainer: sft/dpo/rm learn from data rows, the rest by RL;
+        # third-party warnings and logging go to RUN_DIR/log.txt, not the console
+        with run_log(cfg.run_dir):
+            (train_offline if cfg.algorithm.offline else train)(cfg)
     except Preempted as e:
         print(f"plainrl: {e}; run the same command again to resume", file=sys.stderr)
         return Preempted.exit_code

@@ -195,7 +195,8 @@ class MetricsLogger:
         self.metrics_f = open(self.run_dir / "metrics.jsonl", "a")
         self.rollouts_f = open(self.run_dir / "rollouts.jsonl", "a")
         self.total_steps = total_steps
-        self.console = Console(stderr=True)
+        # soft_wrap: a line stays one line, however narrow the terminal (rich wraps at 80 columns off one)
+        self.console = Console(stderr=True, soft_wrap=True)
         self.progress = progress
         self.tb = None
         if tensorboard:
@@ -288,7 +289,7 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.log(step, metrics)
         if self.progress:
-            self.console.print(" ".join(f"{k} {v:.3f}" for k, v in metrics.items()), highlight=False)
+            self.console.print(" ".join(f"{k} {v:.3f}" for k, v in metrics.items()), highlight=False, markup=False)
 
     def log_rollouts(self, step: int, episodes: list[Episode], count: int, tokenizer) -> None:
         """Write ``count`` episodes spread over the step's groups (:func:`rollout_record`)."""

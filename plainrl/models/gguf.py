@@ -18,6 +18,8 @@ import re
 import shutil
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,6 +233,30 @@ def _adopt_legacy(gguf_path: Path, target: Path, record: dict) -> bool:
 def _dequantise(gguf_path: Path, target: Path) -> None:
     """:func:`convert_gguf`'s work: read the GGUF dequantised, write a plain checkpoint into
     the (existing) directory ``target``."""
+    with _no_progress_bars():  # the caller prints one line for the whole conversion instead
+        _convert(gguf_path, target)
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off (loading and writing weights), and the GGUF reader's
+    bar per tensor, which that switch does not reach; restored afterwards."""
+    from unittest import mock
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with mock.patch.object(gguf_utils, "tqdm", lambda items, **_: items, create=True):
+            yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     d, f = str(gguf_path.parent), gguf_path.name
