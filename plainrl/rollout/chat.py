@@ -12,7 +12,7 @@ from plainrl.data import PromptRow, render_prompt
 from plainrl.rollout.envs.base import Environment
 from plainrl.rollout.envs.tools import hermes_tools_prompt
 
-__all__ = ["build_env_prompt", "prompt_messages", "render_chat_continuation"]
+__all__ = ["build_env_prompt", "prompt_messages", "render_chat_continuation", "render_with_tools"]
 
 
 _SENTINEL = "\x00PLAINRL-SENTINEL\x00"
@@ -109,17 +109,31 @@ def build_env_prompt(
             extra = extra[1:]
         head = 1 if messages and messages[0].get("role") == "system" else 0
         messages = messages[:head] + extra + messages[head:]
-    render = lambda msgs, **kw: tokenizer.apply_chat_template(  # noqa: E731
-        msgs, tokenize=False, add_generation_prompt=True, **kw, **(chat_template_kwargs or {}))
-    text = render(messages)
-    if tools:
-        with_tools = render(messages, tools=tools)
-        if with_tools != text:
-            text = with_tools
-        else:
-            messages = _add_system(messages, hermes_tools_prompt(tools), first=False)
-            text = render(messages)
+    text, messages = render_with_tools(tokenizer, messages, tools, chat_template_kwargs)
     return encode_rendered(tokenizer, text), messages
+
+
+def render_with_tools(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """The chat template's prompt text for ``messages`` (with the generation prompt) and
+    ``tools``; a template that ignores ``tools=`` (SmolLM2's) gets them described in the
+    system message instead (:func:`hermes_tools_prompt`), so the model still sees the tools
+    and the ``<tool_call>`` syntax.
+
+    Returns:
+        ``(text, messages as rendered)`` (the second with that system message, if added).
+    Raises:
+        Exception: whatever the template raises for these messages.
+    """
+    kw = dict(chat_template_kwargs or {})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    if not tools:
+        return text, messages
+    with_tools = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools, **kw)
+    if with_tools != text:
+        return with_tools, messages
+    messages = _add_system(messages, hermes_tools_prompt(tools), first=False)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw), messages
 
 
 # ---------------------------------------------------------------------- observations

@@ -23,6 +23,7 @@ from plainrl.data import PromptRow
 from plainrl.rollout.batcher import EngineCalls, RequestBatcher
 from plainrl.rollout.chat import prompt_messages
 from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.gateway import Gateway
 from plainrl.rollout.llm import LLM
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import SamplingParams
@@ -66,6 +67,10 @@ class LoopSettings:
                       (:class:`RequestBatcher`).
     system_prompt, prompt_template: the data config's, for ``llm.prompt_messages``.
     chat_template_kwargs: ``data.chat_template_kwargs``, variables for every chat rendering.
+    gateway:          the OpenAI-compatible HTTP route to the episodes' handles (``llm.base_url``,
+                      :class:`~plainrl.rollout.gateway.Gateway`), served on the rollout's event loop
+                      while its episodes run; None: one of the rollout's own (its server starts
+                      only if an episode asks for its URL).
 
     Raises:
         ValueError: bad ``max_live``, ``max_total_tokens`` or ``timeout_s``.
@@ -80,6 +85,7 @@ class LoopSettings:
     system_prompt: str | None = None
     prompt_template: str = "{prompt}"
     chat_template_kwargs: dict[str, Any] | None = None
+    gateway: Gateway | None = None
 
     def __post_init__(self) -> None:
         if self.max_live is not None and self.max_live < 1:
@@ -125,18 +131,22 @@ def run_episodes(
     s = settings
     calls = EngineCalls(engine, generator, max_in_flight=s.max_in_flight)
     box: dict[str, Any] = {}
+    gateway, own_gateway = s.gateway, s.gateway is None
+    if gateway is None:
+        gateway = Gateway(model=str(getattr(tokenizer, "name_or_path", "") or "plainrl"), max_model_len=s.max_context)
 
     def make_llm(batcher: RequestBatcher, i: int) -> LLM:
         p = prompts[i]
         return LLM(batcher, i, tokenizer, params, row=p.row, prompt_ids=p.prompt_ids,
                    prompt_messages=_messages(p, s.system_prompt, s.prompt_template),
                    max_total_tokens=s.max_total_tokens, max_context=s.max_context,
-                   chat_template_kwargs=s.chat_template_kwargs)
+                   chat_template_kwargs=s.chat_template_kwargs, gateway=gateway)
 
     async def main() -> list[EpisodeRun]:
         box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()
-        return await _run_all(prompts, runner, make_llm, calls, s.max_live or len(prompts), s.timeout_s,
-                              s.busy_wait_s)
+        async with gateway.serving():
+            return await _run_all(prompts, runner, make_llm, calls, s.max_live or len(prompts), s.timeout_s,
+                                  s.busy_wait_s)
 
     def loop_thread() -> None:
         try:
@@ -159,6 +169,9 @@ def run_episodes(
                 pass
         thread.join(timeout=10)
         raise
+    finally:
+        if own_gateway:
+            gateway.close()
     thread.join()
     if "error" in box:
         raise box["error"]
@@ -227,6 +240,8 @@ async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[
             run = runs[i] = EpisodeRun(llm)
             batcher.start_episode(i)
             live[i], expired[i] = llm, asyncio.get_running_loop().create_future()
+            ended = expired[i]  # its result: None when out of time, else why the episode was aborted
+            llm.on_abort = lambda reason: None if ended.done() else ended.set_result(reason)
             inner = asyncio.create_task(runner(llm, prompts[i]))
             try:
                 await asyncio.wait({inner, expired[i]}, return_when=asyncio.FIRST_COMPLETED)
@@ -237,10 +252,11 @@ async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[
                         run.error = "CancelledError: the episode was cancelled"
                     except Exception as e:
                         run.error = describe_exception(e)
-                else:  # out of time: cancelled, and not waited for (it may not stop at once)
-                    run.timed_out = True
-                    run.error = (f"TimeoutError: the episode spent more than {timeout_s:g} s outside model calls "
-                                 "(rollout.agent_timeout_s) and was cancelled")
+                else:  # out of time or aborted: cancelled, and not waited for (it may not stop at once)
+                    reason = ended.result()
+                    run.timed_out = reason is None
+                    run.error = reason or (f"TimeoutError: the episode spent more than {timeout_s:g} s outside "
+                                           "model calls (rollout.agent_timeout_s) and was cancelled")
                     inner.cancel()
                     inner.add_done_callback(_consume)
             finally:

@@ -139,6 +139,8 @@ class MultiTurn:
     timeout_s:        agents: seconds an episode may spend outside model calls (None: no limit).
     max_in_flight:    engine calls at once (1, or more for inference servers).
     chat_template_kwargs: ``data.chat_template_kwargs``, variables for the chat template.
+    gateway:          agents: the run's OpenAI-compatible gateway (:class:`~plainrl.rollout.gateway.Gateway`,
+                      its socket bound on first use), None for one per rollout.
     """
 
     env_factory: Callable[[], Any] | None
@@ -152,6 +154,7 @@ class MultiTurn:
     timeout_s: float | None = None
     max_in_flight: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    gateway: Any = None
 
     def __post_init__(self) -> None:
         if (self.env_factory is None) == (self.agent is None):
@@ -162,7 +165,7 @@ class MultiTurn:
         return LoopSettings(self.max_total_tokens, max_context=self.max_context, max_live=self.max_live,
                             timeout_s=self.timeout_s, max_in_flight=self.max_in_flight,
                             system_prompt=self.system_prompt, prompt_template=self.prompt_template,
-                            chat_template_kwargs=self.chat_template_kwargs)
+                            chat_template_kwargs=self.chat_template_kwargs, gateway=self.gateway)
 
 
 def rollout(

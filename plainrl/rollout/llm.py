@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 from plainrl.rollout.batcher import RequestBatcher
-from plainrl.rollout.chat import encode_rendered, render_chat_continuation
+from plainrl.rollout.chat import encode_rendered, render_chat_continuation, render_with_tools
 from plainrl.rollout.trajectory import Trajectory
 from plainrl.types import FinishReason, Generation, SamplingParams
 
-__all__ = ["AgentCancelled", "Completion", "ContextLengthError", "LLM", "SyncLLM"]
+__all__ = ["AgentCancelled", "Completion", "ContextLengthError", "LLM", "SyncLLM", "Turn"]
 
 T = TypeVar("T")
 # what a call may change: the temperature is the run's (the learner's logprobs assume it)
@@ -63,6 +64,20 @@ class Completion:
         return {"role": "assistant", "content": self.text}
 
 
+@dataclass(frozen=True)
+class Turn:
+    """One model call as the gateway sees it (:meth:`LLM.chat_turn`, :meth:`LLM.generate_turn`).
+
+    context:    [C] the ids the engine continued (prompt, earlier turns, inserted tokens).
+    completion: what it sampled.
+    message:    the assistant message handed back (chat calls; None for ``generate``).
+    """
+
+    context: list[int]
+    completion: Completion
+    message: dict[str, Any] | None = None
+
+
 class LLM:
     """One episode's access to the policy; every call is recorded token-exactly.
 
@@ -74,12 +89,16 @@ class LLM:
         trajectory: the recorded segments.
 
     Calls of one episode must not overlap (await each before the next).
+
+    Agents written for the OpenAI API reach the same handle over HTTP: ``llm.openai_client()``,
+    ``llm.base_url`` / ``llm.api_key``, ``llm.openai_env()`` (the run's gateway,
+    :mod:`plainrl.rollout.gateway`, with a key of this episode's own).
     """
 
     def __init__(self, batcher: RequestBatcher, order: int, tokenizer, params: SamplingParams, *,
                  row: dict[str, Any], prompt_ids: list[int], prompt_messages: list[dict[str, Any]],
                  max_total_tokens: int, max_context: int | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | None = None, gateway: Any = None) -> None:
         self._batcher, self._order, self._params = batcher, order, params
         self._chat_kwargs = dict(chat_template_kwargs or {})  # data.chat_template_kwargs
         self.tokenizer, self.row = tokenizer, row
@@ -89,12 +108,22 @@ class LLM:
         self.trajectory = Trajectory()
         self.last: Completion | None = None  # the latest call's result
         self.chat_messages: list[dict[str, Any]] | None = None  # the latest chat call's conversation + reply
-        self._chat: tuple[list[dict[str, Any]], Completion] | None = None  # it, when the context is still its
+        # the latest chat call (its messages, the reply message handed back, what was sampled),
+        # while the context is still its
+        self._chat: tuple[list[dict[str, Any]], dict[str, Any], Completion] | None = None
         self.closed = False
+        self.on_abort: Callable[[str], None] | None = None  # set by the episode loop: fails the episode
+        self.gateway = gateway  # plainrl.rollout.gateway.Gateway: the HTTP route to this handle
+        self.sampling_overrides = 0  # gateway requests whose sampling settings the run's replaced
         self.started = time.monotonic()
         self.model_wait_s = 0.0
         self._waiting_since: float | None = None
         self._busy = False
+
+    @property
+    def params(self) -> SamplingParams:
+        """The run's sampling settings (a call may narrow ``max_new_tokens`` and add stop strings)."""
+        return self._params
 
     @property
     def prompt_messages(self) -> list[dict[str, Any]]:
@@ -119,6 +148,44 @@ class LLM:
         """Seconds since the episode started, minus the time spent waiting for the model."""
         waiting = now - self._waiting_since if self._waiting_since is not None else 0.0
         return now - self.started - self.model_wait_s - waiting
+
+    def abort(self, reason: str) -> None:
+        """End this episode as failed, with ``reason`` as its error (the gateway: the client
+        went away mid-request); its next call raises :class:`AgentCancelled`."""
+        self.closed = True
+        if self.on_abort is not None:
+            self.on_abort(reason)
+
+    # ------------------------------------------------- agents written for the OpenAI API
+
+    @property
+    def api_key(self) -> str:
+        """This episode's key on the run's gateway (random; requests with it are this episode's calls)."""
+        return self._gateway().key_for(self)
+
+    @property
+    def base_url(self) -> str:
+        """The gateway's OpenAI base URL, ``http://127.0.0.1:PORT/v1`` (loopback; the server starts on first use)."""
+        return self._gateway().base_url
+
+    def openai_env(self) -> dict[str, str]:
+        """``{"OPENAI_BASE_URL": ..., "OPENAI_API_KEY": ...}``: merge into a subprocess's environment
+        so an ``openai`` client made there is this episode's."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key}
+
+    def openai_client(self, **kwargs: Any):
+        """An ``openai.AsyncOpenAI`` bound to this episode (its base URL and key). Retries are off
+        (``max_retries=0``): a retried request would sample again. ``kwargs`` go to the client."""
+        import openai
+
+        kwargs.setdefault("max_retries", 0)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    def _gateway(self):
+        if self.gateway is None:
+            raise RuntimeError("this LLM handle has no gateway: it was built outside a rollout "
+                               "(plainrl.rollout.agent_rollout gives every episode one)")
+        return self.gateway
 
     def room(self, context: list[int]) -> int:
         """How many tokens a call on ``context`` may sample: what is left of the completion
@@ -160,34 +227,63 @@ class LLM:
                 a chat template.
             AgentCancelled: the episode is over.
         """
-        params = self._sampling(sampling)
+        return (await self.chat_turn(messages, tools, self._sampling(sampling))).completion
+
+    async def chat_turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        params: SamplingParams, *, reply: Callable[[Completion], dict[str, Any]] | None = None,
+                        stop_token_ids: tuple[int, ...] = ()) -> Turn:
+        """:meth:`chat` with the sampling settings given whole (the gateway's entry).
+
+        Earlier messages are compared with the previous call's after dropping None-valued
+        keys (an empty ``content`` beside ``tool_calls`` equals none, tool calls compare by
+        name and parsed arguments); the reply also up to surrounding whitespace.
+
+        Args:
+            params: the call's settings as they are (``max_new_tokens`` is cut to the room left).
+            reply: the assistant message handed back for what was sampled (default
+                :attr:`Completion.message`); a later call continues the conversation when its
+                messages repeat it.
+            stop_token_ids: ids that end the completion (kept, finish reason ``stop``): the
+                sample is cut after the first one, which is the sample a stop at that id gives.
+        Returns:
+            The :class:`Turn` (context, completion, reply message).
+        Raises:
+            As :meth:`chat`.
+        """
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise TypeError("llm.chat(messages): messages must be a list of {'role': ..., 'content': ...} dicts")
         context = self._chat_context(messages, tools)
-        out = await self._call(context, params)
-        self.chat_messages = [dict(m) for m in messages] + [out.message]
-        self._chat = ([dict(m) for m in messages], out)
-        return out
+        self._chat = None
+        sampled = await self._sample(context, params, stop_token_ids)
+        out = sampled.completion
+        message = reply(out) if reply is not None else out.message
+        self.chat_messages = [dict(m) for m in messages] + [message]
+        self._chat = ([dict(m) for m in messages], message, out)
+        return Turn(sampled.context, out, message)
 
     async def generate(self, token_ids: list[int], **sampling: Any) -> Completion:
         """Sample a continuation of ``token_ids`` [C], the whole context. When it extends the
         previous call's context, the ids beyond it are recorded with loss mask 0; otherwise
         it starts a new segment. Same ``sampling`` settings and errors as :meth:`chat`."""
-        params = self._sampling(sampling)
+        return (await self.generate_turn(token_ids, self._sampling(sampling))).completion
+
+    async def generate_turn(self, token_ids: list[int], params: SamplingParams, *,
+                            stop_token_ids: tuple[int, ...] = ()) -> Turn:
+        """:meth:`generate` with the sampling settings given whole (the gateway's entry); the
+        arguments and errors of :meth:`chat_turn`."""
         if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
             raise TypeError("llm.generate(token_ids): token_ids must be a list of ints (the whole context)")
-        return await self._call(list(token_ids), params)
+        self._chat = None
+        sampled = await self._sample(list(token_ids), params, stop_token_ids)
+        return Turn(sampled.context, sampled.completion)
 
     async def sample(self, params: SamplingParams) -> Generation:
         """Continue the current context with ``params`` as they are (``max_new_tokens`` cut to
         the room left); for loops that keep their own bookkeeping (the environment adapter)."""
         return (await self._sample(self.token_ids, params)).generation
 
-    async def _call(self, context: list[int], params: SamplingParams) -> Completion:
-        self._chat = None
-        return (await self._sample(context, params)).completion
-
-    async def _sample(self, context: list[int], params: SamplingParams) -> _Sampled:
+    async def _sample(self, context: list[int], params: SamplingParams, stop_token_ids: tuple[int, ...] = ()
+                      ) -> _Sampled:
         if self.closed:
             raise AgentCancelled("this episode is over (it timed out, or the rollout ended)")
         if self._busy:
@@ -208,10 +304,13 @@ class LLM:
         finally:
             self.model_wait_s += time.monotonic() - self._waiting_since
             self._busy, self._waiting_since = False, None
+        if stop_token_ids:
+            gen = _cut_at(gen, stop_token_ids)
+        context = self.trajectory.current.context
         self.trajectory.add_sample(list(gen.token_ids), list(gen.logprobs))
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         self.last = Completion(text, list(gen.token_ids), [float(x) for x in gen.logprobs], gen.finish_reason)
-        return _Sampled(gen, self.last)
+        return _Sampled(gen, self.last, context)
 
     # ------------------------------------------------------------------ helpers
 
@@ -237,21 +336,20 @@ class LLM:
     def _chat_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         seg, prev = self.trajectory.current, self._chat
         if prev is not None and seg is not None:
-            before, reply = prev
+            before, message, reply = prev
             n = len(before)
-            if len(messages) > n + 1 and messages[:n] == before and _is_reply(messages[n], reply):
+            if (len(messages) > n + 1 and all(same_message(a, b) for a, b in zip(messages, before))
+                    and same_message(messages[n], message, strip=True)):
                 eos_text = self.tokenizer.decode(reply.token_ids[-1:]) if reply.finish_reason == "eos" else ""
-                text = render_chat_continuation(self.tokenizer, before + [reply.message], messages[n + 1:],
+                text = render_chat_continuation(self.tokenizer, before + [message], messages[n + 1:],
                                                 eos_text=eos_text, chat_template_kwargs=self._chat_kwargs)
                 return seg.context + encode_rendered(self.tokenizer, text)
-        if tools is None and messages == self._prompt_messages:
+        if not tools and len(messages) == len(self._prompt_messages) and all(
+                same_message(a, b) for a, b in zip(messages, self._prompt_messages)):
             return list(self.prompt_ids)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("llm.chat needs a tokenizer with a chat template; use llm.generate(token_ids) instead")
-        kw = {"tools": tools} if tools else {}
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw,
-                                                  **self._chat_kwargs)
-        return encode_rendered(self.tokenizer, text)
+        return encode_rendered(self.tokenizer, render_with_tools(self.tokenizer, messages, tools, self._chat_kwargs)[0])
 
 
 def _resolve_aliases(sampling: dict[str, Any]) -> dict[str, Any]:
@@ -277,11 +375,50 @@ def _resolve_aliases(sampling: dict[str, Any]) -> dict[str, Any]:
 class _Sampled:
     generation: Generation
     completion: Completion
+    context: list[int]
 
 
-def _is_reply(message: dict[str, Any], reply: Completion) -> bool:
-    content = message.get("content")
-    return message.get("role") == "assistant" and isinstance(content, str) and content.strip() == reply.text.strip()
+def _cut_at(gen: Generation, stop_ids: tuple[int, ...]) -> Generation:
+    """The generation up to and including its first id in ``stop_ids`` (finish reason ``stop``):
+    a sample whose sampling would have stopped there, token for token (the ids before the
+    stop, and their logprobs, do not depend on what would have followed)."""
+    for i, t in enumerate(gen.token_ids):
+        if t in stop_ids:
+            return Generation(list(gen.token_ids[: i + 1]), list(gen.logprobs[: i + 1]), "stop")
+    return gen
+
+
+def _canonical(message: dict[str, Any], strip: bool) -> dict[str, Any]:
+    out = {k: v for k, v in message.items() if v is not None}
+    content = out.pop("content", "")
+    if isinstance(content, str):
+        content = content.strip() if strip else content
+    if content != "":
+        out["content"] = content
+    calls = out.pop("tool_calls", None)
+    if calls:
+        out["tool_calls"] = [_call_key(c) for c in calls]
+    return out
+
+
+def _call_key(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        return call
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return (fn.get("name"), args)
+
+
+def same_message(a: dict[str, Any], b: dict[str, Any], *, strip: bool = False) -> bool:
+    """Whether two chat messages say the same: None-valued keys dropped, an empty ``content``
+    equal to none, tool calls compared by function name and parsed arguments (ids and
+    ``type`` aside); ``strip``: contents compared without surrounding whitespace."""
+    return a is b or _canonical(a, strip) == _canonical(b, strip)
 
 
 class SyncLLM:
@@ -302,6 +439,13 @@ class SyncLLM:
     def generate(self, token_ids: list[int], **kw: Any) -> Completion:
         """Blocking :meth:`LLM.generate`."""
         return self._run(self._llm.generate(token_ids, **kw))
+
+    def openai_client(self, **kwargs: Any):
+        """A blocking ``openai.OpenAI`` client bound to this episode (see :meth:`LLM.openai_client`)."""
+        import openai
+
+        kwargs.setdefault("max_retries", 0)
+        return openai.OpenAI(base_url=self._llm.base_url, api_key=self._llm.api_key, **kwargs)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._llm.closed:

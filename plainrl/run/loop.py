@@ -80,6 +80,9 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
     def score(episodes: list[Episode]) -> RewardOutput:  # draw() scored them where they were sampled
         return scored.pop()
 
+    gateway = prep.multi_turn.gateway if prep.multi_turn is not None else None
+    if gateway is not None:
+        gateway.take_metrics()  # what evaluation counted belongs to no step
     if cfg.algorithm.dynamic_sampling:
         episodes, rewards_out, metrics = dynamic_sampling(
             draw, score, group_size=cfg.rollout.group_size, num_groups=cfg.rollout.prompts_per_step,
@@ -89,6 +92,8 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
         rewards_out, metrics = score(episodes), {}
     with timer("reward"):
         metrics.update(shape_overlong(episodes, cfg.algorithm, cfg.rollout.completion_budget))
+    if gateway is not None:
+        metrics.update(gateway.take_metrics())  # rollout/sampling_overrides
     return episodes, rewards_out, metrics
 
 

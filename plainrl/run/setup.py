@@ -37,6 +37,7 @@ from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.episodes import check_rows_fit_env, env_constructor
+from plainrl.rollout.gateway import Gateway
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
 from plainrl.run.engines import make_engine, require_trainable_engine
@@ -77,9 +78,11 @@ class Prepared:
             self.env_factory.prestart(self.multi_turn.max_live or 0)
 
     def close(self) -> None:
-        """Stop the reward and environment workers, if any."""
+        """Stop the reward and environment workers, if any, and close the agents' gateway."""
         if self.reward_workers is not None:
             self.reward_workers.close()
+        if self.multi_turn is not None and self.multi_turn.gateway is not None:
+            self.multi_turn.gateway.close()
         if isinstance(self.env_factory, EnvWorkers):
             self.env_factory.close()
 
@@ -136,10 +139,13 @@ def multi_turn_settings(cfg: Config) -> MultiTurn | None:
     live = max_live_episodes(r)
     # inference servers batch concurrent requests themselves: every episode's call may go at once
     in_flight = (live or r.prompts_per_step * r.group_size) if r.engine == "remote" else 1
+    # agents written for the OpenAI API: one loopback gateway for the run (its socket bound when an
+    # episode first asks for its URL, so runs whose agents never do open no port)
+    gateway = Gateway(model=cfg.model.name, max_model_len=cfg.model.max_context) if agent else None
     return MultiTurn(factory, r.max_turns, r.completion_budget, cfg.data.system_prompt, cfg.data.prompt_template,
                      max_live=live, agent=agent, max_context=cfg.model.max_context if agent else None,
                      timeout_s=r.agent_timeout_s if agent else None, max_in_flight=in_flight,
-                     chat_template_kwargs=cfg.data.chat_template_kwargs)
+                     chat_template_kwargs=cfg.data.chat_template_kwargs, gateway=gateway)
 
 
 def load_eval_grader(ref: str) -> Callable[..., Any]:

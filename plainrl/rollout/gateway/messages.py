@@ -1,0 +1,99 @@
+"""OpenAI chat messages -> what the chat template renders, and the reply message handed back.
+
+Both directions go through :func:`template_message`, so the assistant message an agent sends
+back (as the ``openai`` SDK writes it: ``content`` None or "" beside ``tool_calls``, arguments as
+a JSON string, ``refusal: null``) compares equal to the reply the gateway recorded, and the
+request continues the episode's segment (:meth:`plainrl.rollout.llm.LLM.chat_turn`).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from plainrl.rollout.gateway.schema import AssistantMessage, ToolMessage
+from plainrl.rollout.gateway.toolcalls import ParsedCall, ToolFormat, parse_tool_calls, render_tool_calls
+
+__all__ = ["Reply", "make_reply", "template_message"]
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def template_message(m: Any, fmt: ToolFormat, renders_calls: bool) -> dict[str, Any]:
+    """One validated request message as the chat template gets it.
+
+    ``developer`` becomes ``system``; content parts are joined into one string (None and
+    missing content become ""); an assistant message's tool calls get their arguments as a
+    dict (what HF templates expect), or, when the template does not render ``tool_calls``,
+    are written into the content in the model's format (:func:`render_tool_calls`).
+    """
+    role = "system" if m.role == "developer" else m.role
+    out: dict[str, Any] = {"role": role, "content": _text(m.content)}
+    if isinstance(m, AssistantMessage):
+        if m.reasoning_content is not None:
+            out["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            calls = [(c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls]
+            if renders_calls:
+                out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": n, "arguments": a}}
+                                     for c, (n, a) in zip(m.tool_calls, calls)]
+            else:
+                written = render_tool_calls(calls, fmt)
+                out["content"] = f"{out['content']}\n{written}" if out["content"] else written
+    elif isinstance(m, ToolMessage) and m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    elif getattr(m, "name", None) is not None:
+        out["name"] = m.name
+    return out
+
+
+def _arguments(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw  # not JSON: passed on as the agent wrote it
+
+
+@dataclass
+class Reply:
+    """The assistant's reply to a chat request.
+
+    content:  the text without the parsed tool calls (None when nothing else was written).
+    calls:    the well-formed tool calls, with their ids.
+    template: the same message as :func:`template_message` writes it (what the episode
+              records as handed back, to recognise it in the next request).
+    """
+
+    content: str | None
+    calls: list[tuple[str, ParsedCall]]
+    template: dict[str, Any]
+
+    def openai_message(self) -> dict[str, Any]:
+        """The message as OpenAI's ``ChatCompletionMessage`` fields."""
+        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.calls:
+            out["tool_calls"] = [{"id": i, "type": "function",
+                                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                                 for i, c in self.calls]
+        return out
+
+
+def make_reply(text: str, fmt: ToolFormat, renders_calls: bool, parse_calls: bool) -> Reply:
+    """The reply for the sampled ``text``: tool calls parsed in ``fmt`` unless ``parse_calls``
+    is False (``tool_choice: none``, or no ``tools`` in the request)."""
+    content, calls = parse_tool_calls(text, fmt) if parse_calls else (text, [])
+    with_ids = [(f"call_{secrets.token_hex(12)}", c) for c in calls]
+    msg = AssistantMessage.model_validate(
+        {"role": "assistant", "content": content or None,
+         "tool_calls": [{"id": i, "type": "function",
+                         "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                        for i, c in with_ids] or None}, strict=False)
+    return Reply((content or None) if calls else text, with_ids, template_message(msg, fmt, renders_calls))

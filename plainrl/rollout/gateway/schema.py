@@ -1,0 +1,156 @@
+"""The requests the gateway accepts, validated strictly (a wrong type is a 400 naming the field).
+
+The OpenAI request fields the gateway reads, with the message and tool shapes of the
+OpenAI API (tool definitions and assistant tool calls are the ``openai`` package's own models),
+plus vLLM's extensions (``top_k``, ``stop_token_ids``, ``return_token_ids``, ...). The
+``openai`` package's request types are ``TypedDict``s with lazily checked ``Iterable`` fields,
+which accept a string for ``messages``; these models check everything up front. Fields the
+gateway does not use are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from openai.types.chat import ChatCompletionFunctionTool, ChatCompletionMessageFunctionToolCall
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "Message", "SamplingFields"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Model):
+    """A text content part (the only kind a text model can read)."""
+
+    type: Literal["text"]
+    text: str
+
+
+Content = Union[str, list[TextPart]]
+
+
+class SystemMessage(_Model):
+    role: Literal["system"]
+    content: Content
+    name: str | None = None
+
+
+class DeveloperMessage(_Model):
+    """OpenAI's newer name for a system message; rendered as ``system``."""
+
+    role: Literal["developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Model):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Model):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ChatCompletionMessageFunctionToolCall] | None = None
+    reasoning_content: str | None = None
+    name: str | None = None
+
+
+class ToolMessage(_Model):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+Message = Annotated[Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage],
+                    Field(discriminator="role")]
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+class SamplingFields(_Model):
+    """What every generating route shares: OpenAI's sampling fields and vLLM's extensions."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    return_token_ids: bool | None = None
+
+
+class ChatRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ChatCompletionFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: one prompt, text or token ids."""
+
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    stream: bool | None = None
+    echo: bool | None = None
+
+
+class GenerateSampling(_Model):
+    """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them (the fields read here)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: int | None = None
+
+
+class GenerateRequest(_Model):
+    """``POST /inference/v1/generate``: vLLM's token-in, token-out route."""
+
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    model: str | None = None
+    request_id: str | None = None
+    stream: bool | None = None

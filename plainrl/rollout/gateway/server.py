@@ -1,0 +1,190 @@
+"""The gateway's lifetime: its loopback socket, the episodes' keys, and serving each rollout.
+
+Where the server runs. The episodes of a rollout are tasks of one asyncio event loop (in a
+thread of its own, :func:`plainrl.rollout.episode_loop.run_episodes`), and everything a
+request touches lives there: the episode's :class:`~plainrl.rollout.llm.LLM`, its trajectory,
+the request batcher. None of it is thread-safe, so uvicorn serves *on that same loop*: a
+request reaches its episode by a plain ``await``, batches with every ``llm.chat`` call of the
+step, and costs no thread hand-off (a server loop in a thread of its own would hand every
+request to the episodes' loop and back, two busy Python threads taking turns on the GIL, up to
+its 5 ms switch interval per turn under load). The listening socket is the run's: bound once,
+on first use (``llm.base_url``), so the port stays the same for the whole run and belongs to
+the trainer process (nothing outlives it, ``kill -9`` included); each rollout serves it from
+its own loop while its episodes run, and closes what it accepted when they are done.
+Connections that arrive between rollouts wait in the socket's backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import socket
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+if TYPE_CHECKING:
+    from plainrl.rollout.llm import LLM
+
+__all__ = ["Gateway"]
+
+HOST = "127.0.0.1"  # loopback only: the keys are no protection against other machines
+
+
+class Gateway:
+    """An OpenAI-compatible HTTP server in front of a run's rollouts (one per trainer process).
+
+    Each episode's :class:`~plainrl.rollout.llm.LLM` gets a random key on first use
+    (``llm.api_key``); a request with that key is a call of that episode, recorded on its
+    trajectory exactly as ``llm.chat`` / ``llm.generate`` would record it. Routes:
+    :mod:`plainrl.rollout.gateway.routes`.
+
+    Args:
+        model: the model id ``GET /v1/models`` lists and responses name (``model.name``).
+        max_model_len: the model's context (``model.max_context``), listed as ``max_model_len``.
+        port: the port to bind on 127.0.0.1 (0: a free one).
+    """
+
+    def __init__(self, model: str, max_model_len: int | None = None, *, port: int = 0) -> None:
+        self.model, self.max_model_len, self.port = model, max_model_len, port
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._keys: dict[str, weakref.ref[LLM]] = {}  # every key handed out this run; dead refs: ended
+        self._loop: asyncio.AbstractEventLoop | None = None  # the rollout being served
+        self._server: Any = None  # uvicorn.Server on that loop, once started
+        self._starting: asyncio.Task | None = None
+        self._app: Any = None
+        self.sampling_overrides = 0  # requests whose temperature/top_p/top_k the run replaced
+
+    # ------------------------------------------------------------------ addresses and keys
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT/v1``; binds the socket (and starts serving) on first use."""
+        return f"{self.url}/v1"
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:PORT``, the server's root (``/inference/v1/generate`` lives there)."""
+        self._bind()
+        return f"http://{HOST}:{self._sock.getsockname()[1]}"
+
+    def key_for(self, llm: LLM) -> str:
+        """The episode's key, made (random, 32 bytes) on first use."""
+        key = getattr(llm, "_gateway_key", None)
+        if key is None:
+            key = "sk-plainrl-" + secrets.token_urlsafe(32)
+            llm._gateway_key = key
+            self._keys[key] = weakref.ref(llm)
+        self._bind()
+        return key
+
+    def lookup(self, key: str) -> tuple[LLM | None, bool]:
+        """``(the live episode's handle, known)`` for a key: ``(None, False)`` for a key never
+        handed out, ``(None, True)`` for one whose episode has ended."""
+        ref = self._keys.get(key)
+        if ref is None:
+            return None, False
+        llm = ref()
+        if llm is None or llm.closed:
+            return None, True
+        return llm, True
+
+    def take_metrics(self) -> dict[str, float]:
+        """``rollout/sampling_overrides`` since the last call (requests whose sampling settings
+        the run's replaced); {} when the gateway never served."""
+        if self._sock is None:
+            return {}
+        n, self.sampling_overrides = self.sampling_overrides, 0
+        return {"rollout/sampling_overrides": float(n)}
+
+    # ------------------------------------------------------------------ serving
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """Serve on the running loop while the block runs (a rollout's episodes); the server
+        starts now if the socket is bound, else when an episode first asks for the URL.
+
+        Raises:
+            RuntimeError: another rollout is being served (one at a time per gateway).
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._loop is not None:
+                raise RuntimeError("this gateway already serves another rollout; one rollout at a time")
+            self._loop = loop
+            if self._sock is not None:
+                self._starting = loop.create_task(self._start())
+        try:
+            yield
+        finally:
+            with self._lock:
+                starting, self._starting, self._loop = self._starting, None, None
+            await self._stop(starting)
+
+    def _bind(self) -> None:
+        with self._lock:
+            if self._sock is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((HOST, self.port))
+                sock.listen(1024)
+                sock.setblocking(False)
+                self._sock = sock
+            if self._loop is not None and self._starting is None:  # bound mid-rollout: start serving it
+                loop = self._loop
+                self._starting = asyncio.run_coroutine_threadsafe(_as_task(self._start), loop) \
+                    if _running_loop() is not loop else loop.create_task(self._start())
+
+    async def _start(self) -> None:
+        import uvicorn
+
+        from plainrl.rollout.gateway.routes import build_app
+
+        if self._app is None:
+            self._app = build_app(self)
+        config = uvicorn.Config(self._app, lifespan="off", log_config=None, access_log=False,
+                                timeout_keep_alive=600)
+        server = uvicorn.Server(config)
+        config.load()
+        server.lifespan = config.lifespan_class(config)
+        # a duplicate of the run's socket: closing it at the rollout's end leaves the run's listening
+        await server.startup(sockets=[self._sock.dup()])
+        self._server = server
+
+    async def _stop(self, starting: Any) -> None:
+        """Stop serving: no more accepts on this loop, open connections closed, handlers cancelled.
+        (uvicorn's own shutdown waits in 0.1 s sleeps for what this does at once; every episode
+        has ended, so nothing in flight is worth waiting for.)"""
+        if starting is not None:
+            with contextlib.suppress(BaseException):
+                await (asyncio.wrap_future(starting) if not isinstance(starting, asyncio.Future) else starting)
+        server, self._server = self._server, None
+        if server is None:
+            return
+        for s in server.servers:
+            s.close()
+        for c in list(server.server_state.connections):
+            c.shutdown()
+        for t in list(server.server_state.tasks):
+            t.cancel()
+        await asyncio.sleep(0)
+
+    def close(self) -> None:
+        """Close the listening socket (the run is over); a later use binds a new one."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def _as_task(start) -> None:
+    await start()

@@ -1,0 +1,104 @@
+"""The gateway's other routes (completions, vLLM's generate, models), plain-function agents,
+and isolation: a client that disconnects or an agent that hangs fails its own episode only."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+
+from plainrl.rollout.gateway import Gateway
+from plainrl.types import SamplingParams
+from test_gateway import ANSWER, CALC, TOOL_CALL, ScriptedEngine, rollout
+
+
+def test_completions_and_generate_routes_continue_the_episode(tokenizer):
+    async def agent(llm, row):
+        client = llm.openai_client()
+        prompt = llm.tokenizer.decode(llm.prompt_ids)
+        first = await client.completions.create(model="m", prompt=llm.prompt_ids, max_tokens=40, logprobs=1,
+                                                extra_body={"return_token_ids": True})
+        ids = first.choices[0].prompt_token_ids + first.choices[0].token_ids
+        tool = llm.tokenizer("<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n",
+                             add_special_tokens=False)["input_ids"]
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(f"{llm.base_url.removesuffix('/v1')}/inference/v1/generate",
+                                headers={"Authorization": f"Bearer {llm.api_key}"},
+                                json={"model": "m", "token_ids": ids + tool,
+                                      "sampling_params": {"max_tokens": 30, "logprobs": 1, "temperature": 0.5,
+                                                          "stop_token_ids": [llm.tokenizer.eos_token_id]}})
+        llm.row.update(prompt=prompt, first=first, gen=r.json())
+        return 1.0
+
+    engine, gateway = ScriptedEngine(tokenizer), Gateway("policy", 2048)
+    try:
+        [ep] = rollout(engine, tokenizer, agent, gateway=gateway)
+        overrides = gateway.take_metrics()
+    finally:
+        gateway.close()
+    assert ep.env.error is None and ep.env.info["segments"] == 1
+    first, gen = ep.row["first"], ep.row["gen"]
+    assert first.choices[0].text == TOOL_CALL and first.choices[0].finish_reason == "stop"
+    assert first.choices[0].logprobs.token_logprobs == ep.logprobs[: len(first.choices[0].token_ids)]
+    choice = gen["choices"][0]
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == ANSWER
+    assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == tokenizer.eos_token_id
+    assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert ep.completion_ids[-len(choice["token_ids"]):] == choice["token_ids"]
+    assert ep.logprobs[-len(choice["token_ids"]):] == [c["logprob"] for c in choice["logprobs"]["content"]]
+    assert gen["prompt_token_ids"] == engine.calls[1][0]
+    assert engine.calls[1][2].temperature == 1.0  # the run's, counted as an override
+    assert overrides == {"rollout/sampling_overrides": 1.0}
+
+
+def test_a_plain_function_agent_uses_a_blocking_client(tokenizer):
+    def agent(llm, row):
+        client = llm.openai_client()
+        assert isinstance(client, openai.OpenAI)
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "6*7?"}], tools=[CALC])
+        return 1.0 if r.choices[0].finish_reason == "tool_calls" else 0.0
+
+    eps = rollout(ScriptedEngine(tokenizer), tokenizer, agent, n=3)
+    assert [e.env.reward for e in eps] == [1.0, 1.0, 1.0]
+
+
+def test_a_client_that_disconnects_fails_its_own_episode_only(tokenizer):
+    async def agent(llm, row):
+        client = llm.openai_client(timeout=0.3 if row["i"] == 0 else 30)
+        try:
+            r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        except openai.APITimeoutError:  # it gave up on the call and closed the connection
+            await asyncio.sleep(2)  # the gateway fails the episode meanwhile
+            return 1.0
+        return 1.0 if r.choices[0].message.content else 0.0
+
+    # every engine call takes 1 s: episode 0's client times out (and disconnects) while it waits
+    eps = rollout(ScriptedEngine(tokenizer, delay_s=1.0), tokenizer, agent, n=3)
+    assert "client disconnected" in eps[0].env.error
+    assert [e.env.error for e in eps[1:]] == [None, None] and [e.env.reward for e in eps[1:]] == [1.0, 1.0]
+
+
+def test_one_hanging_agent_among_64_does_not_hold_the_others(tokenizer):
+    done: dict[int, float] = {}
+
+    async def agent(llm, row):
+        client = llm.openai_client()
+        messages = [{"role": "user", "content": f"6*7? {row['i']}"}]
+        r = await client.chat.completions.create(model="m", messages=messages, tools=[CALC])
+        if row["i"] == 5:
+            await asyncio.sleep(3600)  # hangs in its own work
+        messages += [r.choices[0].message, {"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id,
+                                            "content": "42"}]
+        await client.chat.completions.create(model="m", messages=messages, tools=[CALC])
+        done[row["i"]] = time.monotonic()
+        return 1.0
+
+    start = time.monotonic()
+    eps = rollout(ScriptedEngine(tokenizer), tokenizer, agent, n=64, timeout_s=20,
+                  params=SamplingParams(max_new_tokens=32))
+    assert eps[5].env.info["end_reason"] == "agent_timeout"
+    others = [e for i, e in enumerate(eps) if i != 5]
+    assert all(e.env.error is None and e.env.info["segments"] == 1 for e in others)
+    assert max(done.values()) - start < 20  # all finished while episode 5 still hung
