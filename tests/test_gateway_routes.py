@@ -8,6 +8,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from plainrl.rollout.gateway import Gateway
 from plainrl.types import SamplingParams
@@ -102,3 +103,28 @@ def test_one_hanging_agent_among_64_does_not_hold_the_others(tokenizer):
     others = [e for i, e in enumerate(eps) if i != 5]
     assert all(e.env.error is None and e.env.info["segments"] == 1 for e in others)
     assert max(done.values()) - start < 20  # all finished while episode 5 still hung
+
+
+def test_the_port_dies_with_the_trainer_process(tmp_path):
+    """The listening socket is the process's own: after kill -9 nothing listens on the port."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    code = ("from plainrl.rollout.gateway import Gateway; import sys, time\n"
+            "g = Gateway('m'); print(g.url, flush=True); time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        host, port = url.removeprefix("http://").split(":")
+        assert host == "127.0.0.1"
+        socket.create_connection((host, int(port)), timeout=5).close()  # listening (accepted into its backlog)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

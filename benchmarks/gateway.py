@@ -1,0 +1,110 @@
+"""What the OpenAI-compatible gateway costs against ``llm.chat``: the same agent (a chat of
+``--turns`` calls, a tool message between them) run through ``llm.chat`` and through
+``llm.openai_client()`` (``openai.AsyncOpenAI`` over loopback HTTP), ``--episodes`` at once.
+
+    python benchmarks/gateway.py [--episodes 64] [--turns 4] [--engine-ms 0 50] [--repeats 5]
+
+The engine is a stand-in that answers every batch after ``--engine-ms`` milliseconds (0: at
+once, so that only the agent loop and the gateway are timed; 50: a step whose engine time is
+that of a small model's batch). For each engine latency it prints the median wall time of a
+rollout for both ways (after one warm-up rollout each, alternating), the gateway's added time
+per model call ((gateway - llm.chat) / calls: every call's work runs on the one event loop, so
+this is its cost per call) and the step-time ratio. Ends with one ``key=value`` line per latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from plainrl.data import PromptRow, build_prompt_ids
+from plainrl.models import load_tokenizer
+from plainrl.rollout import agent_rollout
+from plainrl.rollout.episode_loop import LoopSettings
+from plainrl.rollout.gateway import Gateway
+from plainrl.types import Generation, SamplingParams
+
+REPLY = "Let me check that with the tool."
+
+
+class Engine:
+    """Answers each batch after ``delay_s`` with the same short reply ended by EOS."""
+
+    def __init__(self, tok, delay_s: float):
+        self.ids = tok(REPLY, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        self.delay_s = delay_s
+
+    def generate(self, prompts, params, *, generator=None):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return [Generation(list(self.ids), [-0.1] * len(self.ids), "eos") for _ in prompts]
+
+    def load_weights(self, model):
+        pass
+
+
+def agents(turns: int):
+    async def via_chat(llm, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for t in range(turns):
+            reply = await llm.chat(messages, max_tokens=32)
+            messages += [reply.message, {"role": "tool", "content": f"result {t}"}]
+        return 1.0
+
+    async def via_gateway(llm, row):
+        client = llm.openai_client()
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for t in range(turns):
+            r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=32)
+            messages += [r.choices[0].message, {"role": "tool", "tool_call_id": f"c{t}", "content": f"result {t}"}]
+        return 1.0
+
+    return via_chat, via_gateway
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--episodes", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--engine-ms", type=float, nargs="+", default=[0.0, 50.0])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    tok = load_tokenizer("smollm2-135m-instruct")
+    rows = [{"prompt": f"Task {i}: what is {i} * 7?"} for i in range(args.episodes)]
+    prompts = [PromptRow(r, build_prompt_ids(r, tok), i) for i, r in enumerate(rows)]
+    via_chat, via_gateway = agents(args.turns)
+    gateway = Gateway("smollm2-135m-instruct", 2048)
+    calls = args.episodes * args.turns
+    try:
+        for ms in args.engine_ms:
+            engine = Engine(tok, ms / 1000)
+
+            def rollout(agent) -> float:
+                start = time.perf_counter()
+                eps = agent_rollout(engine, prompts, agent, SamplingParams(max_new_tokens=32), tok,
+                                    LoopSettings(1024, max_context=2048, gateway=gateway), group_size=1, step=0,
+                                    generator=torch.Generator().manual_seed(0))
+                seconds = time.perf_counter() - start
+                assert all(e.env.error is None and e.env.info["segments"] == 1 for e in eps), eps[0].env.error
+                return seconds
+
+            rollout(via_chat), rollout(via_gateway)  # warm-up: imports, the server's first start
+            chat_s, gw_s = [], []
+            for _ in range(args.repeats):
+                chat_s.append(rollout(via_chat))
+                gw_s.append(rollout(via_gateway))
+            c, g = statistics.median(chat_s), statistics.median(gw_s)
+            print(f"engine {ms:g} ms/batch, {args.episodes} episodes x {args.turns} calls: llm.chat {c:.3f} s "
+                  f"(runs {', '.join(f'{x:.3f}' for x in chat_s)}), gateway {g:.3f} s "
+                  f"(runs {', '.join(f'{x:.3f}' for x in gw_s)})")
+            print(f"engine_ms={ms:g} chat_s={c:.3f} gateway_s={g:.3f} added_ms_per_call={(g - c) / calls * 1000:.2f} "
+                  f"step_ratio={g / c:.3f}")
+    finally:
+        gateway.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The gateway in front of vLLM: in process (rollout.engine=vllm) and a `plainrl serve` server
+(rollout.engine=remote). An unmodified openai.AsyncOpenAI agent's trained spans equal each
+response's token_ids and logprobs. Runs under `make test-vllm`; skipped without vLLM."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
+
+from conftest import start_server, wait_healthy  # noqa: E402
+from test_gateway import CALC, prompts, spans  # noqa: E402
+
+from plainrl.models import load_tokenizer, resolve_model_path  # noqa: E402
+from plainrl.rollout import agent_rollout  # noqa: E402
+from plainrl.rollout.episode_loop import LoopSettings  # noqa: E402
+from plainrl.types import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+MODEL = "smollm2-135m-instruct"
+
+
+async def agent(llm, row):
+    """Two chat calls, a tool result between them, the second streamed; what came back is kept."""
+    client = llm.openai_client()
+    messages = [{"role": "user", "content": "What is 6*7? Use the calculate tool."}]
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], max_tokens=24,
+                                                 logprobs=True, extra_body={"return_token_ids": True})
+    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": "call_0", "content": "42"}]
+    stream = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], max_tokens=24,
+                                                  logprobs=True, stream=True, extra_body={"return_token_ids": True})
+    chunks = [c async for c in stream]
+    second_ids = [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])]
+    second_lps = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                  for t in c.choices[0].logprobs.content]
+    llm.row["got"] = (first, second_ids, second_lps)
+    return 1.0
+
+
+def _check(eps):
+    for ep in eps:
+        assert ep.env.error is None, ep.env.error
+        assert ep.env.info["segments"] == 1 and ep.env.info["generate_calls"] == 2
+        first, second_ids, second_lps = ep.row["got"]
+        got = spans(ep)
+        assert got[0][0] == first.choices[0].token_ids
+        assert got[0][1] == pytest.approx([t.logprob for t in first.choices[0].logprobs.content])
+        assert ep.completion_ids[-len(second_ids):] == second_ids and ep.loss_mask[-len(second_ids):] == [1] * len(second_ids)
+        if second_lps:  # (a reply that is only tool calls streams no content chunk)
+            assert ep.logprobs[-len(second_ids):] == pytest.approx(second_lps)
+
+
+def _run(engine, tok, max_in_flight):
+    return agent_rollout(engine, prompts(tok, 3), agent, SamplingParams(max_new_tokens=24), tok,
+                         LoopSettings(200, max_context=512, max_in_flight=max_in_flight), group_size=1, step=0,
+                         generator=torch.Generator().manual_seed(0))
+
+
+def test_the_gateway_in_front_of_vllm_in_process():
+    from plainrl.rollout.engines.vllm_local import VLLMEngine, engine_args
+
+    tok = load_tokenizer(MODEL)
+    engine = VLLMEngine(engine_args(resolve_model_path(MODEL), dtype="float32", max_model_len=512, seed=0,
+                                    lora_rank=None, device="cpu", gpu_memory_utilization=0.3, sleep=False,
+                                    enforce_eager=True, extra={}), sync="full")
+    try:
+        _check(_run(engine, tok, 1))
+    finally:
+        engine.close()
+
+
+def test_the_gateway_in_front_of_a_remote_server(tmp_path):
+    from plainrl.rollout.engines.remote import RemoteEngine
+
+    tok = load_tokenizer(MODEL)
+    proc, url = start_server(tmp_path / "server.log")
+    try:
+        wait_healthy(proc, url)
+        engine = RemoteEngine([url], tok, sync="full", weights_via="http", max_model_len=512)
+        try:
+            _check(_run(engine, tok, 3))
+        finally:
+            engine.close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
