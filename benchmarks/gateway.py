@@ -6,10 +6,13 @@
 
 The engine is a stand-in that answers every batch after ``--engine-ms`` milliseconds (0: at
 once, so that only the agent loop and the gateway are timed; 50: a step whose engine time is
-that of a small model's batch). For each engine latency it prints the median wall time of a
-rollout for both ways (after one warm-up rollout each, alternating), the gateway's added time
-per model call ((gateway - llm.chat) / calls: every call's work runs on the one event loop, so
-this is its cost per call) and the step-time ratio. Ends with one ``key=value`` line per latency.
+that of a small model's batch). A third way posts the same JSON with a plain ``httpx`` client,
+to tell the gateway's own cost (HTTP, validation, responses) from the ``openai`` SDK's (its
+request transformation and response models, which the agent pays with any server). For each
+engine latency it prints the median wall time of a rollout per way (after a warm-up rollout
+each, interleaved), the added time per model call ((way - llm.chat) / calls: every call's work
+runs on the one event loop, so this is its cost per call) and the step-time ratios. Ends with
+one ``key=value`` line per latency.
 """
 
 from __future__ import annotations
@@ -62,7 +65,17 @@ def agents(turns: int):
             messages += [r.choices[0].message, {"role": "tool", "tool_call_id": f"c{t}", "content": f"result {t}"}]
         return 1.0
 
-    return via_chat, via_gateway
+    async def via_http(llm, row):  # the gateway without the openai SDK: JSON over the shared httpx client
+        http, url = llm.gateway.http_client(), f"{llm.base_url}/chat/completions"
+        headers = {"Authorization": f"Bearer {llm.api_key}"}
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for t in range(turns):
+            r = (await http.post(url, json={"model": "policy", "messages": messages, "max_tokens": 32},
+                                 headers=headers)).json()
+            messages += [r["choices"][0]["message"], {"role": "tool", "tool_call_id": f"c{t}", "content": f"result {t}"}]
+        return 1.0
+
+    return via_chat, via_gateway, via_http
 
 
 def main() -> None:
@@ -75,7 +88,7 @@ def main() -> None:
     tok = load_tokenizer("smollm2-135m-instruct")
     rows = [{"prompt": f"Task {i}: what is {i} * 7?"} for i in range(args.episodes)]
     prompts = [PromptRow(r, build_prompt_ids(r, tok), i) for i, r in enumerate(rows)]
-    via_chat, via_gateway = agents(args.turns)
+    via_chat, via_gateway, via_http = agents(args.turns)
     gateway = Gateway("smollm2-135m-instruct", 2048)
     calls = args.episodes * args.turns
     try:
@@ -91,17 +104,20 @@ def main() -> None:
                 assert all(e.env.error is None and e.env.info["segments"] == 1 for e in eps), eps[0].env.error
                 return seconds
 
-            rollout(via_chat), rollout(via_gateway)  # warm-up: imports, the server's first start
-            chat_s, gw_s = [], []
+            ways = {"llm.chat": via_chat, "openai SDK": via_gateway, "httpx": via_http}
+            for agent in ways.values():  # warm-up: imports, the server's first start
+                rollout(agent)
+            times: dict[str, list[float]] = {name: [] for name in ways}
             for _ in range(args.repeats):
-                chat_s.append(rollout(via_chat))
-                gw_s.append(rollout(via_gateway))
-            c, g = statistics.median(chat_s), statistics.median(gw_s)
-            print(f"engine {ms:g} ms/batch, {args.episodes} episodes x {args.turns} calls: llm.chat {c:.3f} s "
-                  f"(runs {', '.join(f'{x:.3f}' for x in chat_s)}), gateway {g:.3f} s "
-                  f"(runs {', '.join(f'{x:.3f}' for x in gw_s)})")
-            print(f"engine_ms={ms:g} chat_s={c:.3f} gateway_s={g:.3f} added_ms_per_call={(g - c) / calls * 1000:.2f} "
-                  f"step_ratio={g / c:.3f}")
+                for name, agent in ways.items():
+                    times[name].append(rollout(agent))
+            med = {name: statistics.median(ts) for name, ts in times.items()}
+            c, g, h = med["llm.chat"], med["openai SDK"], med["httpx"]
+            print(f"engine {ms:g} ms/batch, {args.episodes} episodes x {args.turns} calls: " + "; ".join(
+                f"{name} {med[name]:.3f} s (runs {', '.join(f'{x:.3f}' for x in ts)})" for name, ts in times.items()))
+            print(f"engine_ms={ms:g} chat_s={c:.3f} sdk_s={g:.3f} httpx_s={h:.3f} "
+                  f"added_ms_per_call_sdk={(g - c) / calls * 1000:.2f} added_ms_per_call_httpx={(h - c) / calls * 1000:.2f} "
+                  f"step_ratio_sdk={g / c:.3f} step_ratio_httpx={h / c:.3f}")
     finally:
         gateway.close()
 

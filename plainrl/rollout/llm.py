@@ -179,6 +179,7 @@ class LLM:
         import openai
 
         kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("http_client", self._gateway().http_client())
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     def _gateway(self):
@@ -445,6 +446,7 @@ class SyncLLM:
         import openai
 
         kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("http_client", self._llm._gateway().http_client(blocking=True))
         return openai.OpenAI(base_url=self._llm.base_url, api_key=self._llm.api_key, **kwargs)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
