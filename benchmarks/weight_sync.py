@@ -49,7 +49,7 @@ def logprob_diff(engine: RemoteEngine, policy, tok) -> float:
     mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
     mask[0, len(prompt) - 1:] = True
     ours = sequence_logps(policy, ids, torch.ones_like(ids), positions=mask)[0, len(prompt) - 1:]
-    return float((ours - torch.tensor(gen.logprobs)).abs().mean())
+    return float((ours.detach() - torch.tensor(gen.logprobs)).abs().mean())
 
 
 def main() -> None:

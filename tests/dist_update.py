@@ -135,20 +135,29 @@ def offline_case(model_dir: str, strategy: str | None, name: str) -> dict:
 
 
 def main() -> None:
+    """``DIST_STRATEGIES`` (default ``ddp,fsdp2``) and ``DIST_CASES`` (default all) choose what
+    runs; ``hsdp`` is FSDP2 with ``train.fsdp_size=2`` (policy cases only)."""
     import os
 
     model_dir, out = sys.argv[1:3]
     rank = int(os.environ["RANK"])
+    strategies = os.environ.get("DIST_STRATEGIES", "ddp,fsdp2").split(",")
     results = {}
     cases = {name: (lambda strategy, over=over: run_case(model_dir, strategy, over)) for name, over in CASES.items()}
     cases["critic"] = lambda strategy: critic_case(model_dir, strategy)
     for name in ("dpo", "sft"):
         cases[name] = lambda strategy, name=name: offline_case(model_dir, strategy, name)
+    wanted = os.environ.get("DIST_CASES")
+    if wanted:
+        cases = {k: v for k, v in cases.items() if k in wanted.split(",")}
     for name, case in cases.items():
         if rank == 0:
             results[(name, "single")] = case(None)
-        for strategy in ("ddp", "fsdp2"):
-            results[(name, strategy)] = case(strategy)
+        for strategy in strategies:
+            if strategy == "hsdp":
+                results[(name, strategy)] = run_case(model_dir, "fsdp2", [*CASES[name], "train.fsdp_size=2"])
+            else:
+                results[(name, strategy)] = case(strategy)
     if rank == 0:
         torch.save(results, out)
 

@@ -52,6 +52,36 @@ def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_pa
                                            msg=lambda m: f"{case}/{strategy} {name}: {m}")
 
 
+def test_four_rank_hsdp_update_equals_one_process(tiny_model_dir, tmp_path):
+    """HSDP (train.fsdp_size=2 on 4 ranks: a 2x2 mesh, shards within pairs, replicas across them)
+    gives the one-process update, for the LoRA and the full fine-tuning policy cases."""
+    out = tmp_path / "updates.pt"
+    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out), nproc=4, timeout=900,
+             env={"DIST_STRATEGIES": "hsdp", "DIST_CASES": "lora,full"})
+    results = torch.load(out, weights_only=False)
+    for case in ("lora", "full"):
+        single, got = results[(case, "single")], results[(case, "hsdp")]
+        for key in ("loss", "kl", "grad_norm"):
+            assert got["stats"][key] == pytest.approx(single["stats"][key], rel=1e-5, abs=1e-6), (case, key)
+        moved = max(float((single["weights"][n] - single["initial"][n]).abs().max()) for n in single["weights"])
+        assert moved > 1e-3, f"{case}: the update must change the weights for the comparison to mean anything"
+        assert set(got["weights"]) == set(single["weights"])
+        for name, w in single["weights"].items():
+            torch.testing.assert_close(got["weights"][name], w, rtol=1e-4, atol=2e-5,
+                                       msg=lambda m: f"{case}/hsdp {name}: {m}")
+
+
+def test_hsdp_size_must_divide_the_world_and_offload_needs_fsdp2_on_cuda():
+    from plainrl.config import ConfigError, load_config
+    from plainrl.run.distributed import check_launch
+
+    base = [f"data.path={REPO / 'tests' / 'data' / 'sft_mini.jsonl'}", "algorithm.name=sft"]
+    with pytest.raises(ConfigError, match="train.fsdp_size=3 must divide the 4 ranks"):
+        check_launch(load_config(None, [*base, "train.strategy=fsdp2", "train.fsdp_size=3", "train.batch_size=4"]), 4)
+    with pytest.raises(ConfigError, match="train.strategy=fsdp2"):
+        load_config(None, [*base, "train.strategy=ddp", "train.offload=params"])
+
+
 def _rows(run_dir: Path) -> list[dict]:
     import json
 

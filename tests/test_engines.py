@@ -194,3 +194,20 @@ def test_serve_defaults_to_a_gpu_of_its_own_and_colocated_needs_a_share(monkeypa
     shared = load_config(None, ["data.task=arithmetic", "device=cpu", *_REWARD, "rollout.vllm.gpu_memory_utilization=0.3"])
     run_engines.serve_command(shared, host="127.0.0.1", port=1, colocated=True)
     assert seen == {"memory_share": 0.3, "sleep": True}
+
+
+def test_attention_implementation_by_device_and_flash_needs_cuda():
+    from plainrl.models import ModelLoadError
+    from plainrl.models.loading import attention_implementation
+    from plainrl.models.packing import packing_route
+
+    cpu = torch.device("cpu")
+    assert attention_implementation("auto", cpu) == "eager"
+    assert attention_implementation("sdpa", cpu) == "sdpa"
+    with pytest.raises(ModelLoadError, match="flash_attention_2: it runs on CUDA only"):
+        attention_implementation("flash_attention_2", cpu)
+
+    class Cfg:  # a loaded model's config under flash attention: packed rows take the varlen route
+        _attn_implementation = "flash_attention_2"
+
+    assert packing_route(Cfg()) == "positions"

@@ -90,3 +90,20 @@ def test_nccl_weight_group_broadcasts_buckets_between_two_gpus():
         if proc.is_alive():
             proc.kill()
         group.close()
+
+
+def test_flash_attention_packing_takes_the_varlen_route_and_matches_sdpa():
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    from test_packing import _batch, _tiny, _varied_episodes
+
+    from plainrl.models import sequence_logps
+    from plainrl.models.packing import packing_route
+
+    flash = _tiny("llama", "flash_attention_2").to("cuda", torch.bfloat16)
+    sdpa = _tiny("llama", "sdpa").to("cuda", torch.bfloat16)
+    assert packing_route(flash.config) == "positions"
+    mb = _batch(_varied_episodes())
+    ids, mask, pos = mb.input_ids.cuda(), mb.attention_mask.cuda(), (mb.loss_mask > 0).cuda()
+    packed = sequence_logps(flash, ids, mask, positions=pos, packing=True)
+    plain = sequence_logps(sdpa, ids, mask, positions=pos)
+    torch.testing.assert_close(packed, plain, atol=2e-2, rtol=2e-2)  # bf16 kernels round differently

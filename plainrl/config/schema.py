@@ -52,9 +52,11 @@ class ModelConfig(_Section):
     """Where GGUF conversions are cached; null: `$PLAINRL_CACHE`, else `~/.cache/plainrl`."""
     max_context: int = Field(1024, gt=0)
     """Prompt plus completion tokens, at most."""
-    attn_implementation: Literal["auto", "eager", "sdpa"] = "auto"
-    """`auto`: eager attention on CPU (its backward is about 4x faster than the CPU SDPA kernel's at RL lengths),
-    SDPA on GPU; or `eager` / `sdpa`."""
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
+    """`auto`: eager attention on CPU (its backward is about 4x faster than the CPU SDPA kernel's at RL lengths); on
+    GPU `flash_attention_2` where the `flash-attn` package imports, else SDPA; or `eager` / `sdpa` /
+    `flash_attention_2` (CUDA and `flash-attn` only). With flash attention packed micro-batches (`train.packing`) run
+    through its variable-length kernel (position ids restart per episode, no dense mask)."""
     quantization: Literal["none", "nf4", "int8"] = "none"
     """QLoRA: `nf4` or `int8` loads the frozen base 4-/8-bit with bitsandbytes (`pip install 'plainrl[qlora]'`), LoRA
     trains on top (QLoRA, Dettmers et al. 2023, arXiv:2305.14314); needs `model.lora.enabled`. `none`: no

@@ -66,6 +66,15 @@ class TrainConfig(_Section):
     """The device's peak FLOP/s for `perf/mfu`; null: a table of CUDA GPUs in 16-bit."""
     strategy: Strategy = "ddp"
     """Under torchrun: `ddp` replicates the model, `fsdp2` shards each decoder layer (ignored in one process)."""
+    fsdp_size: int | None = Field(None, gt=0)
+    """Under torchrun with `strategy: fsdp2`: shard within groups of this many ranks and replicate across the groups
+    (HSDP on a 2-D device mesh, replicate x shard; e.g. the GPUs of one node, so a layer's all-gather stays inside a
+    node); it must divide the world size. null: shard over every rank."""
+    offload: Literal["none", "params"] = "none"
+    """Under torchrun with `strategy: fsdp2` on CUDA: `params` keeps the sharded parameters, their gradients and the
+    optimizer state in host memory (FSDP2's `CPUOffloadPolicy`: each layer is copied to the GPU for its forward and
+    backward, the optimizer steps on the CPU), freeing about 16 bytes per trained parameter of GPU memory (fp32
+    weight, gradient and two Adam moments) for a slower step."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """Under torchrun: the longest wait of a collective; a dead or stuck rank ends the run after it."""
     _epoch_steps: int | None = PrivateAttr(None)  # train.epochs in steps, set by resolve_epochs
@@ -135,6 +144,9 @@ def strategy_problem(train: TrainConfig, quantization: str, *, rl: bool) -> str 
     """Why ``train.strategy`` cannot run this config (None when it can); checked at load,
     before torchrun's processes load a model. ``quantization``: ``model.quantization``;
     ``rl``: an RL run (its packed or shared-prompt forward), not sft/dpo/rm."""
+    if train.strategy != "fsdp2" and (train.fsdp_size is not None or train.offload != "none"):
+        return (f"train.fsdp_size / train.offload shape FSDP2's sharding (train.strategy=fsdp2), not "
+                f"train.strategy={train.strategy}; set train.strategy=fsdp2 or leave them unset")
     if train.strategy != "fsdp2":
         return None
     if quantization != "none":

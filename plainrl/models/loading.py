@@ -155,12 +155,30 @@ def share_frozen_weights(model: torch.nn.Module, donor: torch.nn.Module) -> int:
     return shared
 
 
+def attention_implementation(requested: str, device: torch.device) -> str:
+    """``model.attn_implementation`` for ``device``: ``auto`` is eager on CPU, and on CUDA flash
+    attention 2 where ``flash_attn`` imports (packed micro-batches then take its varlen kernel,
+    :func:`plainrl.models.packing.packing_route`), else SDPA.
+
+    Raises:
+        ModelLoadError: ``flash_attention_2`` off CUDA or without the ``flash-attn`` package.
+    """
+    import importlib.util
+
+    has_flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    if requested == "auto":
+        return "eager" if device.type != "cuda" else "flash_attention_2" if has_flash else "sdpa"
+    if requested == "flash_attention_2" and not has_flash:
+        where = "the flash-attn package is not installed (pip install flash-attn)" if device.type == "cuda" else \
+            f"it runs on CUDA only, and this run's device is {device.type}"
+        raise ModelLoadError(f"model.attn_implementation=flash_attention_2: {where}; use sdpa or auto")
+    return requested
+
+
 def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, share_with=None,
           reference_adapter: bool = False, **kwargs):
     path = resolve_model_path(cfg.name, cfg.cache_dir)
-    attn = cfg.attn_implementation
-    if attn == "auto":
-        attn = "sdpa" if device.type == "cuda" else "eager"
+    attn = attention_implementation(cfg.attn_implementation, device)
     dtype = model_dtype(cfg.dtype, device)
     quantized = cfg.quantization != "none"
     if quantized:

@@ -36,9 +36,10 @@ the prompts' own padding. Tokens left at the end of a row form a segment of thei
 that attends only to itself, so no query row of the mask is empty (an all-masked row
 gives NaN under softmax, and NaN in backward).
 
-plainrl's ``model.attn_implementation`` is eager (CPU default) or sdpa (GPU default), both
-the ``"mask"`` route; ``"positions"`` serves sliding-window models (tested on Qwen2 with a
-window) and models loaded with flash attention by other code (not tested here: no GPU).
+plainrl's ``model.attn_implementation`` is eager (CPU default) or sdpa, both the ``"mask"``
+route, or ``flash_attention_2`` (the GPU default where ``flash-attn`` is installed), the
+``"positions"`` route with its varlen kernel; ``"positions"`` also serves sliding-window
+models (tested on Qwen2 with a window). The flash route has not run here (no GPU).
 
 Shapes: B episodes (rows of the padded micro-batch), T padded length, R packed rows,
 W packed width, H hidden size.

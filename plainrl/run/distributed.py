@@ -63,8 +63,12 @@ def check_launch(cfg: Config, world_size: int) -> None:
 
     Raises:
         ConfigError: the ranks cannot split the step's prompt groups (RL) or rows (sft/dpo/rm)
-            evenly, or the engine cannot run under torchrun.
+            evenly, ``train.fsdp_size`` does not divide them, or the engine cannot run under torchrun.
     """
+    if cfg.train.fsdp_size is not None and world_size % cfg.train.fsdp_size:
+        raise ConfigError(
+            f"train.fsdp_size={cfg.train.fsdp_size} must divide the {world_size} ranks (HSDP shards within groups of "
+            f"that size and replicates across them); use a divisor of {world_size}, or null to shard over all")
     if cfg.algorithm.offline:
         if cfg.train.batch_size % world_size:
             raise ConfigError(
@@ -116,6 +120,9 @@ def join(cfg: Config) -> Parallel:
     world, rank, local = int(env["WORLD_SIZE"]), int(env["RANK"]), int(env["LOCAL_RANK"])
     check_launch(cfg, world)
     device = _device(cfg.device, local)
+    if cfg.train.offload != "none" and device.type != "cuda":
+        raise ConfigError(f"train.offload={cfg.train.offload} moves FSDP2's shards from the GPU to host memory; on "
+                          f"{device.type} they are in host memory already: set train.offload=none")
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.train.collective_timeout_s)
         if device.type == "cuda":
@@ -125,7 +132,8 @@ def join(cfg: Config) -> Parallel:
             dist.init_process_group("gloo", timeout=timeout)
     if device.type == "cpu" and cfg.threads is None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, int(env["LOCAL_WORLD_SIZE"]))))
-    return Parallel(active=True, strategy=cfg.train.strategy, rank=rank, world_size=world, device=device)
+    return Parallel(active=True, strategy=cfg.train.strategy, rank=rank, world_size=world, device=device,
+                    fsdp_size=cfg.train.fsdp_size, offload=cfg.train.offload)
 
 
 def leave(parallel: Parallel) -> None:

@@ -91,6 +91,8 @@ class Parallel:
         rank, world_size: of the default process group.
         device: where this rank computes (``cuda:LOCAL_RANK`` or cpu); collectives run on it
             (NCCL needs CUDA tensors, gloo takes CPU ones).
+        fsdp_size: ``train.fsdp_size`` (FSDP2: shard within groups of this many ranks; None: all).
+        offload: ``train.offload`` (FSDP2 on CUDA: ``params`` keeps shards in host memory).
     """
 
     active: bool = False
@@ -98,6 +100,8 @@ class Parallel:
     rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    fsdp_size: int | None = None
+    offload: str = "none"
 
     @property
     def is_main(self) -> bool:
@@ -201,7 +205,9 @@ class Parallel:
         different numbers of no-grad forwards) and rank 0's weights broadcast at
         construction; a frozen model (``trainable=False``, a reference) is not wrapped.
         FSDP2: rank 0's weights broadcast, then ``fully_shard`` on each decoder layer, on a
-        value model's ``score`` head (kept float32), and on the root; trainable parameters
+        value model's ``score`` head (kept float32), and on the root, over every rank or, with
+        ``fsdp_size``, within groups of that many ranks and replicated across them (HSDP, a 2-D
+        mesh), shards in host memory with ``offload="params"``; trainable parameters
         are cast to float32 first (the sharded copies are the optimiser's master weights)
         and computed in the model's dtype (``MixedPrecisionPolicy``, gradients reduced in
         float32). Build the optimiser on the parameters after this call.
@@ -221,7 +227,7 @@ class Parallel:
 
     def _fully_shard(self, call: ModelCall, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         from plainrl.models import unwrap
 
@@ -235,13 +241,22 @@ class Parallel:
                 p.data = p.data.float()
         mp = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
                                   reduce_dtype=torch.float32)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        shard = self.fsdp_size or self.world_size
+        if shard < self.world_size:  # HSDP: fully_shard on a 2-D mesh shards on its last dim, replicates on the first
+            mesh = init_device_mesh(self.device.type, (self.world_size // shard, shard),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # params: shards, their gradients and (so) the optimizer's state in pinned host memory, each layer
+        # copied to the GPU for its forward and backward (torchtitan's and torchtune's offload)
+        offload = CPUOffloadPolicy() if self.offload == "params" else OffloadPolicy()
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
         head = getattr(unwrap(model), "score", None)
         if isinstance(head, torch.nn.Module):  # a value head reads float32 hidden states
-            fully_shard(head, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
-        fully_shard(call, mesh=mesh, mp_policy=mp)
+            fully_shard(head, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32),
+                        offload_policy=offload)
+        fully_shard(call, mesh=mesh, mp_policy=mp, offload_policy=offload)
         # the logprobs come back as a view; FSDP2 warns that an in-place op on it would skip its
         # pre-backward hook, and plainrl never modifies a forward's output in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
