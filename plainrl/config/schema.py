@@ -380,7 +380,9 @@ class EvalConfig(_Section):
     max_new_tokens: int | None = Field(None, gt=0)
     """Completion budget of evaluation; null: `rollout.max_new_tokens`."""
     grader: str = "correctness"
-    """The reward function grading each held-out completion 1 (right) or 0: `correctness` or e.g. `countdown`."""
+    """The reward function grading each held-out completion 1 (right) or 0: `correctness`, e.g. `countdown`, or
+    `module:fn`; it gets the row's columns, and in an environment or agent episode also `env_reward`, `env_error`
+    or `env_info` when it names them as parameters."""
 
 
 class CheckpointConfig(_Section):

@@ -30,6 +30,8 @@ are never reused as eval rows implicitly, so without any of these the eval set i
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +117,12 @@ def _prepare(
     return [PromptRow(row=kept[p], prompt_ids=ids[p], source_index=idx[p]) for p in positions]
 
 
+def _task_key(p: PromptRow) -> tuple[tuple[int, ...], str]:
+    # two rows pose the same task when their prompts and their environments' arguments are the same
+    # (a game's rows share one prompt and differ by env_args)
+    return tuple(p.prompt_ids), json.dumps(p.row.get("env_args"), sort_keys=True, default=repr)
+
+
 def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: int, seed: int) -> PromptData:
     """Load, validate and tokenise the training and eval prompts described by ``cfg``.
 
@@ -196,10 +204,10 @@ def load_prompt_data(cfg: "DataConfig", tokenizer: Any, *, max_prompt_tokens: in
             eval_rows = source_rows(cfg.source, args, split=cfg.split, max_rows=cfg.eval_size)
             label = f"data.source {cfg.source!r} (eval, data.eval_source_args)"
             evals = _prepare(eval_rows, source=label, **common)
-            seen = {tuple(p.prompt_ids) for p in train}
-            shared = sum(tuple(p.prompt_ids) in seen for p in evals)
+            seen = {_task_key(p) for p in train}
+            shared = sum(_task_key(p) in seen for p in evals)
             if shared:  # a small procedural task repeats prompts across seeds: never evaluate on training prompts
-                evals = [p for p in evals if tuple(p.prompt_ids) not in seen]
+                evals = [p for p in evals if _task_key(p) not in seen]
                 notes.append(f"data.eval_source_args: {shared} of {shared + len(evals)} eval rows are also training "
                              "prompts and were dropped")
         elif cfg.eval_holdout > 0:
