@@ -13,6 +13,7 @@ generated; the rest of the page is written by hand.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import types
 import typing
@@ -97,7 +98,11 @@ def _default(field: Any) -> str:
 
 
 def _text(description: str | None) -> str:
-    return " ".join((description or "").split())
+    """A docstring as one line of Markdown: Sphinx roles and ``literals`` as code spans, docs/x.md as links."""
+    text = " ".join((description or "").split())
+    text = re.sub(r":(?:mod|class|func|data|meth|attr):`~?([^`]+)`", r"`\1`", text)
+    text = re.sub(r"``([^`]+)``", r"`\1`", text)
+    return re.sub(r"(?<![/`\w])docs/([a-z_]+\.md)", r"[\1](\1)", text)
 
 
 def sections(model: type[BaseModel] = Config, prefix: str = "") -> Iterator[tuple[str, type[BaseModel]]]:
