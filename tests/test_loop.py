@@ -20,9 +20,14 @@ DATA = REPO / "tests" / "data"
 
 def _data_overrides(example: Path) -> list[str]:
     cfg = load_config(example)
+    out = []
     if cfg.data.path is not None:  # hub datasets are not reachable in tests; use the fixture file
-        return [f"data.path={DATA / 'gsm_format_mini.jsonl'}", "data.subset=null", "data.eval_holdout=1"]
-    return []
+        out += [f"data.path={DATA / 'gsm_format_mini.jsonl'}", "data.subset=null", "data.eval_holdout=1"]
+    if cfg.device == "cuda" or cfg.rollout.engine == "vllm":
+        # a GPU example (qwen2.5_1.5b_gpu_grpo): its data, rewards and algorithm run here on the CPU
+        # with the embedded engine (vLLM on CPU is make test-vllm's); what runs on CUDA: docs/gpu.md
+        out += ["device=auto", "rollout.engine=hf"]
+    return out
 
 
 def test_every_preset_has_an_example():
