@@ -151,16 +151,22 @@ def make_group(backend: Backend, store: dist.Store, rank: int, world_size: int, 
     raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
 
 
-def broadcast(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float) -> None:
-    """Broadcast ``flat`` from rank 0 of ``group`` in place (receivers pass a buffer of its size).
+def start_broadcast(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float) -> dist.Work:
+    """Start broadcasting ``flat`` from rank 0 of ``group`` in place (receivers pass a buffer of
+    its size); ``.wait(timedelta(seconds=timeout_s))`` on the result finishes it.
 
-    Raises:
+    Raises (at the wait):
         RuntimeError: a rank did not take part within ``timeout_s``.
     """
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
     opts.timeout = timedelta(seconds=timeout_s)
-    group.broadcast([flat], opts).wait(timedelta(seconds=timeout_s))
+    return group.broadcast([flat], opts)
+
+
+def broadcast(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float) -> None:
+    """:func:`start_broadcast` and wait for it."""
+    start_broadcast(group, flat, timeout_s).wait(timedelta(seconds=timeout_s))
 
 
 def join_group(host: str, port: int, world_size: int, rank: int, backend: Backend,
@@ -173,10 +179,18 @@ def join_group(host: str, port: int, world_size: int, rank: int, backend: Backen
 def receive(group: dist.ProcessGroup, buckets: list[list[Slot]], device: torch.device,
             timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
     """A receiver's side of one sync: each bucket broadcast into a fresh buffer, its tensors
-    yielded as they arrive (a lazy iterator: the caller's loader consumes bucket by bucket)."""
-    for bucket in buckets:
+    yielded as they arrive (a lazy iterator: the caller's loader consumes bucket by bucket).
+    The next bucket is already being received while the caller loads this one (two buffers
+    alive at most)."""
+    def start(bucket):
         flat = torch.empty(bucket_bytes(bucket), dtype=torch.uint8, device=device)
-        broadcast(group, flat, timeout_s)
+        return flat, start_broadcast(group, flat, timeout_s)
+
+    pending = start(buckets[0]) if buckets else None
+    for i, bucket in enumerate(buckets):
+        flat, work = pending
+        work.wait(timedelta(seconds=timeout_s))
+        pending = start(buckets[i + 1]) if i + 1 < len(buckets) else None
         yield from unpack(bucket, flat)
 
 
@@ -216,11 +230,15 @@ class WeightGroup:
         """Broadcast ``tensors`` bucket by bucket; returns the bytes sent."""
         if self.group is None:
             raise RuntimeError("WeightGroup.send before connect()")
-        sent = 0
-        for bucket in buckets:
+        sent, work = 0, None
+        for bucket in buckets:  # the next bucket is packed while the previous one is on the wire
             flat = pack(bucket, tensors, device)
-            broadcast(self.group, flat, self.timeout_s)
+            if work is not None:
+                work.wait(timedelta(seconds=self.timeout_s))
+            work = start_broadcast(self.group, flat, self.timeout_s)
             sent += flat.numel()
+        if work is not None:
+            work.wait(timedelta(seconds=self.timeout_s))
         return sent
 
     def close(self) -> None:
