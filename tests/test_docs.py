@@ -165,3 +165,16 @@ def test_readme_and_site_index_every_page():
     index = (ROOT / "docs" / "index.md").read_text()
     assert [p for p in sorted(pages) if f"(docs/{p})" not in readme] == [], "add them to README.md's Documentation"
     assert [p for p in sorted(pages) if f"({p})" not in index] == [], "add them to docs/index.md's Pages table"
+
+
+def test_code_points_to_sections_that_exist():
+    assert docs_check.check_code_pointers(docs_check.code_files(ROOT)) == []
+
+
+def test_code_pointers_fail_on_a_bad_file(tmp_path):
+    bad = tmp_path / "mod.py"
+    bad.write_text('"""See docs/outputs.md, "Outputs that travel", and docs/checkpointing.md,\n'
+                   '"Portable outputs"; docs/' 'gone.md, "Anything".\n"""\n')  # split: this file is checked too
+    problems = docs_check.check_code_pointers([bad])
+    assert len(problems) == 2, problems
+    assert '"Portable outputs": no such section' in problems[0] and "gone.md, which does not exist" in problems[1]

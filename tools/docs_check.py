@@ -12,7 +12,8 @@ Each check takes Markdown files and returns its problems as ``"path:line: messag
 - :func:`check_cli`: every ``plainrl COMMAND [--flag]`` in code is a command and flag of
   ``plainrl.cli.build_parser()``;
 - :func:`check_references`: every ``plainrl.x.y`` (or ``plainrl.x.y:name``) imports;
-- :func:`check_process_words`: user pages say what the software does, not how it was built.
+- :func:`check_process_words`: user pages say what the software does, not how it was built;
+- :func:`check_code_pointers`: a comment's ``docs/page.md, "Section"`` names a section that exists.
 
 ``python tools/docs_check.py [FILE.md ...]`` runs them all (default: README.md and docs/) and
 exits 1 on any problem; tests/test_docs.py runs them in ``make test``.
@@ -372,6 +373,36 @@ def check_process_words(paths: Iterable[Path]) -> list[str]:
     return problems
 
 
+_POINTER_RE = re.compile(r"(?<![\w/.-])(docs/[a-z_]+\.md),\s+\"([^\"]+)\"")
+
+
+def _headings(path: Path) -> list[str]:
+    return [_CODE_SPAN_RE.sub(lambda c: c.group(2), m.group(2)).lower()
+            for _, line, fenced in _lines(path) if not fenced and (m := _HEADING_RE.match(line))]
+
+
+def check_code_pointers(files: Iterable[Path], root: Path = ROOT) -> list[str]:
+    """Pointers from code and configs to a page's section, written ``docs/page.md, "Section"``
+    (a comment or docstring), whose page or section (a heading starting with that text) is gone."""
+    problems = []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for m in _POINTER_RE.finditer(re.sub(r"\s*\n\s*(#\s*)?", " ", text)):
+            page, section = root / m.group(1), m.group(2).lower()
+            n = text[:text.find(m.group(1))].count("\n") + 1
+            if not page.exists():
+                problems.append(f"{_where(path, n)}: points to {m.group(1)}, which does not exist")
+            elif not any(h.startswith(section) for h in _headings(page)):
+                problems.append(f"{_where(path, n)}: points to {m.group(1)}, \"{m.group(2)}\": no such section")
+    return problems
+
+
+def code_files(root: Path = ROOT) -> list[Path]:
+    """The package, examples, benchmarks and tests: where code points readers to a page."""
+    return sorted(p for d in ("plainrl", "examples", "benchmarks", "tests") for p in (root / d).rglob("*")
+                  if p.suffix in (".py", ".yaml") and p.is_file())
+
+
 def user_pages(root: Path = ROOT) -> list[Path]:
     """README.md and every page under docs/."""
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
@@ -384,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     pages = args.pages or user_pages()
     problems = (check_links(pages) + check_config_keys(pages) + check_yaml_blocks(pages) + check_cli(pages)
                 + check_references(pages)
-                + check_process_words(pages) + ([] if args.pages else check_schema_documented(pages)))
+                + check_process_words(pages)
+                + ([] if args.pages else check_schema_documented(pages) + check_code_pointers(code_files())))
     for p in problems:
         print(p)
     return 1 if problems else 0
