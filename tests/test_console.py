@@ -90,3 +90,19 @@ def test_demo_console_shows_only_what_the_user_needs(tiny_model_dir, tmp_path):
             and "avx512_bf16" in cpu_flags:  # where bitsandbytes' CPU backend says so on import
         assert "gemm_4bit_forward" in log
     assert [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()] == [0, 0, 1]
+
+
+def test_run_log_makes_no_run_directory(tmp_path, capfd):
+    """A run stopped by a check before it made its directory leaves none; what was logged till
+    then reaches stderr when the run ends."""
+    run = tmp_path / "run"
+    with run_log(run):
+        logging.getLogger("transformers.x").warning("before the run directory")
+    assert not run.exists()
+    assert "before the run directory" in capfd.readouterr().err
+    with run_log(run) as path:
+        logging.getLogger("transformers.x").warning("held")
+        run.mkdir()
+        logging.getLogger("transformers.x").warning("written")
+    text = path.read_text()
+    assert text.index("held") < text.index("written")

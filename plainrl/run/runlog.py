@@ -20,6 +20,7 @@ import os
 import sys
 import sysconfig
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +50,46 @@ def _ours(record: logging.LogRecord) -> bool:
     return record.name == "plainrl" or record.name.startswith("plainrl.")
 
 
+class _RunFile(logging.Handler):
+    """Records to the run's log file, held in memory until the run has made its directory (a run
+    that stops at a check before it leaves no directory behind); a run that never made it gets
+    the held records on stderr when the handler closes, so nothing is lost."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+        self._file = None
+        self._held: deque[str] = deque(maxlen=10_000)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + "\n"
+            if self._file is None and self.path.parent.is_dir():
+                self._file = open(self.path, "a", encoding="utf-8")  # a resumed run appends
+                self._file.writelines(self._held)
+                self._held.clear()
+            if self._file is None:
+                self._held.append(line)
+            else:
+                self._file.write(line)
+                self._file.flush()
+        except Exception:
+            self.handleError(record)
+
+    def close(self) -> None:
+        self.acquire()
+        try:
+            if self._file is not None:
+                self._file.close()
+            elif self._held:
+                sys.stderr.writelines(self._held)
+                self._held.clear()
+        finally:
+            self.release()
+        super().close()
+
+
 def _log_file(run_dir: Path) -> Path:
     rank = int(os.environ.get("RANK", "0") or 0)  # under torchrun each rank keeps its own file
     return run_dir / (LOG_NAME if rank == 0 else f"log.rank{rank}.txt")
@@ -57,15 +98,14 @@ def _log_file(run_dir: Path) -> Path:
 @contextmanager
 def run_log(run_dir: str | Path) -> Iterator[Path]:
     """Route a run's third-party warnings and library logging to ``run_dir/log.txt`` (appended:
-    a resumed run adds to it) and turn library progress bars off, for the duration of the block.
+    a resumed run adds to it; written once the run has made ``run_dir``) and turn library
+    progress bars off, for the duration of the block.
 
     Yields:
         the log file's path.
     """
     path = _log_file(Path(run_dir))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    file = logging.FileHandler(path, encoding="utf-8")
-    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    file = _RunFile(path)
     console = logging.StreamHandler(sys.stderr)  # plainrl's own warnings: the user acts on them
     console.setLevel(logging.WARNING)
     console.addFilter(_ours)
