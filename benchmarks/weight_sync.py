@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES)
     args = ap.parse_args()
     syncs = 1 if args.quick else args.syncs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server (finally)
     print(cpu_line())
     work = Path(tempfile.mkdtemp(prefix="plainrl-weight-sync-"))
     proc, url = _serve(["model.dtype=float32", "model.lora.enabled=false", "model.max_context=512",
