@@ -1,0 +1,87 @@
+"""plainrl.integrations.verifiers: a verifiers (0.4.0) taskset that runs offline trained 2 tiny steps, each
+task a verifiers episode (SingleAgentEnv, null harness, subprocess runtime) whose model calls reach the
+run's gateway through verifiers' TrainClientConfig (POST /inference/v1/generate); the rewards the traces
+record, each segment matched to its trace branch; a failing verifiers episode fails its plainrl episode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, tiny_overrides
+from plainrl.cli import main
+
+pytest.importorskip("verifiers.v1", reason="verifiers is not installed (pip install 'plainrl[verifiers]')")
+
+EXAMPLE = REPO / "examples" / "verifiers_grpo.yaml"
+TASKSET = '''
+import verifiers.v1 as vf
+
+
+class CountTask(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):
+    @vf.reward(weight=0.5)
+    async def answered(self, trace) -> float:
+        return 1.0
+
+    @vf.reward
+    async def fixed(self, task) -> float:
+        if task.name == "boom":
+            raise RuntimeError("scorer broke")
+        return 0.25
+
+
+class CountTaskset(vf.Taskset[CountTask, vf.TasksetConfig]):
+    def load(self):
+        for name in ["a", "b", "c", "d", "boom"]:
+            yield CountTask(vf.TaskData(name=name, prompt=f"Say {name}."), self.config.task)
+
+
+__all__ = ["CountTaskset"]
+'''
+
+
+def records(run, name):
+    path = run / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_rows_carry_each_task(tmp_path):
+    from plainrl.integrations.verifiers import rows
+
+    (tmp_path / "count.py").write_text(TASKSET)
+    got = rows(str(tmp_path / "count.py"), size=2, skip=1)
+    assert [r["vf_task"]["name"] for r in got] == ["b", "c"] and got[0]["prompt"] == "Say b."
+    with pytest.raises(ValueError, match="verifiers taskset 'no-such-taskset'"):
+        rows("no-such-taskset")
+
+
+def test_two_tiny_steps_rewards_as_the_trace_records_them(tiny_model_dir, tmp_path):
+    (tmp_path / "count.py").write_text(TASKSET)
+    run = tmp_path / "run"
+    over = [f"data.source_args={{taskset: {tmp_path / 'count.py'}, size: 4}}", "data.eval_source_args=null",
+            "eval.before=false", "eval.after=false"]
+    assert main(["train", str(EXAMPLE), *tiny_overrides(tiny_model_dir, run), *over]) == 0
+    steps = [r for r in records(run, "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    rollouts = records(run, "rollouts.jsonl")
+    assert rollouts
+    for r in rollouts:
+        info = r["env"]["info"]
+        assert r["env"]["error"] is None and r["reward"] == pytest.approx(0.5 * 1.0 + 0.25)
+        # every segment the gateway recorded is a branch of the trace, with the trace's reward
+        assert info["segment_rewards"] == [pytest.approx(0.75)] * info["segments"]
+        assert info["model_tokens"] > 0
+    assert not records(run, "errors.jsonl")
+
+
+def test_a_failed_verifiers_episode_fails_its_own_episode(tiny_model_dir, tmp_path):
+    (tmp_path / "count.py").write_text(TASKSET)
+    run = tmp_path / "run"
+    over = [f"data.source_args={{taskset: {tmp_path / 'count.py'}, size: 5}}", "data.eval_source_args=null",
+            "eval.before=false", "eval.after=false", "train.steps=1", "rollout.prompts_per_step=5",
+            "rollout.group_size=1", "algorithm.name=reinforce_pp"]
+    assert main(["train", str(EXAMPLE), *tiny_overrides(tiny_model_dir, run), *over]) == 0
+    errors = records(run, "errors.jsonl")
+    assert errors and all("VerifiersError" in e["error"] and "scorer broke" in e["error"] for e in errors)
+    assert len(errors) == 1  # the four other tasks scored
