@@ -71,6 +71,7 @@ def test_two_tiny_steps_rewards_as_the_trace_records_them(tiny_model_dir, tmp_pa
         assert r["env"]["error"] is None and r["reward"] == pytest.approx(0.5 * 1.0 + 0.25)
         # every segment the gateway recorded is a branch of the trace, with the trace's reward
         assert info["segment_rewards"] == [pytest.approx(0.75)] * info["segments"]
+        assert info["vf_unmatched_segments"] == 0
         assert info["model_tokens"] > 0
     assert not records(run, "errors.jsonl")
 

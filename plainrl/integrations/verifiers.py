@@ -25,10 +25,8 @@ raises here, failing the plainrl episode (``errors.jsonl``).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ from plainrl.integrations import require
 require("verifiers.v1", extra="verifiers")
 import verifiers.v1 as vf  # noqa: E402
 from verifiers.v1.utils import loaders as _loaders  # noqa: E402
+from verifiers.v1.utils.generic import concrete_type  # noqa: E402
 
 __all__ = ["VerifiersError", "agent", "configure", "rows"]
 
@@ -69,7 +68,6 @@ def configure(*, harness: str = "null", runtime: str = "subprocess", max_tokens:
     """
     global _settings
     _settings = _Settings(harness, runtime, max_tokens)
-    _env.cache_clear()
 
 
 def _plugin_id(taskset: str) -> str:
@@ -132,13 +130,12 @@ def rows(taskset: str, size: int | None = None, args: dict[str, Any] | None = No
     return out
 
 
-@functools.lru_cache(maxsize=16)
-def _env(taskset: str, args_json: str) -> Any:
-    """The verifiers ``Env`` of a taskset, every seat on the configured harness and runtime (cached)."""
-    args = json.loads(args_json)
+def _env(taskset: str, args: dict[str, Any]) -> Any:
+    """A new verifiers ``Env`` of a taskset, every seat on the configured harness and runtime. One per
+    episode: ``Env.serving()`` keeps the episode's interception server on the ``Env`` object itself."""
     taskset = _plugin_id(taskset)
     env_cls = _loaders.environment_class(taskset)
-    config_cls = _loaders.concrete_type(env_cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
+    config_cls = concrete_type(env_cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
     runtime = {"type": _settings.runtime}
     seats = {name: {"runtime": runtime} for name, field in config_cls.model_fields.items()
              if isinstance(field.default, vf.AgentConfig)}
@@ -160,33 +157,32 @@ def _context(llm: Any) -> Any:
     return vf.ModelContext(model="policy", client=client, sampling=sampling)
 
 
-def _segment_rewards(llm: Any, traces: list[Any]) -> list[float] | None:
-    """Each recorded segment's reward: that of the trace one of whose branches is the segment's tokens
-    (prompt and completion), the branch's own context; None when a segment matches no branch."""
-    by_tokens = {}
-    for trace in traces:
-        for branch in trace.branches:
-            by_tokens[tuple(branch.token_ids)] = trace.reward
-    out = []
+def _segment_rewards(llm: Any, traces: list[Any], default: float) -> tuple[list[float], int]:
+    """Each recorded segment's reward: that of the trace with a branch whose tokens begin with the
+    segment's (prompt and completion; a branch may end in messages no call answered), else ``default``.
+    Returns the rewards and how many segments matched no branch."""
+    branches = [(tuple(b.token_ids), t.reward) for t in traces for b in t.branches]
+    out, unmatched = [], 0
     for seg in llm.trajectory.segments:
         key = tuple(seg.prompt_ids) + tuple(seg.completion_ids)
-        if key not in by_tokens:
-            return None
-        out.append(by_tokens[key])
-    return out
+        match = next((r for ids, r in branches if ids[: len(key)] == key), None)
+        unmatched += match is None
+        out.append(default if match is None else match)
+    return out, unmatched
 
 
 async def agent(llm: Any, row: dict[str, Any]) -> dict[str, Any]:
     """One verifiers episode of the row's task (see the module docstring).
 
     Returns:
-        ``{"reward": the traces' reward (summed over trainable traces), "segment_rewards": one per
-        recorded segment, "vf_metrics": the traces' metrics}``.
+        ``{"reward": the trainable traces' ``Trace.reward`` summed, "segment_rewards": one per recorded
+        segment (its trace's reward), "vf_unmatched_segments": segments that are no trace branch (they
+        get the episode's reward), "vf_<metric>": the traces' numeric metrics}``.
     Raises:
         VerifiersError: the verifiers episode failed (its errors in the message).
     """
-    env = _env(row["vf_taskset"], json.dumps(row.get("vf_args") or {}, sort_keys=True))
-    task_cls = env._task_cls
+    env = _env(row["vf_taskset"], row.get("vf_args") or {})
+    task_cls = type(env.taskset).task_type()
     task = task_cls(task_cls.data_type().model_validate(row["vf_task"]), env.taskset.config.task)
     async with env.serving():
         episode = await env.run_episode(task, _context(llm))
@@ -194,10 +190,9 @@ async def agent(llm: Any, row: dict[str, Any]) -> dict[str, Any]:
         errors = [e for t in episode.traces for e in t.errors] + list(episode.errors)
         raise VerifiersError("; ".join(f"{e.type}: {e.message}" for e in errors) or "the episode is not ok")
     trained = [t for t in episode.traces if t.agent.trainable]
-    out: dict[str, Any] = {"reward": sum(t.reward for t in trained)}
-    seg = _segment_rewards(llm, trained)
-    if seg is not None:
-        out["segment_rewards"] = seg
+    reward = sum(t.reward for t in trained)
+    seg_rewards, unmatched = _segment_rewards(llm, trained, reward)
+    out: dict[str, Any] = {"reward": reward, "segment_rewards": seg_rewards, "vf_unmatched_segments": unmatched}
     metrics = {k: v for t in trained for k, v in t.metrics.items() if isinstance(v, (int, float))}
     out.update({f"vf_{k}": v for k, v in metrics.items()})
     return out
