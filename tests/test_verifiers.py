@@ -1,7 +1,8 @@
-"""plainrl.integrations.verifiers: a verifiers (0.4.0) taskset that runs offline trained 2 tiny steps, each
-task a verifiers episode (SingleAgentEnv, null harness, subprocess runtime) whose model calls reach the
-run's gateway through verifiers' TrainClientConfig (POST /inference/v1/generate); the rewards the traces
-record, each segment matched to its trace branch; a failing verifiers episode fails its plainrl episode."""
+"""plainrl.integrations.verifiers: a verifiers (0.4.0) taskset that runs offline, with its own two-turn Env,
+trained 2 tiny steps: each task a verifiers episode (null harness, subprocess runtime) whose model calls
+reach the run's gateway through verifiers' TrainClientConfig (POST /inference/v1/generate); rewards as
+the traces record them, every trace branch a recorded segment; a failing verifiers episode fails its
+plainrl episode."""
 
 from __future__ import annotations
 
@@ -37,7 +38,22 @@ class CountTaskset(vf.Taskset[CountTask, vf.TasksetConfig]):
             yield CountTask(vf.TaskData(name=name, prompt=f"Say {name}."), self.config.task)
 
 
-__all__ = ["CountTaskset"]
+class TwoTurnConfig(vf.EnvConfig):
+    player: vf.AgentConfig = vf.AgentConfig()
+
+
+class TwoTurnEnv(vf.Env[TwoTurnConfig]):
+    """The taskset's own Env (verifiers pairs it through __all__): a second user turn, a reward of its own."""
+
+    async def run(self, task, agents):
+        async with agents.player.interaction(task) as interaction:
+            segment = await interaction.turn()
+            if not segment.terminated:
+                await interaction.turn("Again, shorter.")
+        interaction.trace.record_reward("env_turns", 2.0, 0.5)
+
+
+__all__ = ["CountTaskset", "TwoTurnEnv"]
 '''
 
 
@@ -68,10 +84,11 @@ def test_two_tiny_steps_rewards_as_the_trace_records_them(tiny_model_dir, tmp_pa
     assert rollouts
     for r in rollouts:
         info = r["env"]["info"]
-        assert r["env"]["error"] is None and r["reward"] == pytest.approx(0.5 * 1.0 + 0.25)
-        # every segment the gateway recorded is a branch of the trace, with the trace's reward
-        assert info["segment_rewards"] == [pytest.approx(0.75)] * info["segments"]
-        assert info["vf_unmatched_segments"] == 0
+        # the task's two rewards (one weighted) and the Env's own, as the trace records them
+        assert r["env"]["error"] is None and r["reward"] == pytest.approx(0.5 * 1.0 + 0.25 + 0.5 * 2.0)
+        # every branch of the trace is a segment the gateway recorded, with the trace's reward
+        assert info["segments"] == info["vf_branches"] and info["vf_unmatched_segments"] == 0
+        assert info["segment_rewards"] == [pytest.approx(1.75)] * info["segments"]
         assert info["model_tokens"] > 0
     assert not records(run, "errors.jsonl")
 

@@ -177,7 +177,8 @@ async def agent(llm: Any, row: dict[str, Any]) -> dict[str, Any]:
     Returns:
         ``{"reward": the trainable traces' ``Trace.reward`` summed, "segment_rewards": one per recorded
         segment (its trace's reward), "vf_unmatched_segments": segments that are no trace branch (they
-        get the episode's reward), "vf_<metric>": the traces' numeric metrics}``.
+        get the episode's reward), "vf_branches": the traces' trainable branches, "vf_<metric>": the
+        traces' numeric metrics}``.
     Raises:
         VerifiersError: the verifiers episode failed (its errors in the message).
     """
@@ -192,7 +193,8 @@ async def agent(llm: Any, row: dict[str, Any]) -> dict[str, Any]:
     trained = [t for t in episode.traces if t.agent.trainable]
     reward = sum(t.reward for t in trained)
     seg_rewards, unmatched = _segment_rewards(llm, trained, reward)
-    out: dict[str, Any] = {"reward": reward, "segment_rewards": seg_rewards, "vf_unmatched_segments": unmatched}
+    out: dict[str, Any] = {"reward": reward, "segment_rewards": seg_rewards, "vf_unmatched_segments": unmatched,
+                           "vf_branches": sum(b.trainable for t in trained for b in t.branches)}
     metrics = {k: v for t in trained for k, v in t.metrics.items() if isinstance(v, (int, float))}
     out.update({f"vf_{k}": v for k, v in metrics.items()})
     return out
