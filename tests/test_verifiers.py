@@ -103,3 +103,17 @@ def test_a_failed_verifiers_episode_fails_its_own_episode(tiny_model_dir, tmp_pa
     errors = records(run, "errors.jsonl")
     assert errors and all("VerifiersError" in e["error"] and "scorer broke" in e["error"] for e in errors)
     assert len(errors) == 1  # the four other tasks scored
+
+
+def test_segments_get_the_reward_of_the_trace_whose_branch_they_begin():
+    from types import SimpleNamespace as NS
+
+    from plainrl.integrations.verifiers import _segment_rewards
+
+    def seg(prompt, completion):
+        return NS(prompt_ids=prompt, completion_ids=completion)
+
+    traces = [NS(reward=1.0, branches=[NS(token_ids=[1, 2, 3, 4, 5])]),  # a branch may go on past the call
+              NS(reward=0.25, branches=[NS(token_ids=[1, 2, 9]), NS(token_ids=[7, 8])])]
+    llm = NS(trajectory=NS(segments=[seg([1, 2], [3]), seg([1, 2], [9]), seg([7], [8]), seg([6], [6])]))
+    assert _segment_rewards(llm, traces, default=-1.0) == ([1.0, 0.25, 0.25, -1.0], 1)
