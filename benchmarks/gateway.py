@@ -95,28 +95,35 @@ def main() -> None:
         for ms in args.engine_ms:
             engine = Engine(tok, ms / 1000)
 
-            def rollout(agent) -> float:
-                start = time.perf_counter()
+            def rollout(agent) -> tuple[float, float]:
+                start, cpu = time.perf_counter(), time.process_time()
                 eps = agent_rollout(engine, prompts, agent, SamplingParams(max_new_tokens=32), tok,
                                     LoopSettings(1024, max_context=2048, gateway=gateway), group_size=1, step=0,
                                     generator=torch.Generator().manual_seed(0))
-                seconds = time.perf_counter() - start
+                seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
                 assert all(e.env.error is None and e.env.info["segments"] == 1 for e in eps), eps[0].env.error
-                return seconds
+                return seconds, cpu
 
             ways = {"llm.chat": via_chat, "openai SDK": via_gateway, "httpx": via_http}
             for agent in ways.values():  # warm-up: imports, the server's first start
                 rollout(agent)
             times: dict[str, list[float]] = {name: [] for name in ways}
+            cpus: dict[str, list[float]] = {name: [] for name in ways}
             for _ in range(args.repeats):
                 for name, agent in ways.items():
-                    times[name].append(rollout(agent))
+                    wall, cpu = rollout(agent)
+                    times[name].append(wall)
+                    cpus[name].append(cpu)
             med = {name: statistics.median(ts) for name, ts in times.items()}
+            cpu = {name: statistics.median(ts) for name, ts in cpus.items()}
             c, g, h = med["llm.chat"], med["openai SDK"], med["httpx"]
-            print(f"engine {ms:g} ms/batch, {args.episodes} episodes x {args.turns} calls: " + "; ".join(
-                f"{name} {med[name]:.3f} s (runs {', '.join(f'{x:.3f}' for x in ts)})" for name, ts in times.items()))
+            print(f"engine {ms:g} ms/batch, {args.episodes} episodes x {args.turns} calls, wall (process CPU): " +
+                  "; ".join(f"{name} {med[name]:.3f} s ({cpu[name]:.3f} s; runs "
+                            f"{', '.join(f'{x:.3f}' for x in ts)})" for name, ts in times.items()))
+            added = {name: (cpu[name] - cpu["llm.chat"]) / calls * 1000 for name in ways}
             print(f"engine_ms={ms:g} chat_s={c:.3f} sdk_s={g:.3f} httpx_s={h:.3f} "
                   f"added_ms_per_call_sdk={(g - c) / calls * 1000:.2f} added_ms_per_call_httpx={(h - c) / calls * 1000:.2f} "
+                  f"added_cpu_ms_per_call_sdk={added['openai SDK']:.2f} added_cpu_ms_per_call_httpx={added['httpx']:.2f} "
                   f"step_ratio_sdk={g / c:.3f} step_ratio_httpx={h / c:.3f}")
     finally:
         gateway.close()

@@ -55,7 +55,7 @@ class Gateway:
         self._server: Any = None  # uvicorn.Server on that loop, once started
         self._starting: asyncio.Task | None = None
         self._app: Any = None
-        self._http: Any = None  # httpx.AsyncClient for the episodes' openai clients, on the served loop
+        self._http: list[Any] = []  # the episodes' httpx.AsyncClients, on the served loop
         self._sync_http: Any = None  # httpx.Client for plain-function agents' (thread-safe)
         self.sampling_overrides = 0  # requests whose temperature/top_p/top_k the run replaced
 
@@ -83,23 +83,23 @@ class Gateway:
         return key
 
     def http_client(self, *, blocking: bool = False):
-        """The HTTP client the episodes' ``openai`` clients share (``llm.openai_client()``): one
-        connection pool per rollout instead of one per episode, and no TLS set-up (each new
-        ``httpx`` client loads the system's CA certificates, ~10 ms, though loopback needs none).
-        ``blocking``: an ``httpx.Client`` for plain-function agents, shared by their threads."""
+        """An HTTP client for an episode's ``openai`` client (``llm.openai_client()``), closed with
+        the rollout. One per episode (a pool shared by many episodes costs each request a scan
+        of every connection), made without TLS set-up (a default ``httpx`` client loads the
+        system's CA certificates, ~10 ms, though loopback needs none). ``blocking``: one
+        ``httpx.Client`` for plain-function agents, shared by their threads."""
         import httpx
 
-        # the openai SDK's own defaults: 600 s per request, pooled connections
-        timeout = httpx.Timeout(600.0, connect=5.0)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        # the openai SDK's own defaults: 600 s per request, 5 s to connect
+        kw = dict(timeout=httpx.Timeout(600.0, connect=5.0), verify=False, trust_env=False)
         if blocking:
             with self._lock:
                 if self._sync_http is None:
-                    self._sync_http = httpx.Client(timeout=timeout, limits=limits, verify=False, trust_env=False)
+                    self._sync_http = httpx.Client(limits=httpx.Limits(max_connections=None), **kw)
                 return self._sync_http
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=timeout, limits=limits, verify=False, trust_env=False)
-        return self._http
+        client = httpx.AsyncClient(**kw)
+        self._http.append(client)
+        return client
 
     def lookup(self, key: str) -> tuple[LLM | None, bool]:
         """``(the live episode's handle, known)`` for a key: ``(None, False)`` for a key never
@@ -183,9 +183,9 @@ class Gateway:
         if starting is not None:
             with contextlib.suppress(BaseException):
                 await (asyncio.wrap_future(starting) if not isinstance(starting, asyncio.Future) else starting)
-        http, self._http = self._http, None
-        if http is not None:
-            await http.aclose()
+        http, self._http = self._http, []
+        for client in http:
+            await client.aclose()
         server, self._server = self._server, None
         if server is None:
             return
