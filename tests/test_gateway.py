@@ -43,7 +43,8 @@ class ScriptedEngine:
         self.batches.append(len(prompts))
         out = []
         for p in prompts:
-            text = ANSWER if "<|im_start|>tool" in self.tok.decode(p) else TOOL_CALL
+            context = self.tok.decode(p)
+            text = ANSWER if "<|im_start|>tool" in context or "<tool_response>" in context else TOOL_CALL
             ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
             ids = ids[: params.max_new_tokens]
             lps = [-0.01 * (k + 1) - 0.001 * len(p) for k in range(len(ids))]

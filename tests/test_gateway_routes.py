@@ -4,7 +4,9 @@ and isolation: a client that disconnects or an agent that hangs fails its own ep
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -128,3 +130,51 @@ def test_the_port_dies_with_the_trainer_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+
+
+def test_tool_call_format_follows_the_chat_template(tokenizer):
+    from plainrl.rollout.gateway.toolcalls import renders_tool_calls, tool_format
+
+    qwen, llama = copy.deepcopy(tokenizer), copy.deepcopy(tokenizer)
+    qwen.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+    llama.chat_template = (TEMPLATES / "llama3_1.jinja").read_text()
+    assert [tool_format(t) for t in (tokenizer, qwen, llama)] == ["hermes", "hermes", "llama3_json"]
+    assert not renders_tool_calls(tokenizer) and renders_tool_calls(qwen) and renders_tool_calls(llama)
+
+
+def test_a_template_that_renders_tool_calls_continues_the_segment(tokenizer):
+    """Qwen2.5's template writes the assistant's tool_calls and wraps tool results in
+    <tool_response>: the SDK's round trip still continues the episode's one segment."""
+    from test_gateway import spans, tool_agent
+
+    qwen = copy.deepcopy(tokenizer)
+    qwen.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+    engine = ScriptedEngine(qwen)
+    [ep] = rollout(engine, qwen, tool_agent)
+    assert ep.env.error is None and ep.env.reward == 1.0 and ep.env.info["segments"] == 1
+    first, second = ep.row["seen"]
+    assert first.choices[0].finish_reason == "tool_calls" and second.choices[0].message.content == ANSWER
+    assert [ids for ids, _ in spans(ep)] == [first.choices[0].token_ids, second.choices[0].token_ids]
+    first_prompt = qwen.decode(engine.calls[0][0])
+    assert '"name": "calc"' in first_prompt and "<tools>" in first_prompt  # the template's own tools block
+    assert "<tool_response>\n42\n</tool_response>" in qwen.decode(engine.calls[1][0])
+
+
+def test_stop_token_ids_end_the_completion_at_the_first_of_them(tokenizer):
+    ids = tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"]  # what the scripted engine samples
+    stop_at = ids[3]
+    assert stop_at not in ids[:3]
+
+    async def agent(llm, row):
+        r = await llm.openai_client().completions.create(
+            model="m", prompt=llm.prompt_ids, extra_body={"stop_token_ids": [stop_at], "return_token_ids": True})
+        llm.row["r"] = r
+        return 1.0
+
+    [ep] = rollout(ScriptedEngine(tokenizer), tokenizer, agent)
+    choice = ep.row["r"].choices[0]
+    assert choice.finish_reason == "stop" and choice.token_ids[-1] == stop_at
+    assert choice.token_ids == ids[:4] and ep.completion_ids == choice.token_ids

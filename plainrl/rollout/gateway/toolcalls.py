@@ -106,20 +106,18 @@ def render_tool_calls(calls: list[tuple[str, Any]], fmt: ToolFormat) -> str:
 _PROBE = "plainrl_probe_fn"
 
 
+_RENDERS: dict[str, bool] = {}  # chat template -> whether it writes tool_calls
+
+
 def renders_tool_calls(tokenizer) -> bool:
-    """Whether the chat template writes an assistant message's ``tool_calls`` (probed once per tokenizer)."""
-    cached = getattr(tokenizer, "_plainrl_renders_tool_calls", None)
-    if cached is not None:
-        return cached
-    msgs = [{"role": "user", "content": "u"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "call_0", "type": "function", "function": {"name": _PROBE, "arguments": {"x": 1}}}]}]
-    try:
-        out = _PROBE in tokenizer.apply_chat_template(msgs, tokenize=False)
-    except Exception:  # a template that rejects the probe renders none
-        out = False
-    try:
-        tokenizer._plainrl_renders_tool_calls = out
-    except AttributeError:
-        pass
-    return out
+    """Whether the chat template writes an assistant message's ``tool_calls`` (probed once per template)."""
+    template = str(getattr(tokenizer, "chat_template", None))
+    if template not in _RENDERS:
+        msgs = [{"role": "user", "content": "u"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_0", "type": "function", "function": {"name": _PROBE, "arguments": {"x": 1}}}]}]
+        try:
+            _RENDERS[template] = _PROBE in tokenizer.apply_chat_template(msgs, tokenize=False)
+        except Exception:  # a template that rejects the probe renders none
+            _RENDERS[template] = False
+    return _RENDERS[template]
