@@ -214,7 +214,7 @@ class PlainrlStepper:
         from plainrl.data import render_prompt
         from plainrl.frames import completion_frame
         from plainrl.metrics import StepTimer
-        from plainrl.run.loop import collect, estimate, step_metrics
+        from plainrl.run.loop import collect, estimate, samples_of, step_metrics
 
         run, cfg, dev = self.run, self.cfg, self.device
         # the policy forward (decoder + chunked fp32 logprobs) is sequence_logps under grad
@@ -224,12 +224,14 @@ class PlainrlStepper:
             sync(dev)
             t0 = time.perf_counter()
             episodes, rewards_out, extra = collect(run, step, timer)
+            samples, shaping = samples_of(run, episodes, timer)
+            extra.update(shaping)
             with timer("reward"):
-                advantages = estimate(run, episodes, completion_frame(episodes))[0].advantages
+                advantages = estimate(run, samples, completion_frame(samples))[0].advantages
             self.fwd.reset()
             t2 = time.perf_counter()
             with timer("update"):
-                stats = run.learner.update(episodes, advantages)
+                stats = run.learner.update(samples, advantages)
                 sync(dev)
             t3 = time.perf_counter()
             run.engine.load_weights(run.model)
@@ -238,7 +240,7 @@ class PlainrlStepper:
             fwd = self.fwd.reset()
             times = timer.metrics()
             run.logger.log(step, step_metrics(episodes, [f.name for f in run.prep.reward_fns], rewards_out, stats,
-                                              times, extra))
+                                              times, extra, samples))
             run.logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, run.prep.tokenizer)
             t5 = time.perf_counter()
         generate, reward = times["time/generate"], times["time/reward"]

@@ -165,15 +165,24 @@ def rollout_record(step: int, ep: Episode, tokenizer) -> dict[str, Any]:
     """One line of ``rollouts.jsonl``: prompt, completion and its policy/environment segments,
     the reward and its parts, the advantage (the mean over loss tokens for token-level
     estimators), finish reason, answer, completion tokens, whether any token was trained,
-    and the environment's outcome (``env``: reward, error, info such as ``tool_calls``)."""
+    and the environment's outcome (``env``: reward, error, info such as ``tool_calls``).
+    An agent episode of several segments describes its last one (the reward and advantage
+    it trained with) and lists the others as ``earlier_segments`` (prompt, completion,
+    reward, advantage, finish reason, tokens; each trained as a sample of its own)."""
     env = None if ep.env is None else {"reward": ep.env.reward, "error": ep.env.error, "info": ep.env.info}
-    return {
+    rec = {
         "step": step, "sample_id": ep.sample_id, "group": ep.group, "prompt": tokenizer.decode(ep.prompt_ids),
         "completion": ep.completion_text, "segments": completion_segments(ep, tokenizer),
         "reward": ep.reward, "reward_parts": ep.reward_parts, "advantage": ep.advantage,
         "finish_reason": ep.finish_reason, "answer": ep.row.get("answer"), "tokens": len(ep.completion_ids),
         "trained": any(ep.loss_mask), "env": env,
     }
+    if ep.earlier:
+        rec["earlier_segments"] = [
+            {"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion_text, "reward": s.reward,
+             "advantage": s.advantage, "finish_reason": s.finish_reason, "tokens": len(s.completion_ids)}
+            for s in ep.earlier]
+    return rec
 
 
 class MetricsLogger:

@@ -77,6 +77,14 @@ class Episode:
                     could not score it (unscorable: excluded from group stats).
     env:            the environment's outcome (multi-turn), None for single-turn episodes.
     messages:       the multi-turn episode as chat messages (None for single-turn episodes).
+    earlier:        ``rollout.agent``: the episode's earlier segments (runs of model calls whose
+                    context a later call did not extend), each an Episode of its own prompt and
+                    completion, in call order; the episode's own ids are its last segment. Every
+                    segment is trained as a sample (:func:`plainrl.samples.training_samples`).
+    segment_rewards: one reward per segment (``len(earlier) + 1``), when the agent returned
+                    them; None: every segment takes the episode's ``reward``.
+    segment, segments: a training sample's segment index in its episode, and the episode's
+                    number of segments (0 and 1 for an episode of one segment).
     """
 
     sample_id: str
@@ -95,6 +103,10 @@ class Episode:
     # multi-turn: the episode as chat messages (prompt, assistant turns, tool/environment turns),
     # what rewards naming a ``messages`` parameter receive; None for single-turn episodes
     messages: list[dict[str, Any]] | None = None
+    earlier: tuple[Episode, ...] = ()
+    segment_rewards: list[float] | None = None
+    segment: int = 0
+    segments: int = 1
 
     def columns(self) -> dict[str, Any]:
         """The columns reward functions receive as keyword arguments: the data row, plus

@@ -16,6 +16,7 @@ from plainrl.data import PromptRow, build_prompt_ids
 from plainrl.rollout import (AgentError, ContextLengthError, LoopSettings, agent_rollout, env_metrics,
                              render_chat_continuation)
 from plainrl.rollout.trajectory import Trajectory
+from plainrl.samples import training_samples
 from plainrl.types import Generation, SamplingParams
 
 
@@ -170,11 +171,61 @@ def test_generate_agent_and_a_non_extending_call_starts_a_new_segment(tokenizer,
     (e,) = run(hf(tiny, tok), tok, agent, [{"prompt": "Go.", "answer": "1"}])
     info = e.env.info
     assert e.env.error is None and info["segments"] == 2 and info["generate_calls"] == 3
-    assert info["untrained_model_tokens"] == info["ab"]
-    # the episode trains on the last segment: its own prompt, its sampled tokens
+    assert info["model_tokens"] == info["ab"] + len(info["c"])
+    # the episode's own ids are its last segment: its own prompt, its sampled tokens
     assert e.completion_ids == info["c"] and e.loss_mask == [1] * len(info["c"])
     assert tok.decode(e.prompt_ids).endswith("<|im_start|>assistant\n") and "Summarise: " in tok.decode(e.prompt_ids)
     assert e.messages[0]["content"].startswith("Summarise: ") and e.messages[-1]["role"] == "assistant"
+    # the first segment: the row's prompt, then a (mask 1), the tool's ids (mask 0), b (mask 1)
+    (first,) = e.earlier
+    assert first.prompt_ids == build_prompt_ids({"prompt": "Go."}, tok) and first.sample_id == e.sample_id + "-seg0"
+    n_tool = len(ids(tok, " [tool says 7]"))
+    assert sum(first.loss_mask) == info["ab"] and len(first.loss_mask) == info["ab"] + n_tool
+    assert first.loss_mask.count(0) == n_tool and first.loss_mask[-1] == 1
+    # both segments become samples, each the learner's own forward: the engine's logprobs of every
+    # sampled token equal the learner's on that segment's own prompt and completion
+    e.reward = e.env.reward  # as the default reward (plainrl.rollout.envs:env_reward) scores it
+    samples = training_samples([e])
+    assert samples[0] is first and samples[1] is e and [s.reward for s in samples] == [0.5, 0.5]
+    for s in samples:
+        lp = learner_logps(tiny, s.prompt_ids, s.completion_ids)
+        assert len(s.logprobs) == len(s.completion_ids) == len(s.loss_mask)
+        for j, m in enumerate(s.loss_mask):
+            assert (abs(lp[j].item() - s.logprobs[j]) < 1e-4) if m else s.logprobs[j] == 0.0, j
+    # what a micro-batch of the learner holds: each sample's loss mask and engine logprobs, at its targets
+    from plainrl.frames import make_micro_batches
+
+    (mb,) = make_micro_batches(samples, torch.tensor([1.0, 1.0]), pad_id=tok.pad_token_id, token_budget=10_000)
+    assert sorted(mb.index.tolist()) == [0, 1]
+    for b, i in enumerate(mb.index.tolist()):
+        s = samples[i]
+        p, n = len(s.prompt_ids), len(s.completion_ids)
+        assert mb.input_ids[b, :p + n].tolist() == s.prompt_ids + s.completion_ids
+        assert (mb.loss_mask[b, p - 1:p - 1 + n] != 0).tolist() == [bool(m) for m in s.loss_mask]
+        assert int((mb.loss_mask[b] != 0).sum()) == sum(s.loss_mask)
+        assert mb.old_logps[b, p - 1:p - 1 + n].tolist() == pytest.approx(s.logprobs)
+
+
+def test_segment_rewards_are_honoured_and_checked(tokenizer):
+    async def agent(llm, row):
+        await llm.generate(llm.prompt_ids, max_new_tokens=2)
+        await llm.generate([1, 2, 3], max_new_tokens=2)  # not an extension: a second segment
+        return {"reward": 1.0, "segment_rewards": row["seg"], "tool_calls": 1}
+
+    class Eos:
+        def generate(self, prompts, params, *, generator=None):
+            return [Generation([tokenizer.eos_token_id], [-0.1], "eos") for _ in prompts]
+
+    segs = [[0.25, 1.0], [1.0], [0.5, "high"], 0.5, [1.0, float("nan")]]
+    eps = run(Eos(), tokenizer, agent, [{"prompt": "a", "answer": "1", "seg": s} for s in segs])
+    assert eps[0].env.error is None and eps[0].segment_rewards == [0.25, 1.0] and eps[0].env.info["tool_calls"] == 1
+    assert "segment_rewards" not in eps[0].env.info
+    eps[0].reward = 1.0  # as scored by env_reward
+    assert [s.reward for s in training_samples(eps[:1])] == [0.25, 1.0]
+    assert "returned 1 segment_rewards for 2 segment(s)" in eps[1].env.error
+    for e in eps[2:]:
+        assert "segment_rewards" in e.env.error and "list of finite numbers" in e.env.error
+    assert all(e.segment_rewards is None for e in eps[1:])
 
 
 # ------------------------------------------------------------ independence, timing
@@ -465,6 +516,41 @@ def test_agent_training_run_through_the_cli(tiny_model_dir, tmp_path):
     assert evals and all("eval/env/generate_calls" in r for r in evals)
     logged = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert logged
+
+
+TWO_SEGMENTS = """
+async def agent(llm, row):
+    first = await llm.chat(llm.prompt_messages, max_tokens=4)  # OpenAI's name for max_new_tokens
+    # a new conversation, not an extension of the first: a second segment
+    second = await llm.chat([{"role": "user", "content": "Check: " + first.text}], max_completion_tokens=4)
+    a, b = len(first.token_ids) / 4, len(second.token_ids) / 4
+    return {"reward": (a + b) / 2, "segment_rewards": [a, b]}
+"""
+
+
+def test_an_agent_with_two_segments_trains_both_through_the_cli(tiny_model_dir, tmp_path):
+    """Both segments reach the learner: twice the samples, and the learner's logprobs of every
+    sampled token of both equal the engine's (a wrong prompt, mask or logprob would not)."""
+    from plainrl.cli import main
+
+    (tmp_path / "two.py").write_text(TWO_SEGMENTS)
+    run_dir = tmp_path / "run"
+    over = tiny_overrides(tiny_model_dir, run_dir) + [
+        f"rollout.agent={tmp_path / 'two.py'}:agent", "rollout.max_total_tokens=24", "rewards=[]",
+        "algorithm.name=grpo", "eval.before=false", "eval.after=false", "log.rollouts_per_step=4"]
+    assert main(["train", str(REPO / "examples" / "agent_calculator.yaml"), *over]) == 0
+    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout/agent_failures"] == 0.0 and r["env/segments"] == 2.0
+        assert r["rollout/segments_per_episode"] == 2.0
+        assert r["rollout/logprob_diff"] < 1e-4
+    logged = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert logged and all(len(rec["earlier_segments"]) == 1 for rec in logged)
+    for rec in logged:  # each segment trained with its own reward, the reward the agent gave it
+        (first,) = rec["earlier_segments"]
+        assert first["reward"] == first["tokens"] / 4 and rec["reward"] == rec["tokens"] / 4
+        assert first["completion"] and first["prompt"] != rec["prompt"]
 
 
 # ------------------------------------------------------- environments on the same loop

@@ -24,6 +24,7 @@ from plainrl.algorithms.losses import (
     truncated_is_weights,
     value_loss,
 )
+from plainrl.algorithms.segments import episode_weighted_advantages, informative_episode_groups
 from plainrl.algorithms.preference import bradley_terry_loss, dpo_loss
 from plainrl.algorithms.shaping import overlong_penalty
 
@@ -36,8 +37,10 @@ __all__ = [
     "bradley_terry_loss",
     "dpo_loss",
     "entropy_from_logits",
+    "episode_weighted_advantages",
     "gae",
     "grpo_advantages",
+    "informative_episode_groups",
     "informative_groups",
     "kl_estimate",
     "kl_penalized_rewards",

@@ -23,7 +23,9 @@ from plainrl.algorithms.advantages import (
     whiten_advantages,
 )
 from plainrl.algorithms.kl import KLEstimator, kl_estimate
+from plainrl.algorithms.segments import episode_weighted_advantages
 from plainrl.frames import CompletionFrame
+from plainrl.samples import sample_groups
 from plainrl.types import Episode
 
 
@@ -59,6 +61,9 @@ class EstimatorInputs:
     kl:      [N, L] per-token KL of the rollout policy to the reference, when it goes
              into the reward (``algorithm.kl_reward_coef`` or ``kl_placement: reward``); else None.
     values:  [N, L] critic values (gae); else None.
+    groups:  ``(group [N], episode [N])`` ids when some episode gave several samples (agent
+             segments, :func:`plainrl.samples.sample_groups`): grpo and rloo then count each
+             episode once in its group; None: contiguous groups of ``group_size`` samples.
     """
 
     rewards: torch.Tensor
@@ -66,6 +71,7 @@ class EstimatorInputs:
     mask: torch.Tensor
     kl: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _sequence_rewards(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
@@ -78,10 +84,15 @@ def _token_rewards(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
 
 
 def _grpo(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
+    if x.groups is not None:
+        return episode_weighted_advantages(_sequence_rewards(x, p), *x.groups, estimator="grpo",
+                                           norm_std=p.norm_std, valid=x.valid)
     return grpo_advantages(_sequence_rewards(x, p), p.group_size, norm_std=p.norm_std, valid=x.valid)
 
 
 def _rloo(x: EstimatorInputs, p: AdvantageParams) -> torch.Tensor:
+    if x.groups is not None:
+        return episode_weighted_advantages(_sequence_rewards(x, p), *x.groups, estimator="rloo", valid=x.valid)
     return rloo_advantages(_sequence_rewards(x, p), p.group_size, valid=x.valid)
 
 
@@ -146,8 +157,14 @@ def compute_advantages(
     episodes (reward None) get exactly 0. Sets each ``Episode.advantage`` (for logs:
     the mean over its loss tokens for token-level estimators).
 
+    Samples cut from one agent episode (:func:`plainrl.samples.training_samples`) are
+    grouped with their episode's group, each episode counting once in grpo's and rloo's
+    group statistics (:func:`plainrl.algorithms.segments.episode_weighted_advantages`);
+    reinforce_pp and gae treat every sample as a sequence of its own, its reward on its
+    last loss token.
+
     Args:
-        episodes: N scored episodes, each prompt's group contiguous.
+        episodes: N scored episodes (or training samples), each prompt's group contiguous.
         mask: [N, L] their loss masks (:class:`plainrl.frames.CompletionFrame`).
         params: the estimator and its scalars.
         kl: [N, L] :func:`reward_kl`, when the KL goes into the reward.
@@ -159,7 +176,7 @@ def compute_advantages(
     """
     valid = torch.tensor([e.reward is not None for e in episodes])
     rewards = torch.tensor([e.reward if e.reward is not None else float("nan") for e in episodes])
-    x = EstimatorInputs(rewards, valid, mask, kl, values)
+    x = EstimatorInputs(rewards, valid, mask, kl, values, groups=sample_groups(episodes))
     adv = ADVANTAGE_ESTIMATORS[params.estimator](x, params)
     returns = None
     if values is not None and adv.dim() == 2:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import numbers
 from typing import Any, Callable
 
@@ -78,11 +79,13 @@ def agent_rollout(
     returned another type, never called the model, or spent more than
     ``settings.timeout_s`` seconds outside model calls.
 
-    The episode trains on its last segment (:class:`~plainrl.rollout.trajectory.Segment`):
-    ``prompt_ids`` is that segment's prompt and ``completion_ids`` everything after it,
-    sampled tokens with ``loss_mask`` 1 and the engine's logprobs, inserted ones (the chat
-    template's continuation, tool output) with 0. Earlier segments (calls whose context did
-    not extend the previous call's) are counted in ``env.info`` but not trained on.
+    Every segment (:class:`~plainrl.rollout.trajectory.Segment`: calls whose context extended
+    the previous call's) is trained as a sample of its own. The episode's ``prompt_ids`` is
+    its last segment's prompt and ``completion_ids`` everything after it, sampled tokens with
+    ``loss_mask`` 1 and the engine's logprobs, inserted ones (the chat template's
+    continuation, tool output) with 0; earlier segments are Episodes of the same form in
+    ``Episode.earlier``. ``{"reward": r, "segment_rewards": [...]}`` gives each segment its
+    own reward (one per segment, in call order; another length fails the episode).
 
     Args:
         agent: ``async def agent(llm, row)`` or a plain function (run in a thread of its
@@ -93,9 +96,9 @@ def agent_rollout(
     Returns:
         ``len(prompts) * group_size`` episodes, each prompt's contiguous. ``env`` is an
         :class:`~plainrl.types.EnvOutcome`: the agent's reward, its error, and ``info``:
-        the agent's info plus ``generate_calls``, ``segments``, ``model_tokens``,
-        ``observation_tokens``, ``untrained_model_tokens`` (sampled in earlier segments),
-        ``seconds`` and ``end_reason`` (``agent_done``, ``agent_error``, ``agent_timeout``).
+        the agent's info plus ``generate_calls``, ``segments``, ``model_tokens`` and
+        ``observation_tokens`` (of all segments), ``seconds`` and ``end_reason``
+        (``agent_done``, ``agent_error``, ``agent_timeout``).
         ``messages``: the last chat call's messages and its reply (None when the last call
         was ``llm.generate``).
     Raises:
@@ -135,53 +138,77 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return value
 
 
-def _outcome(value: Any) -> tuple[float | None, dict[str, Any]]:
-    """The agent's return value as ``(reward, info)``.
+def _outcome(value: Any) -> tuple[float | None, list[float] | None, dict[str, Any]]:
+    """The agent's return value as ``(reward, segment_rewards, info)``.
 
     Raises:
-        TypeError: not a real number, a dict with a numeric or None ``reward``, or None.
+        TypeError: not a real number, a dict with a numeric or None ``reward`` (and, if
+            present, ``segment_rewards`` a list of finite numbers), or None.
     """
     if value is None:
-        return None, {}
+        return None, None, {}
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value), {}
+        return float(value), None, {}
     if isinstance(value, dict):
         reward = value.get("reward")
-        if reward is not None and (not isinstance(reward, numbers.Real) or isinstance(reward, bool)):
+        if reward is not None and not _is_number(reward):
             raise TypeError(f"the agent returned reward={reward!r} ({type(reward).__name__}); "
                             "'reward' must be a number or None")
         if not all(isinstance(k, str) for k in value):
             raise TypeError("the agent returned a dict with non-string keys; info keys must be strings")
-        return (None if reward is None else float(reward)), {k: v for k, v in value.items() if k != "reward"}
+        per_segment = value.get("segment_rewards")
+        if per_segment is not None:
+            if not isinstance(per_segment, (list, tuple)) or not all(
+                    _is_number(r) and math.isfinite(r) for r in per_segment):
+                raise TypeError(f"the agent returned segment_rewards={per_segment!r:.120}; it must be a list "
+                                "of finite numbers, one per segment in call order")
+            per_segment = [float(r) for r in per_segment]
+        info = {k: v for k, v in value.items() if k not in ("reward", "segment_rewards")}
+        return (None if reward is None else float(reward)), per_segment, info
     raise TypeError(f"the agent returned {type(value).__name__} {value!r:.80}; return a float reward, "
                     "a dict {'reward': float, **info}, or None (the configured rewards score the episode)")
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def _episode(run: EpisodeRun, prompt: PromptRow, tokenizer, sample_id: str, group: int) -> Episode:
+    """The episode of one agent run: its last segment as the episode's own ids, the earlier
+    segments in ``Episode.earlier`` (each trained as a sample of its own)."""
     llm = run.llm
-    reward, info, error = None, {}, run.error
+    reward, per_segment, info, error = None, None, {}, run.error
     if error is None:
         try:
-            reward, info = _outcome(run.value)
+            reward, per_segment, info = _outcome(run.value)
         except TypeError as e:
             error = f"TypeError: {e}"
     if error is None and llm.calls == 0:
         error = "the agent returned without calling the model (llm.chat / llm.generate)"
     segments = llm.trajectory.segments
+    if error is None and per_segment is not None and len(per_segment) != len(segments):
+        error = (f"ValueError: the agent returned {len(per_segment)} segment_rewards for {len(segments)} "
+                 "segment(s) (a call whose context does not extend the previous call's starts a new one); "
+                 "return one reward per segment, in call order (docs/agents.md)")
     seg = llm.trajectory.current
     ids = seg.completion_ids if seg is not None else []
-    mask = seg.loss_mask if seg is not None else []
     end = "agent_timeout" if run.timed_out else "agent_error" if error is not None else "agent_done"
-    info.update(generate_calls=llm.calls, segments=len(segments), model_tokens=sum(mask),
-                observation_tokens=len(mask) - sum(mask),
-                untrained_model_tokens=sum(sum(s.loss_mask) for s in segments[:-1]),
+    model = sum(sum(s.loss_mask) for s in segments)
+    info.update(generate_calls=llm.calls, segments=len(segments), model_tokens=model,
+                observation_tokens=sum(len(s.loss_mask) for s in segments) - model,
                 seconds=run.seconds, end_reason=end)
+    env = EnvOutcome(reward=reward, error=None if error is None else f"rollout.agent: {error}", info=info)
+    earlier = tuple(Episode(sample_id=f"{sample_id}-seg{k}", group=group, row=prompt.row, prompt_ids=list(s.prompt_ids),
+                       completion_ids=list(s.completion_ids), logprobs=list(s.logprobs), loss_mask=list(s.loss_mask),
+                       finish_reason=s.finish_reason, env=env,
+                       completion_text=tokenizer.decode(s.completion_ids, skip_special_tokens=True))
+               for k, s in enumerate(segments[:-1]))
     return Episode(
         sample_id=sample_id, group=group, row=prompt.row,
         prompt_ids=seg.prompt_ids if seg is not None else list(prompt.prompt_ids),
-        completion_ids=list(ids), logprobs=list(seg.logprobs) if seg is not None else [], loss_mask=list(mask),
+        completion_ids=list(ids), logprobs=list(seg.logprobs) if seg is not None else [],
+        loss_mask=list(seg.loss_mask) if seg is not None else [],
         finish_reason=llm.last.finish_reason if llm.last is not None else "length",
-        completion_text=tokenizer.decode(ids, skip_special_tokens=True),
-        env=EnvOutcome(reward=reward, error=None if error is None else f"rollout.agent: {error}", info=info),
-        messages=llm.conversation,
+        completion_text=tokenizer.decode(ids, skip_special_tokens=True), env=env, messages=llm.conversation,
+        earlier=earlier, segment_rewards=per_segment if error is None else None,
     )

@@ -308,7 +308,7 @@ class LLM:
         if stop_token_ids:
             gen = _cut_at(gen, stop_token_ids)
         context = self.trajectory.current.context
-        self.trajectory.add_sample(list(gen.token_ids), list(gen.logprobs))
+        self.trajectory.add_sample(list(gen.token_ids), list(gen.logprobs), gen.finish_reason)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         self.last = Completion(text, list(gen.token_ids), [float(x) for x in gen.logprobs], gen.finish_reason)
         return _Sampled(gen, self.last, context)

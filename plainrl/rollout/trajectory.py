@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plainrl.types import FinishReason
+
 __all__ = ["Segment", "Trajectory"]
 
 
@@ -24,6 +26,7 @@ class Segment:
     logprobs:       [L] the engine's logprob on sampled tokens, 0.0 on inserted ones.
     loss_mask:      [L] 1 on sampled tokens, 0 on inserted ones.
     calls:          model calls made in this segment.
+    finish_reason:  how its latest call ended.
     """
 
     prompt_ids: list[int]
@@ -31,6 +34,7 @@ class Segment:
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     calls: int = 0
+    finish_reason: FinishReason = "length"
 
     @property
     def context(self) -> list[int]:
@@ -90,8 +94,8 @@ class Trajectory:
         seg.logprobs += [0.0] * len(ids)
         seg.loss_mask += [0] * len(ids)
 
-    def add_sample(self, ids: list[int], logprobs: list[float]) -> None:
-        """Append what the engine sampled [n] with its logprobs [n]: mask 1.
+    def add_sample(self, ids: list[int], logprobs: list[float], finish_reason: FinishReason = "length") -> None:
+        """Append what the engine sampled [n] with its logprobs [n] (mask 1), and how the call ended.
 
         Raises:
             RuntimeError: no segment is open, or ``ids`` and ``logprobs`` differ in length.
@@ -103,6 +107,7 @@ class Trajectory:
         seg.logprobs += [float(x) for x in logprobs]
         seg.loss_mask += [1] * len(ids)
         seg.calls += 1
+        seg.finish_reason = finish_reason
 
     def _open(self) -> Segment:
         if self.current is None:

@@ -1,5 +1,6 @@
 """Collecting one step's scored episodes: a rollout batch, or DAPO's dynamic sampling
-(batches drawn until enough groups are informative), then DAPO's overlong shaping."""
+(batches drawn until enough groups are informative); DAPO's overlong shaping of the
+step's training samples."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from typing import Callable
 
 import torch
 
-from plainrl.algorithms import informative_groups, overlong_penalty
+from plainrl.algorithms import informative_episode_groups, overlong_penalty
 from plainrl.config import AlgorithmConfig
+from plainrl.samples import sample_rewards
 from plainrl.types import Episode, RewardOutput
 
 
@@ -52,11 +54,9 @@ def dynamic_sampling(
         batch = draw()
         tries += 1
         outs.append(score(batch))
-        valid = torch.tensor([e.reward is not None for e in batch])
-        rewards = torch.tensor([e.reward if e.reward is not None else float("nan") for e in batch])
         groups = [batch[i : i + group_size] for i in range(0, len(batch), group_size)]
         drawn += len(groups)
-        kept.extend(g for g, ok in zip(groups, informative_groups(rewards, group_size, valid=valid).tolist()) if ok)
+        kept.extend(g for g, ok in zip(groups, _informative(batch, group_size)) if ok)
     metrics = {"sampling/tries": float(tries), "sampling/filtered_frac": 1.0 - len(kept) / max(1, drawn),
                "sampling/kept_groups": float(min(len(kept), num_groups))}
     episodes = [e for g in kept[:num_groups] for e in g] or batch
@@ -68,8 +68,23 @@ def dynamic_sampling(
     return episodes, every, metrics
 
 
+def _informative(batch: list[Episode], group_size: int) -> list[bool]:
+    """Whether each group of ``group_size`` contiguous episodes has a non-zero advantage
+    somewhere: judged on the rewards its training samples get (an agent's segments, each
+    episode counting once: :func:`plainrl.algorithms.informative_episode_groups`)."""
+    rewards, group, episode = [], [], []
+    for i, e in enumerate(batch):
+        for r in sample_rewards(e):
+            rewards.append(float("nan") if r is None else r)
+            group.append(i // group_size)
+            episode.append(i)
+    r = torch.tensor(rewards)
+    return informative_episode_groups(r, torch.tensor(group), torch.tensor(episode), valid=~r.isnan()).tolist()
+
+
 def shape_overlong(episodes: list[Episode], cfg: AlgorithmConfig, budget: int) -> dict[str, float]:
-    """DAPO's overlong reward shaping, in place: add the soft overlong punishment
+    """DAPO's overlong reward shaping, in place, on a step's training samples (each agent
+    segment is one, :func:`plainrl.samples.training_samples`): add the soft overlong punishment
     (:func:`plainrl.algorithms.overlong_penalty`, L_max = ``budget``, L_cache =
     ``algorithm.overlong_buffer`` x budget) to each scorable episode's reward and record
     it as ``reward_parts["overlong"]``; with ``algorithm.overlong_filter``, give

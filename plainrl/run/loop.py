@@ -19,26 +19,31 @@ from plainrl.run.distributed import gather_episodes, join, leave, local_rows
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
 from plainrl.run.overlap import Rollouts
 from plainrl.run.setup import Run, setup
+from plainrl.samples import training_samples
 from plainrl.train import UpdateStats
 from plainrl.types import Episode, RewardOutput
 
 
 def step_metrics(
     episodes: list[Episode], reward_names: list[str], rewards_out: RewardOutput, stats: UpdateStats,
-    times: dict[str, float], extra: dict[str, float] | None = None,
+    times: dict[str, float], extra: dict[str, float] | None = None, samples: list[Episode] | None = None,
 ) -> dict[str, float]:
-    """One step's row of metrics.jsonl; ``extra`` (sampling, shaping, critic, KL metrics) is added last."""
-    lengths = [len(e.completion_ids) for e in episodes]
+    """One step's row of metrics.jsonl; ``extra`` (sampling, shaping, critic, KL metrics) is added last.
+    ``samples``: the trained samples (:func:`plainrl.samples.training_samples`; None: the episodes),
+    whose completions the ``response_length/*`` and ``tokens/completion`` figures count."""
+    samples = episodes if samples is None else samples
+    lengths = [len(e.completion_ids) for e in samples]
     m = reward_metrics(rewards_out, reward_names)
     m["reward/unscorable"] = float(sum(e.reward is None for e in episodes))
     if any(e.env is not None for e in episodes):
         m.update(env_metrics(episodes))
+        m["rollout/segments_per_episode"] = len(samples) / max(1, len(episodes))
     m.update({
         "loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm, "clip_frac": stats.clip_frac,
         "lr": stats.lr, "skipped_step": float(stats.skipped), "rollout/logprob_diff": stats.logprob_diff,
         "rollout/tis_clip_frac": stats.tis_clip_frac,
         "response_length/mean": statistics.fmean(lengths), "response_length/max": max(lengths),
-        "response_length/clipped_frac": statistics.fmean(e.finish_reason == "length" for e in episodes),
+        "response_length/clipped_frac": statistics.fmean(e.finish_reason == "length" for e in samples),
         "tokens/completion": sum(lengths), **times,
     })
     if stats.optimizer_steps != 1:
@@ -53,8 +58,8 @@ def step_metrics(
 
 def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], RewardOutput, dict[str, float]]:
     """This step's scored episodes: one rollout batch, or DAPO's dynamic sampling
-    (``algorithm.dynamic_sampling``), then overlong shaping/filtering when configured.
-    Engine time goes to ``timer``'s ``generate`` phase, scoring and shaping to ``reward``.
+    (``algorithm.dynamic_sampling``). Engine time goes to ``timer``'s ``generate`` phase,
+    scoring to ``reward``.
 
     Returns:
         ``(episodes, rewards of every episode drawn, metrics)``.
@@ -90,11 +95,22 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
     else:
         episodes = draw()
         rewards_out, metrics = score(episodes), {}
-    with timer("reward"):
-        metrics.update(shape_overlong(episodes, cfg.algorithm, cfg.rollout.completion_budget))
     if gateway is not None:
         metrics.update(gateway.take_metrics())  # rollout/sampling_overrides
     return episodes, rewards_out, metrics
+
+
+def samples_of(run: Run, episodes: list[Episode], timer: StepTimer) -> tuple[list[Episode], dict[str, float]]:
+    """The step's training samples (every segment of an agent episode one,
+    :func:`plainrl.samples.training_samples`), with DAPO's overlong shaping/filtering when
+    configured (timed as ``reward``).
+
+    Returns:
+        ``(samples, shaping metrics)``.
+    """
+    samples = training_samples(episodes)
+    with timer("reward"):
+        return samples, shape_overlong(samples, run.cfg.algorithm, run.cfg.rollout.completion_budget)
 
 
 def resource_metrics(run: Run, episodes: list[Episode], times: dict[str, float]) -> dict[str, float]:
@@ -174,26 +190,28 @@ def _train(run: Run) -> Path:
                 timer = StepTimer()
                 batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: one step ahead
                 episodes, rewards_out, extra = batch.episodes, batch.rewards, batch.metrics
-                frame = completion_frame(episodes)  # [N, L] loss masks and engine logprobs
+                samples, shaping = samples_of(run, episodes, timer)  # an agent's segments: one sample each
+                extra.update(shaping)
+                frame = completion_frame(samples)  # [N, L] loss masks and engine logprobs
                 # vLLM's sleep mode on CUDA: the learner gets its GPU memory for every forward from here
                 # on (the reference's and the critic's in the estimate, then the update)
                 run.engine.offload()
                 with timer("reward"):
-                    adv, values, kl_metrics = estimate(run, episodes, frame)  # per algorithm.advantage
+                    adv, values, kl_metrics = estimate(run, samples, frame)  # per algorithm.advantage
                 extra.update(kl_metrics)
                 with timer("update"):
                     if run.critic is not None:
-                        extra.update(run.critic.update(episodes, adv.returns, values, frame.mask))
+                        extra.update(run.critic.update(samples, adv.returns, values, frame.mask))
                     # during PPO's critic warm-up the policy waits until the values mean something
                     warm = step >= cfg.critic.warmup_steps
-                    stats = run.learner.update(episodes, adv.advantages) if warm else run.learner.skip()
+                    stats = run.learner.update(samples, adv.advantages) if warm else run.learner.skip()
                 rollouts.sync(run.model, step, timer)  # async: after the next batch finished sampling
                 extra.update(run.engine.take_metrics())
                 times = dict(batch.times)  # the batch's sampling and scoring, then this step's phases
                 for k, v in timer.metrics().items():
                     times[k] = times.get(k, 0.0) + v
-                extra.update(resource_metrics(run, episodes, times))
-                logger.log(step, step_metrics(episodes, names, rewards_out, stats, times, extra))
+                extra.update(resource_metrics(run, samples, times))
+                logger.log(step, step_metrics(episodes, names, rewards_out, stats, times, extra, samples))
                 logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
                 logger.log_errors(step, rewards_out.errors)
                 boundary(step, skipped=stats.skipped, stop=stop, logger=logger,
