@@ -3,8 +3,11 @@
 Each module here adapts one library and is an optional extra: ``pip install 'plainrl[NAME]'``.
 Nothing in plainrl imports these modules; a config names one (``data.source:
 plainrl.integrations.reasoning_gym:rows``, ``rollout.env: plainrl.integrations.textarena:TextArenaEnv``)
-and it is imported when that config is prepared, before any model loads. A module whose library is
-missing fails that import with :class:`MissingExtra`, naming the extra to install.
+and it is imported when that config is prepared, before any model loads. The one exception is
+:mod:`plainrl.integrations.openenv`: the config names the user's own OpenEnv class
+(``rollout.env: my_env.py:MyEnvironment``), and ``rollout.env``'s class loader imports the adapter
+when the class subclasses OpenEnv's ``Environment`` (openenv is then imported already). A module whose
+library is missing fails that import with :class:`MissingExtra`, naming the extra to install.
 
     from plainrl.integrations import require
     rg = require("reasoning_gym", extra="reasoning-gym")   # at the top of the adapter module
