@@ -329,8 +329,22 @@ def check_cli(paths: Iterable[Path]) -> list[str]:
 # --- Python references ----------------------------------------------------------------------
 
 
+def _mapped_packages(root: Path = ROOT) -> dict[str, Path]:
+    """Packages the wheel maps from another folder (setup.py's ``package_dir``, e.g. ``plainrl.examples``
+    from ``examples/``): importable once installed, not from a source checkout."""
+    setup = root / "setup.py"
+    text = setup.read_text() if setup.exists() else ""
+    block = re.search(r"package_dir\s*=\s*\{([^}]*)\}", text)
+    return {k: root / v for k, v in re.findall(r"[\"']([\w.]+)[\"']\s*:\s*[\"']([^\"']+)[\"']", block.group(1))} \
+        if block else {}
+
+
 def _resolves(reference: str) -> bool:
     dotted, _, attribute = reference.partition(":")
+    for package, folder in _mapped_packages().items():
+        if dotted == package or dotted.startswith(package + "."):
+            rest = dotted[len(package):].lstrip(".").replace(".", "/")
+            return (folder / rest).is_dir() or (folder / f"{rest}.py").is_file() if rest else folder.is_dir()
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
