@@ -518,26 +518,15 @@ def test_agent_training_run_through_the_cli(tiny_model_dir, tmp_path):
     assert logged
 
 
-TWO_SEGMENTS = """
-async def agent(llm, row):
-    first = await llm.chat(llm.prompt_messages, max_tokens=4)  # OpenAI's name for max_new_tokens
-    # a new conversation, not an extension of the first: a second segment
-    second = await llm.chat([{"role": "user", "content": "Check: " + first.text}], max_completion_tokens=4)
-    a, b = len(first.token_ids) / 4, len(second.token_ids) / 4
-    return {"reward": (a + b) / 2, "segment_rewards": [a, b]}
-"""
-
-
 def test_an_agent_with_two_segments_trains_both_through_the_cli(tiny_model_dir, tmp_path):
     """Both segments reach the learner: twice the samples, and the learner's logprobs of every
     sampled token of both equal the engine's (a wrong prompt, mask or logprob would not)."""
     from plainrl.cli import main
 
-    (tmp_path / "two.py").write_text(TWO_SEGMENTS)
     run_dir = tmp_path / "run"
     over = tiny_overrides(tiny_model_dir, run_dir) + [
-        f"rollout.agent={tmp_path / 'two.py'}:agent", "rollout.max_total_tokens=24", "rewards=[]",
-        "algorithm.name=grpo", "eval.before=false", "eval.after=false", "log.rollouts_per_step=4"]
+        f"rollout.agent={REPO / 'tests' / 'data' / 'segment_agent.py'}:agent", "rollout.max_total_tokens=24",
+        "rewards=[]", "algorithm.name=grpo", "eval.before=false", "eval.after=false", "log.rollouts_per_step=4"]
     assert main(["train", str(REPO / "examples" / "agent_calculator.yaml"), *over]) == 0
     steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(steps) == 2

@@ -3,6 +3,7 @@ the DDP and FSDP2 updates equal the one-process update on the same episodes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -165,6 +166,28 @@ def _config(*over: str):
     from plainrl.config import load_config
 
     return load_config(REPO / "examples" / "arithmetic_grpo.yaml", list(over))
+
+
+def test_two_ranks_train_every_segment_of_agent_episodes(tiny_model_dir, tmp_path):
+    """Each rank runs its share of the agent episodes (two segments each, tests/data/segment_agent.py);
+    gathered with their earlier segments, every rank trains the same samples: the job finishes (the
+    ranks agree on the batch), both segments of every episode of both ranks are trained, and the
+    learner's logprobs of their sampled tokens are the engines'."""
+    from conftest import tiny_overrides
+
+    run = tmp_path / "run"
+    torchrun("-m", "plainrl", "train", str(REPO / "examples" / "agent_calculator.yaml"),
+             *tiny_overrides(tiny_model_dir, run), "train.steps=1", "train.strategy=ddp", "rewards=[]",
+             f"rollout.agent={REPO / 'tests' / 'data' / 'segment_agent.py'}:agent", "rollout.max_total_tokens=24",
+             "eval.before=false", "eval.after=false", "log.tensorboard=false", "log.rollouts_per_step=4",
+             "train.collective_timeout_s=120")
+    (step,) = [r for r in _rows(run) if "loss" in r]
+    assert step["rollout/segments_per_episode"] == 2.0 and step["rollout/agent_failures"] == 0.0
+    assert step["rollout/logprob_diff"] < 1e-4
+    logged = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert {rec["group"] for rec in logged} == {0, 1}  # both ranks' groups, renumbered over the batch
+    assert all(len(rec["earlier_segments"]) == 1 and rec["earlier_segments"][0]["advantage"] is not None
+               for rec in logged)
 
 
 def test_bad_launches_stop_before_any_model_loads(monkeypatch):
