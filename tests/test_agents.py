@@ -526,10 +526,13 @@ def test_an_agent_with_two_segments_trains_both_through_the_cli(tiny_model_dir, 
     run_dir = tmp_path / "run"
     over = tiny_overrides(tiny_model_dir, run_dir) + [
         f"rollout.agent={REPO / 'tests' / 'data' / 'segment_agent.py'}:agent", "rollout.max_total_tokens=24",
-        "rewards=[]", "algorithm.name=grpo", "eval.before=false", "eval.after=false", "log.rollouts_per_step=4"]
+        "rewards=[]", "algorithm.name=grpo", "eval.before=false", "log.rollouts_per_step=4"]
     assert main(["train", str(REPO / "examples" / "agent_calculator.yaml"), *over]) == 0
-    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2
+    (evaluated,) = [r for r in rows if "eval/pass@1" in r]  # held-out episodes of two segments are graded too
+    assert evaluated["eval/env/segments"] == 2.0
     for r in steps:
         assert r["rollout/agent_failures"] == 0.0 and r["env/segments"] == 2.0
         assert r["rollout/segments_per_episode"] == 2.0
