@@ -1,6 +1,7 @@
 """The packaged examples: `plainrl examples` (list, copy) and `plainrl train NAME` from any directory."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,17 @@ def test_train_runs_a_packaged_example_by_name_from_another_directory(tiny_model
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward/mean" in r] == [0]
     assert yaml.safe_load((run / "config.yaml").read_text())["rollout"]["agent"].startswith(str(examples_dir().resolve()))
+
+
+@pytest.mark.parametrize("name", [e.name for e in list_examples()])
+def test_every_example_loads_by_name_and_copies(name, tmp_path, monkeypatch):
+    """From a directory without examples/, each example loads by name with every file it names
+    resolved, and its copy loads with the copied files."""
+    monkeypatch.chdir(tmp_path)
+    text = yaml.safe_dump(load_config(name).model_dump(mode="json"))
+    assert "examples/" not in text.replace(str(examples_dir().resolve()), ""), f"{name}: a reference left unresolved"
+    written = copy_example(name, "copy")
+    copied = yaml.safe_dump(load_config(written[0]).model_dump(mode="json"))
+    assert "examples/" not in copied
+    named = set(re.findall(r"copy/[\w./-]+\.\w+", copied))
+    assert named == {str(p) for p in written[1:]}, (named, written)
