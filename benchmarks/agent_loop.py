@@ -33,7 +33,7 @@ class InstantEngine:
     def __init__(self, eos: int):
         self.eos = eos
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         return [Generation([42, self.eos], [-0.5, -0.25], "eos") for _ in prompts]
 
     def load_weights(self, model):

@@ -48,10 +48,10 @@ class CountingEngine:
     def __init__(self, engine):
         self.engine, self.calls, self.prompts = engine, 0, 0
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         self.calls += 1
         self.prompts += len(prompts)
-        return self.engine.generate(prompts, params, generator=generator)
+        return self.engine.generate(prompts, params, seeds=seeds)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

@@ -52,10 +52,10 @@ def main(argv=None) -> None:
     for decoder in ("transformers", "static"):
         engine = HFEngine(model, tok, batch_size=len(prompts), decoder=decoder)
         engine.eos_ids = torch.tensor([-1])  # no sequence ends early
-        gen = torch.Generator().manual_seed(0)
-        engine.generate(prompts, params, generator=gen)
+        seeds = list(range(len(prompts)))
+        engine.generate(prompts, params, seeds=seeds)
         t0 = time.perf_counter()
-        engine.generate(prompts, params, generator=gen)
+        engine.generate(prompts, params, seeds=seeds)
         results[decoder] = (time.perf_counter() - t0) / args.max_new_tokens
         print(f"{decoder:>12}: {1000 * results[decoder]:.1f} ms per decode step of {len(prompts)} sequences "
               f"({torch.get_num_threads()} threads, {args.dtype})")

@@ -34,9 +34,9 @@ class Recording:
     def __init__(self, engine):
         self.engine, self.calls, self.batches = engine, [], []
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         self.batches.append(len(prompts))
-        gens = self.engine.generate(prompts, params, generator=generator)
+        gens = self.engine.generate(prompts, params, seeds=seeds)
         self.calls += [(list(p), g, params) for p, g in zip(prompts, gens)]
         return gens
 
@@ -271,9 +271,9 @@ def test_timeout_fails_a_stuck_episode_and_time_waiting_for_the_model_does_not_c
     tok = tokenizer
 
     class SlowEngine(Recording):  # each call takes 0.8 s: longer than the time limit
-        def generate(self, prompts, params, *, generator=None):
+        def generate(self, prompts, params, *, seeds=None):
             time.sleep(0.8)
-            return super().generate(prompts, params, generator=generator)
+            return super().generate(prompts, params, seeds=seeds)
 
     async def agent(llm, row):
         await llm.generate(llm.prompt_ids, max_new_tokens=2)
@@ -303,7 +303,7 @@ def test_engine_calls_run_concurrently_for_engines_that_take_them(tokenizer):
             self.active = self.peak = 0
             self.lock = threading.Lock()
 
-        def generate(self, prompts, params, *, generator=None):
+        def generate(self, prompts, params, *, seeds=None):
             with self.lock:
                 self.active += 1
                 self.peak = max(self.peak, self.active)
@@ -415,7 +415,7 @@ def test_openai_names_are_aliases_of_max_new_tokens(tokenizer):
     """An agent written for the OpenAI API calls with ``max_tokens``; each alias reaches the engine as
     ``max_new_tokens``, None means no limit of its own, and two names for one setting fail the episode."""
     class Long:  # never ends on its own: every call samples exactly its budget
-        def generate(self, prompts, params, *, generator=None):
+        def generate(self, prompts, params, *, seeds=None):
             return [Generation([7] * params.max_new_tokens, [-0.5] * params.max_new_tokens, "length")
                     for _ in prompts]
 
@@ -437,7 +437,7 @@ def test_a_failing_engine_fails_the_rollout(tokenizer):
     from plainrl.rollout.engines.requests import EngineError
 
     class Dead:
-        def generate(self, prompts, params, *, generator=None):
+        def generate(self, prompts, params, *, seeds=None):
             raise EngineError("every server is down: http://127.0.0.1:9")
 
     async def agent(llm, row):
@@ -576,9 +576,9 @@ def test_a_slow_environment_step_does_not_hold_the_other_episodes(tokenizer):
             super().__init__(eos)
             self.batches = []
 
-        def generate(self, prompts, params, *, generator=None):
+        def generate(self, prompts, params, *, seeds=None):
             self.batches.append(len(prompts))
-            return super().generate(prompts, params, generator=generator)
+            return super().generate(prompts, params, seeds=seeds)
 
     engine = Counting(tokenizer.eos_token_id)
     prompts = rows_to_prompts(tokenizer, [{"prompt": f"T{i}", "slow": i == 0} for i in range(3)])

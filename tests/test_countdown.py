@@ -136,7 +136,7 @@ class Reciter:
     def __init__(self, tokenizer, text: str):
         self.ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         return [Generation(token_ids=list(self.ids), logprobs=[0.0] * len(self.ids), finish_reason="eos")
                 for _ in prompts]
 
@@ -203,7 +203,7 @@ def test_recipe_episode_with_calculator_calls_is_graded_on_its_answer(tokenizer)
         def __init__(self, turns):
             self.turns, self.contexts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns], []
 
-        def generate(self, prompts, params, *, generator=None):
+        def generate(self, prompts, params, *, seeds=None):
             (ctx,) = prompts
             self.contexts.append(list(ctx))
             toks = self.turns[len(self.contexts) - 1]

@@ -45,8 +45,7 @@ def test_logprobs_equal_a_full_forward_and_finished_rows_leave(model, tokenizer,
     """Left padding, the KV cache and dropping finished rows must not change any logprob."""
     engine = HFEngine(model, tokenizer, batch_size=8, decoder=decoder)
     prompts = _prompts(tokenizer) * 2
-    gen = torch.Generator().manual_seed(0)
-    gens = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.3), generator=gen)
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.3), seeds=list(range(len(prompts))))
     for p, g in zip(prompts, gens):
         ids = torch.tensor([p + g.token_ids])
         lp = sequence_logps(model, ids, torch.ones_like(ids), temperature=1.3)[0, len(p) - 1 :]
@@ -370,7 +369,7 @@ def test_logprob_diff_measures_engine_learner_disagreement(tiny_model_dir, token
                              "train.lr=1e-3"])
     engine = HFEngine(m, tokenizer, batch_size=8)
     prompts = _prompts(tokenizer)
-    gens = engine.generate(prompts, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(0))
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=8), seeds=list(range(len(prompts))))
     diffs = []
     for shift in (0.0, 0.25):
         torch.manual_seed(0)

@@ -21,13 +21,16 @@ from plainrl.rollout.engines.vllm_worker import decode_payload
 from plainrl.types import SamplingParams
 
 
-def test_requests_group_identical_prompts_with_reproducible_seeds():
+def test_seeded_prompts_are_requests_of_their_own_and_unseeded_ones_are_grouped():
     prompts = [[1, 2], [1, 2], [3], [1, 2], [3]]
-    reqs = make_requests(prompts, torch.Generator().manual_seed(0))
-    assert [(r.prompt_ids, r.rows) for r in reqs] == [([1, 2], [0, 1, 3]), ([3], [2, 4])]
-    again = make_requests(prompts, torch.Generator().manual_seed(0))
-    assert [r.seed for r in reqs] == [r.seed for r in again]
-    assert reqs[0].seed != reqs[1].seed
+    seeded = make_requests(prompts, [10, 11, 12, 13, 14])
+    # each sample its own request and seed: vLLM's n samples of one seed s would get s + i
+    assert [(r.prompt_ids, r.rows, r.seed) for r in seeded] == [
+        ([1, 2], [0], 10), ([1, 2], [1], 11), ([3], [2], 12), ([1, 2], [3], 13), ([3], [4], 14)]
+    grouped = make_requests(prompts, None)
+    assert [(r.prompt_ids, r.rows, r.seed) for r in grouped] == [([1, 2], [0, 1, 3], None), ([3], [2, 4], None)]
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        make_requests(prompts, [1, 2])
 
 
 def test_sampling_and_finish_reason_mapping():

@@ -43,7 +43,7 @@ class EosEngine:
     def __init__(self, eos: int):
         self.eos = eos
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         return [Generation(token_ids=[42, self.eos], logprobs=[-0.5, -0.25], finish_reason="eos") for _ in prompts]
 
     def load_weights(self, model):
@@ -253,9 +253,9 @@ def test_max_live_runs_episodes_in_waves_with_a_bounded_number_of_workers(tokeni
             super().__init__(eos)
             self.batches = []
 
-        def generate(self, prompts, params, *, generator=None):
+        def generate(self, prompts, params, *, seeds=None):
             self.batches.append(len(prompts))
-            return super().generate(prompts, params, generator=generator)
+            return super().generate(prompts, params, seeds=seeds)
 
     def run(factory, max_live):
         engine = Counting(tokenizer.eos_token_id)

@@ -57,7 +57,7 @@ class ScriptedEngine:
         (key,) = [k for k in self.scripts if tuple(ctx[: len(k)]) == k]
         return key
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         self.params.append(params)
         out = []
         for ctx in prompts:
@@ -526,7 +526,7 @@ def test_evaluation_of_a_tool_using_policy_runs_its_environment(tokenizer):
         def __init__(self):
             self.batches: list[int] = []
 
-        def generate(self, prompts, params, *, generator=None):
+        def generate(self, prompts, params, *, seeds=None):
             assert params.temperature == 0.0  # greedy pass@1
             self.batches.append(len(prompts))
             out = []

@@ -64,10 +64,14 @@ def test_greedy_text_as_the_embedded_engine_with_the_servers_logprobs(server, to
             assert not any(math.isnan(x) for x in t.logprobs)
             diff = (learner_logps(policy, prompt, t.token_ids) - torch.tensor(t.logprobs)).abs().mean()
             assert diff < LOGPROB_TOL
-        # a group is one request with n samples: n completions come back
-        sampled = engine.generate([prompts[0]] * 3, SamplingParams(max_new_tokens=8, temperature=1.0),
-                                  generator=torch.Generator().manual_seed(0))
+        # unseeded, a group is one request with n samples: n completions come back
+        sampled = engine.generate([prompts[0]] * 3, SamplingParams(max_new_tokens=8, temperature=1.0))
         assert len(sampled) == 3 and all(0 < len(g.token_ids) <= 9 for g in sampled)
+        # seeded, a request per sample with its seed: the same seed, the same text, wherever it is in the call
+        params = SamplingParams(max_new_tokens=8, temperature=1.0)
+        a = engine.generate([prompts[0]] * 3, params, seeds=[5, 6, 7])
+        b = engine.generate([prompts[1], prompts[0]], params, seeds=[6, 7])
+        assert b[1].token_ids == a[2].token_ids
         with pytest.raises(EngineError, match="read-only"):
             engine.load_weights(policy)
     finally:

@@ -110,6 +110,7 @@ def test_sglang_output_is_read_as_ids_logprobs_and_finish_reason():
 def test_an_openai_answer_is_re_tokenised_and_its_logprobs_kept_only_where_they_line_up(tokenizer):
     body = completion_body("Q: 1+1?", SamplingParams(max_new_tokens=4, temperature=0.0), model="m", n=2, seed=3)
     assert body == dict(model="m", prompt="Q: 1+1?", n=2, max_tokens=4, temperature=0.0, top_p=1.0, seed=3, logprobs=0)
+    assert "seed" not in completion_body("Q", SamplingParams(), model="m", n=2, seed=None)  # unseeded
     text = " The answer is 2."
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     pieces = [tokenizer.decode([i]) for i in ids]

@@ -185,7 +185,7 @@ class Researcher:
         question = last.removeprefix("user\n").split("<|im_end|>")[0]
         return "I do not know." if "nothing" in question else f"<search>{question}</search>"
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         out = []
         for p in prompts:
             text = self._reply(p)

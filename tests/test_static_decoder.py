@@ -237,9 +237,13 @@ def test_offload_drops_the_decoder_copies_and_the_next_call_rebuilds_them(llama,
 def test_sample_categorical_follows_the_distribution():
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 2.0]])  # unnormalised rows are fine
     gen = torch.Generator().manual_seed(0)
-    draws = torch.stack([sample_categorical(probs[:1].repeat(1000, 1), gen) for _ in range(20)])  # [20, 1000]
+    draws = torch.stack([sample_categorical(probs[:1].repeat(1000, 1), torch.rand(1000, generator=gen))
+                         for _ in range(20)])  # [20, 1000]
     counts = torch.bincount(draws.flatten(), minlength=4).float() / draws.numel()
     # 20,000 draws of row 0: each frequency within 4 standard errors (sqrt(p(1-p)/n) <= 0.0035)
     torch.testing.assert_close(counts, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.014, rtol=0)
     assert (draws != 1).all()  # a zero-probability token is never drawn
-    assert sample_categorical(probs[1:].repeat(50, 1), gen).eq(3).all()
+    assert sample_categorical(probs[1:].repeat(50, 1), torch.rand(50, generator=gen)).eq(3).all()
+    # the CDF's inverse at hand-picked draws: cdf of row 0 = [0.1, 0.1, 0.7, 1.0]
+    u = torch.tensor([0.0, 0.0999, 0.1001, 0.6999, 0.7001, 0.9999])
+    assert sample_categorical(probs[:1].repeat(6, 1), u).tolist() == [0, 0, 2, 2, 3, 3]

@@ -66,15 +66,17 @@ def test_greedy_equals_the_embedded_engine(full_engine, policy, tok):
 
 def test_sampled_logprobs_agree_with_the_learner_and_groups_differ(full_engine, policy, tok):
     prompts = [p for p in _prompts(tok)[:2] for _ in range(4)]  # two groups of four
-    gens = full_engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0),
-                                generator=torch.Generator().manual_seed(1))
-    assert len({tuple(g.token_ids) for g in gens[:4]}) > 1  # n samples of one request are not copies
+    seeds = [101 + i for i in range(len(prompts))]
+    gens = full_engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0), seeds=seeds)
+    assert len({tuple(g.token_ids) for g in gens[:4]}) > 1  # a group's samples (their own seeds) are not copies
     diffs = torch.cat([(learner_logps(policy, p, g.token_ids) - torch.tensor(g.logprobs)).abs()
                        for p, g in zip(prompts, gens)])
     assert float(diffs.mean()) < LOGPROB_TOL
-    again = full_engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0),
-                                 generator=torch.Generator().manual_seed(1))
-    assert [g.token_ids for g in again] == [g.token_ids for g in gens]  # seeds come from the generator
+    # a sample depends on its prompt and seed alone: in another order, beside other requests, the same
+    order = [5, 2, 7, 0]
+    again = full_engine.generate([prompts[i] for i in order] + [prompts[1]],
+                                 SamplingParams(max_new_tokens=16, temperature=1.0), seeds=[seeds[i] for i in order] + [9])
+    assert [g.token_ids for g in again[:4]] == [gens[i].token_ids for i in order]
 
 
 def test_stop_strings_keep_their_tokens(full_engine, tok):

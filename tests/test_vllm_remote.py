@@ -178,7 +178,10 @@ def test_the_judge_reward_asks_an_openai_compatible_server(server):
 def test_two_ranks_under_torchrun_sample_through_the_server(server, tmp_path):
     """Remote engines under torchrun (docs/distributed.md): every rank sends its own prompt
     groups to the server, rank 0 alone pushes the (FSDP2-gathered) adapter once per step, and
-    both ranks then sample the learner's policy."""
+    both ranks then sample the learner's policy. Rank 0's push is held back 3 s and the first
+    update is large (a reward that differs between samples, lr 5e-3): a rank sampling before
+    the push, or naming the base model instead of the pushed adapter, gives step 2 a
+    logprob_diff far above the tolerance."""
     import json
     import subprocess
     import sys
@@ -188,16 +191,20 @@ def test_two_ranks_under_torchrun_sample_through_the_server(server, tmp_path):
     over = [f"run_dir={run_dir}", "model.dtype=float32", "model.max_context=512", "train.steps=2",
             "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "eval.before=false",
             "eval.after=false", "log.progress=false", "log.report=false", "train.strategy=fsdp2",
+            "train.lr=5e-3", "train.warmup_steps=0",
+            f"rewards=[{{fn: {REPO / 'tests' / 'dist_delayed_push.py'}:distinct_words}}]",
             "rollout.engine=remote", f"rollout.remote.urls=[{url}]"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "plainrl",
-           "train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tests" / "dist_delayed_push.py"), "3", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "time/sync" in r]
     assert len(steps) == 2
-    assert all(r["rollout/logprob_diff"] < LOGPROB_TOL for r in steps)
+    assert steps[0]["grad_norm"] > 0  # the first update moved the policy: step 2 samples another one
+    assert all(r["rollout/logprob_diff"] < LOGPROB_TOL for r in steps), [r["rollout/logprob_diff"] for r in steps]
+    assert steps[1]["time/sync"] >= 3  # the hold-back took effect (rank 0 times its push)
     assert (run_dir / "final" / "adapter_config.json").is_file()
 
 

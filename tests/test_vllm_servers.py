@@ -110,7 +110,7 @@ def test_a_server_killed_mid_rollout_its_requests_finish_on_the_other(servers):
     prompts = [p for p in prompts for _ in range(2)]  # 8 groups of 2
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(out=engine.generate(
-        prompts, SamplingParams(max_new_tokens=96, temperature=1.0), generator=torch.Generator().manual_seed(0))))
+        prompts, SamplingParams(max_new_tokens=96, temperature=1.0), seeds=list(range(len(prompts))))))
     try:
         worker.start()
         deadline = time.monotonic() + 60

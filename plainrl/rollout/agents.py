@@ -24,6 +24,7 @@ from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs.base import EnvError
 from plainrl.rollout.episode_loop import EpisodeRun, LoopSettings, run_episodes
 from plainrl.rollout.llm import LLM, SyncLLM
+from plainrl.rollout.seeding import rollout_seed
 from plainrl.types import EnvOutcome, Episode, SamplingParams
 
 __all__ = ["AgentError", "agent_rollout", "load_agent"]
@@ -92,6 +93,8 @@ def agent_rollout(
             own, its ``llm.chat`` blocking); see :func:`load_agent`.
         settings: budgets and limits (``rollout.max_total_tokens`` per segment,
             ``model.max_context``, ``rollout.agent_timeout_s``, ...): :class:`LoopSettings`.
+        generator: the run's sampling generator: one draw seeds the rollout, each episode and
+            each of its model calls its own stream (:mod:`plainrl.rollout.seeding`).
         Others: as :func:`~plainrl.rollout.episode_loop.run_episodes`.
     Returns:
         ``len(prompts) * group_size`` episodes, each prompt's contiguous. ``env`` is an
@@ -115,7 +118,7 @@ def agent_rollout(
             return await agent(llm, prompt.row)
         return await _in_thread(agent, SyncLLM(llm, asyncio.get_running_loop()), prompt.row)
 
-    runs = run_episodes(engine, flat, runner, params, tokenizer, settings, generator=generator)
+    runs = run_episodes(engine, flat, runner, params, tokenizer, settings, seed=rollout_seed(generator))
     episodes = [_episode(run, flat[i], tokenizer, f"s{step}-r{flat[i].source_index}-{i % group_size}",
                          i // group_size) for i, run in enumerate(runs)]
     failed = [e for e in episodes if e.env.error is not None]

@@ -35,6 +35,7 @@ class EngineFailure(RuntimeError):
 class _Job:
     prompts: list[list[int]]
     params: SamplingParams
+    seeds: list[int] | None
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
 
@@ -42,25 +43,27 @@ class _Job:
 class EngineCalls:
     """``engine.generate`` calls requested from the event loop's thread, run by :meth:`serve`.
 
+    Each call carries its prompts' seeds (:mod:`plainrl.rollout.seeding`), so what it samples
+    does not depend on the order the calls run in.
+
     Args:
         engine: any :class:`~plainrl.rollout.engines.base.Engine`.
-        generator: the run's RNG. With one call at a time it is passed to every call, in
-            the order the calls are made; with concurrent calls each gets its own
-            generator seeded from it (drawn in the order the calls are picked up).
         max_in_flight: engine calls at once; 1 runs them in the serving thread itself.
     """
 
-    def __init__(self, engine: Engine, generator: torch.Generator | None, *, max_in_flight: int = 1) -> None:
+    def __init__(self, engine: Engine, *, max_in_flight: int = 1) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        self.engine, self.generator, self.max_in_flight = engine, generator, max_in_flight
+        self.engine, self.max_in_flight = engine, max_in_flight
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """From the event loop: one engine call, awaited without blocking the loop."""
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       seeds: list[int] | None = None) -> list[Generation]:
+        """From the event loop: one engine call (``seeds``: one per prompt, or None), awaited
+        without blocking the loop."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._jobs.put(_Job(prompts, params, loop, fut))
+        self._jobs.put(_Job(prompts, params, seeds, loop, fut))
         return await fut
 
     def stop(self) -> None:
@@ -82,23 +85,16 @@ class EngineCalls:
                 if job is None:
                     return
                 if pool is None:
-                    self._run(job, self.generator)
+                    self._run(job)
                 else:
-                    pool.submit(self._run, job, self._derived_generator())
+                    pool.submit(self._run, job)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
 
-    def _derived_generator(self) -> torch.Generator | None:
-        g = self.generator
-        if g is None:
-            return None
-        seed = int(torch.randint(0, 2**62, (1,), generator=g, device=g.device))
-        return torch.Generator(device=g.device).manual_seed(seed)
-
-    def _run(self, job: _Job, generator: torch.Generator | None) -> None:
+    def _run(self, job: _Job) -> None:
         try:
-            result, error = self.engine.generate(job.prompts, job.params, generator=generator), None
+            result, error = self.engine.generate(job.prompts, job.params, seeds=job.seeds), None
         except BaseException as e:  # handed to the loop; KeyboardInterrupt too, so the rollout stops
             result, error = None, e
         try:
@@ -125,6 +121,7 @@ class _Request:
     order: int  # the episode's index: a batch is ordered the same way whatever the arrival order
     ids: list[int]
     params: SamplingParams
+    seed: int | None  # the call's random stream (plainrl.rollout.seeding.call_seed)
     future: asyncio.Future
 
 
@@ -140,7 +137,8 @@ class RequestBatcher:
     as requests are pending. Requests with different sampling settings (stop strings, top-k/p)
     go out as separate engine calls; requests that differ only in ``max_new_tokens`` share
     one call with the largest limit, and each generation is cut to its own (a prefix of a
-    sample is a sample with a smaller limit, its logprobs unchanged).
+    sample is a sample with a smaller limit, its logprobs unchanged). Each request's
+    ``seed`` goes to the engine with it, so its tokens do not depend on the batch it joined.
 
     Args:
         calls: where the engine calls go.
@@ -167,8 +165,10 @@ class RequestBatcher:
         self._busy_since.pop(order, None)
         self._event.set()
 
-    async def generate(self, order: int, ids: list[int], params: SamplingParams) -> Generation:
-        """One episode's model call on the context ``ids`` [C].
+    async def generate(self, order: int, ids: list[int], params: SamplingParams, seed: int | None = None
+                       ) -> Generation:
+        """One episode's model call on the context ``ids`` [C], sampled with the random stream of
+        ``seed`` (:func:`~plainrl.rollout.seeding.call_seed`; None: unseeded).
 
         Returns:
             The generation, at most ``params.max_new_tokens`` long.
@@ -178,7 +178,7 @@ class RequestBatcher:
         if self.fatal is not None:
             raise EngineFailure(f"the engine failed: {self.fatal}")
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(order, list(ids), params, fut))
+        self._pending.append(_Request(order, list(ids), params, seed, fut))
         self._busy_since.pop(order, None)
         self._event.set()
         return await fut  # a cancelled episode cancels this future: the request is dropped
@@ -230,7 +230,7 @@ class RequestBatcher:
             for key, reqs in groups.items():
                 params = dataclasses.replace(key, max_new_tokens=max(r.params.max_new_tokens for r in reqs))
                 self.batches.append(len(reqs))
-                gens = await self.calls.generate([r.ids for r in reqs], params)
+                gens = await self.calls.generate([r.ids for r in reqs], params, _seeds(reqs))
                 if len(gens) != len(reqs):
                     raise EngineFailure(f"engine returned {len(gens)} generations for {len(reqs)} prompts")
                 now = time.monotonic()
@@ -246,6 +246,14 @@ class RequestBatcher:
         finally:
             self._in_flight -= 1
             self._event.set()
+
+
+def _seeds(reqs: list[_Request]) -> list[int] | None:
+    """The requests' seeds for one engine call: None when none has one; an unseeded request
+    beside seeded ones gets a fresh random seed (the seeded ones keep theirs)."""
+    if all(r.seed is None for r in reqs):
+        return None
+    return [r.seed if r.seed is not None else int(torch.randint(0, 2**63 - 1, (1,))) for r in reqs]
 
 
 def _cut(g: Generation, limit: int) -> Generation:

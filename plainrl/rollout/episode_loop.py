@@ -17,14 +17,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-import torch
-
 from plainrl.data import PromptRow
 from plainrl.rollout.batcher import EngineCalls, RequestBatcher
 from plainrl.rollout.chat import prompt_messages
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.gateway import Gateway
 from plainrl.rollout.llm import LLM
+from plainrl.rollout.seeding import episode_seed
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import SamplingParams
 
@@ -104,7 +103,7 @@ def run_episodes(
     tokenizer,
     settings: LoopSettings,
     *,
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
 ) -> list[EpisodeRun]:
     """Run ``runner`` once per prompt, every episode independently; return in prompt order.
 
@@ -120,7 +119,8 @@ def run_episodes(
         params: the run's sampling settings (each call may narrow them).
         tokenizer: the policy's tokenizer.
         settings: budgets, limits and prompt rendering (:class:`LoopSettings`).
-        generator: the run's RNG (see :class:`EngineCalls` for how concurrent calls use it).
+        seed: the rollout's seed (:func:`~plainrl.rollout.seeding.rollout_seed`): episode ``i``
+            samples with ``episode_seed(seed, i)``, whatever ran beside it (None: unseeded).
     Returns:
         One :class:`EpisodeRun` per prompt.
     Raises:
@@ -129,7 +129,7 @@ def run_episodes(
     if not prompts:
         return []
     s = settings
-    calls = EngineCalls(engine, generator, max_in_flight=s.max_in_flight)
+    calls = EngineCalls(engine, max_in_flight=s.max_in_flight)
     box: dict[str, Any] = {}
     gateway, own_gateway = s.gateway, s.gateway is None
     if gateway is None:
@@ -140,7 +140,7 @@ def run_episodes(
         return LLM(batcher, i, tokenizer, params, row=p.row, prompt_ids=p.prompt_ids,
                    prompt_messages=_messages(p, s.system_prompt, s.prompt_template),
                    max_total_tokens=s.max_total_tokens, max_context=s.max_context,
-                   chat_template_kwargs=s.chat_template_kwargs, gateway=gateway)
+                   chat_template_kwargs=s.chat_template_kwargs, gateway=gateway, seed=episode_seed(seed, i))
 
     async def main() -> list[EpisodeRun]:
         box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()

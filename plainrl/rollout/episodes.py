@@ -13,6 +13,7 @@ from plainrl.config import RolloutConfig
 from plainrl.data import DataError, PromptRow
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.episode_loop import LoopSettings
+from plainrl.rollout.seeding import episode_seeds
 from plainrl.types import Episode, SamplingParams
 
 
@@ -183,6 +184,11 @@ def rollout(
     in an environment (:func:`plainrl.rollout.multi_turn_rollout`) or the user's agent
     (:func:`plainrl.rollout.agents.agent_rollout`).
 
+    ``generator`` (the run's sampling generator) is drawn from once: episode ``i`` (of the
+    ``len(prompts) * group_size``) and each of its model calls sample with their own seed
+    (:mod:`plainrl.rollout.seeding`), so the samples do not depend on the engine's batching
+    or on how many episodes run at once.
+
     Returns:
         len(prompts) * group_size episodes, the samples of one prompt contiguous.
         ``completion_text`` is decoded for reward functions and logs only; training
@@ -207,7 +213,7 @@ def rollout(
             max_in_flight=m.max_in_flight, chat_template_kwargs=m.chat_template_kwargs,
         )
     flat = [p for p in prompts for _ in range(group_size)]
-    gens = engine.generate([p.prompt_ids for p in flat], params, generator=generator)
+    gens = engine.generate([p.prompt_ids for p in flat], params, seeds=episode_seeds(generator, len(flat)))
     episodes = []
     for i, (p, g) in enumerate(zip(flat, gens)):
         episodes.append(

@@ -22,6 +22,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 from plainrl.rollout.batcher import RequestBatcher
 from plainrl.rollout.chat import encode_rendered, render_chat_continuation, render_with_tools
+from plainrl.rollout.seeding import call_seed
 from plainrl.rollout.trajectory import Trajectory
 from plainrl.types import FinishReason, Generation, SamplingParams
 
@@ -88,7 +89,10 @@ class LLM:
         tokenizer: the policy's tokenizer.
         trajectory: the recorded segments.
 
-    Calls of one episode must not overlap (await each before the next).
+    Calls of one episode must not overlap (await each before the next). The ``k``-th call
+    samples with the random stream ``call_seed(seed, k)`` (:mod:`plainrl.rollout.seeding`;
+    ``seed``: the episode's, None for unseeded), so an episode's samples do not depend on
+    the other episodes.
 
     Agents written for the OpenAI API reach the same handle over HTTP: ``llm.openai_client()``,
     ``llm.base_url`` / ``llm.api_key``, ``llm.openai_env()`` (the run's gateway,
@@ -98,8 +102,10 @@ class LLM:
     def __init__(self, batcher: RequestBatcher, order: int, tokenizer, params: SamplingParams, *,
                  row: dict[str, Any], prompt_ids: list[int], prompt_messages: list[dict[str, Any]],
                  max_total_tokens: int, max_context: int | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None, gateway: Any = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | None = None, gateway: Any = None,
+                 seed: int | None = None) -> None:
         self._batcher, self._order, self._params = batcher, order, params
+        self._seed, self._calls_made = seed, 0  # the episode's seed; model calls sent so far
         self._chat_kwargs = dict(chat_template_kwargs or {})  # data.chat_template_kwargs
         self.tokenizer, self.row = tokenizer, row
         self.prompt_ids = list(prompt_ids)
@@ -300,8 +306,9 @@ class LLM:
         self.trajectory.feed(context)
         params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
         self._busy, self._waiting_since = True, time.monotonic()
+        seed, self._calls_made = call_seed(self._seed, self._calls_made), self._calls_made + 1
         try:
-            gen = await self._batcher.generate(self._order, self.trajectory.current.context, params)
+            gen = await self._batcher.generate(self._order, self.trajectory.current.context, params, seed)
         finally:
             self.model_wait_s += time.monotonic() - self._waiting_since
             self._busy, self._waiting_since = False, None

@@ -31,6 +31,7 @@ from plainrl.rollout.envs.base import EnvState, Environment, StepResult
 from plainrl.rollout.envs.isolated import EnvWorkerError
 from plainrl.rollout.episode_loop import DaemonThreads, LoopSettings, run_episodes
 from plainrl.rollout.llm import LLM
+from plainrl.rollout.seeding import rollout_seed
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import EnvOutcome, Episode, FinishReason, Generation, SamplingParams
 
@@ -157,7 +158,8 @@ def multi_turn_rollout(
         max_total_tokens: the most completion tokens (model + observation) per
             episode; keep ``len(prompt_ids) + max_total_tokens`` within the
             model's context.
-        generator: RNG for sampling.
+        generator: the run's sampling generator: one draw seeds the rollout, each episode and
+            each of its model calls its own stream (:mod:`plainrl.rollout.seeding`).
         system_prompt, prompt_template: the data config's, used only when the env
             re-renders the prompt (see :func:`build_env_prompt`) and for ``state.messages``.
         chat_template_kwargs: ``data.chat_template_kwargs``, for every chat rendering
@@ -215,7 +217,7 @@ def multi_turn_rollout(
     settings = LoopSettings(max_total_tokens, max_live=max_live, max_in_flight=max_in_flight,
                             system_prompt=system_prompt, prompt_template=prompt_template,
                             chat_template_kwargs=chat_template_kwargs)
-    runs = run_episodes(engine, flat, runner, params, tokenizer, settings, generator=generator)
+    runs = run_episodes(engine, flat, runner, params, tokenizer, settings, seed=rollout_seed(generator))
     episodes = []
     for i, run in enumerate(runs):
         if run.error is not None:  # a bug of the adapter itself: environment errors are recorded, not raised

@@ -232,7 +232,8 @@ class RankEngine:
     the weights on each rank (in the model's dtype), refreshed after every update by
     gathering the trainable shards (the frozen base once, at start: LoRA then moves only
     the adapters); a remote engine (``rollout.engine=remote``) gets the weights from rank 0
-    alone, once per step, while the other ranks wait, and every rank sends its own prompts.
+    alone, once per step, while the other ranks wait, and every rank sends its own prompts,
+    naming the adapter rank 0 pushed, to the servers that received it.
 
     Args:
         inner: the engine (built on ``replica`` when there is one).
@@ -248,8 +249,8 @@ class RankEngine:
         self.inner, self.parallel, self.replica, self.local, self.gather = inner, parallel, replica, local, gather
         self._frozen_synced = False
 
-    def generate(self, prompts, params, *, generator=None):
-        return self.inner.generate(prompts, params, generator=generator)
+    def generate(self, prompts, params, *, seeds=None):
+        return self.inner.generate(prompts, params, seeds=seeds)
 
     def offload(self) -> None:
         self.inner.offload()
@@ -280,7 +281,13 @@ class RankEngine:
             return
         if self.parallel.is_main:
             self.inner.load_weights(source)
-        self.parallel.barrier()  # nobody samples before the servers have the new weights
+        # Rank 0 alone knows what its push left: the new adapter's name (a server serves the
+        # base model under its own name, so a rank still naming the base samples another policy)
+        # and the servers that took it. The broadcast hands that to every rank and, as it waits
+        # for rank 0, is also the barrier: nobody samples before the servers have the weights.
+        pushed = self.parallel.broadcast(self.inner.pushed() if self.parallel.is_main else None)
+        if not self.parallel.is_main:
+            self.inner.follow(pushed)
 
 
 def rank_engine(cfg: Config, model: torch.nn.Module, parallel: Parallel, build) -> tuple[object, torch.nn.Module]:

@@ -20,6 +20,7 @@ from plainrl.data import PromptRow
 from plainrl.metrics import format_duration, mean_interval, wilson_interval
 from plainrl.rewards import correctness
 from plainrl.rollout import Engine, MultiTurn, env_metrics, rollout
+from plainrl.rollout.seeding import episode_seeds
 from plainrl.types import Episode, SamplingParams
 
 
@@ -32,7 +33,7 @@ def _accuracy(engine: Engine, rows: list[PromptRow], params: SamplingParams, tok
     episodes when ``multi_turn`` (else [])."""
     flat = [r for r in rows for _ in range(n)]
     if multi_turn is None:
-        gens = engine.generate([r.prompt_ids for r in flat], params, generator=generator)
+        gens = engine.generate([r.prompt_ids for r in flat], params, seeds=episode_seeds(generator, len(flat)))
         texts, episodes = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens], []
     else:
         episodes = rollout(engine, flat, params, tokenizer, group_size=1, step=-1, multi_turn=multi_turn,

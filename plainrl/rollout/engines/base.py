@@ -13,7 +13,9 @@ class Engine(Protocol):
     """Token-in, token-out generation.
 
     ``generate`` receives prompt token ids and returns, for each, the exact ids
-    sampled and their logprobs under the current policy weights. ``load_weights``
+    sampled and their logprobs under the current policy weights. ``seeds`` gives each
+    prompt its own random stream (:mod:`plainrl.rollout.seeding`): a completion depends on
+    its prompt and seed, not on the other prompts of the call (None: unseeded). ``load_weights``
     makes the engine sample from the learner's latest weights (a no-op for
     engines that share the learner's model). ``offload`` frees the engine's
     accelerator memory while the learner trains (vLLM's sleep mode; a no-op
@@ -33,7 +35,7 @@ releases processes and connections.
         prompts: list[list[int]],
         params: SamplingParams,
         *,
-        generator: torch.Generator | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Generation]: ...
 
     def load_weights(self, model: torch.nn.Module) -> None: ...

@@ -12,8 +12,9 @@ from typing import Literal, Protocol, get_args
 
 import torch
 
-from plainrl.rollout.engines.static_decoder import StaticDecoder, unsupported_reason
 from plainrl.models import is_quantized, lora_delta, pad_token_id, unwrap
+from plainrl.rollout.engines.static_decoder import StaticDecoder, unsupported_reason
+from plainrl.rollout.seeding import row_uniforms
 from plainrl.types import Generation, SamplingParams
 
 
@@ -43,24 +44,25 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row from unnormalised probabilities, by inverting the CDF.
 
     ``torch.multinomial`` draws an exponential variate for every vocabulary entry
     (15 ms per step for [16, 49152] on one CPU core, more than a layer's matmuls);
     one uniform per row and a binary search over the cumulative sum cost ~1 ms.
-    Index i is drawn when ``cdf[i-1] <= u < cdf[i]`` with ``u ~ U[0, cdf[-1])``, which
+    Index i is drawn when ``cdf[i-1] <= u * cdf[-1] < cdf[i]`` with ``u ~ U[0, 1)``, which
     has probability ``probs[i] / sum(probs)``; a zero entry can never be drawn.
 
     Args:
         probs: [b, V] non-negative float weights, each row with a positive sum.
-        generator: RNG on ``probs``' device.
+        u: [b] uniform draws in [0, 1), one per row (its own random stream:
+            :func:`~plainrl.rollout.seeding.row_uniforms`), on ``probs``' device.
     Returns:
         [b] long token ids.
     """
     cdf = probs.float().cumsum(-1)  # [b, V]
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
 @contextlib.contextmanager
@@ -232,17 +234,24 @@ class HFEngine:
         prompts: list[list[int]],
         params: SamplingParams,
         *,
-        generator: torch.Generator | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Generation]:
         """Sample one completion per prompt (repeat a prompt for a group).
 
         Args:
             prompts: N lists of prompt token ids.
             params: sampling settings; temperature 0 is greedy.
-            generator: RNG for sampling (on the model's device) for reproducibility.
+            seeds: N seeds, one per prompt: token t of completion i is drawn with the t-th
+                number of seed i's stream (:func:`~plainrl.rollout.seeding.row_uniforms`),
+                so a completion does not depend on the other prompts or the batch size.
+                None: torch's global generator.
         Returns:
             N :class:`Generation` in the order of ``prompts``.
+        Raises:
+            ValueError: ``seeds`` is not one per prompt.
         """
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; give one seed per prompt")
         was_training = self.model.training
         self.model.eval()
         static = self.decoder == "static"
@@ -252,7 +261,8 @@ class HFEngine:
                 out: list[Generation] = []
                 for i in range(0, len(prompts), self.batch_size):
                     dec = self.make_decoder()
-                    out.extend(self._generate_batch(dec, prompts[i : i + self.batch_size], params, generator))
+                    chunk = None if seeds is None else seeds[i : i + self.batch_size]
+                    out.extend(self._generate_batch(dec, prompts[i : i + self.batch_size], params, chunk))
                     if static:
                         dec.release()
             return out
@@ -276,7 +286,7 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_batch(
-        self, dec: Decoder, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None
+        self, dec: Decoder, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None
     ) -> list[Generation]:
         dev = self.device
         n = len(prompts)
@@ -300,6 +310,8 @@ class HFEngine:
         reasons: list[str | None] = [None] * n
         active = torch.arange(n, device=dev)  # original row of each live batch row
         stop_window = max((len(s) for s in params.stop), default=0) + 4
+        # each row's draws come from its own stream, so its tokens do not depend on the batch
+        uniforms = row_uniforms(seeds, n, params.max_new_tokens, dev) if params.temperature > 0 else None  # [n, T]
 
         logits = dec.start(input_ids, attn.bool(), width + params.max_new_tokens)[inverse]  # [n, V]
         if len(uniq) < n:
@@ -311,9 +323,9 @@ class HFEngine:
                 tok = logits.argmax(-1)
             elif 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0:
                 probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
-                tok = sample_categorical(probs, generator)
+                tok = sample_categorical(probs, uniforms[active, t])
             else:
-                tok = sample_categorical(logprobs.exp(), generator)
+                tok = sample_categorical(logprobs.exp(), uniforms[active, t])
             tok_lp = logprobs.gather(-1, tok[:, None]).squeeze(-1)
             done = torch.isin(tok, eos_ids)
             tok_l, lp_l, done_l = tok.tolist(), tok_lp.tolist(), done.tolist()

@@ -16,7 +16,9 @@ backend cannot train: use ``vllm`` (``plainrl serve``) or ``sglang`` for rollout
 
 Requests: ``POST /v1/completions`` with ``model``, ``prompt`` (text), ``n`` (a group's
 samples), ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``logprobs: 0``;
-``top_k`` (not in OpenAI's API; vLLM and SGLang take it) only when set. The API key
+``top_k`` (not in OpenAI's API; vLLM and SGLang take it) only when set. A seeded call sends one
+request per sample with its seed (``seed`` only when there is one); whether the server
+honours it is the server's (OpenAI's API calls it best effort). The API key
 comes from the environment variable ``rollout.remote.api_key_env`` names.
 """
 
@@ -34,10 +36,12 @@ from plainrl.types import Generation, SamplingParams
 START_HINT = "point rollout.remote.urls at an OpenAI-compatible server's base URL (the part before /v1)"
 
 
-def completion_body(prompt: str, params: SamplingParams, *, model: str, n: int, seed: int) -> dict[str, Any]:
-    """The ``/v1/completions`` request for ``n`` samples of ``prompt`` (text)."""
+def completion_body(prompt: str, params: SamplingParams, *, model: str, n: int, seed: int | None) -> dict[str, Any]:
+    """The ``/v1/completions`` request for ``n`` samples of ``prompt`` (text); ``seed`` None: unseeded."""
     body: dict[str, Any] = dict(model=model, prompt=prompt, n=n, max_tokens=params.max_new_tokens,
-                                temperature=params.temperature, top_p=params.top_p, seed=seed, logprobs=0)
+                                temperature=params.temperature, top_p=params.top_p, logprobs=0)
+    if seed is not None:
+        body["seed"] = seed
     if params.stop:
         body["stop"] = list(params.stop)
     if params.top_k > 0:

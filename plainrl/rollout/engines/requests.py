@@ -1,13 +1,11 @@
-"""What the vLLM engines (in process and remote) share: prompts grouped into requests
-with ``n`` samples, plainrl's :class:`SamplingParams` mapped onto vLLM's, seeds drawn from
-the run's generator, and vLLM's finish reasons mapped back."""
+"""What the engines over vLLM and servers share: prompts as requests (each with its seed,
+or unseeded ones grouped with ``n`` samples), plainrl's :class:`SamplingParams` mapped onto
+vLLM's, and vLLM's finish reasons mapped back."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from plainrl.types import FinishReason, SamplingParams
 
@@ -26,34 +24,39 @@ class Request:
 
     prompt_ids: [P] token ids.
     rows:       indices into the caller's prompt list, one per sample (``n = len(rows)``).
-    seed:       vLLM's per-request seed, drawn from the run's generator.
+    seed:       the request's seed (vLLM's per-request ``seed``), that of its one row; None
+                for an unseeded request.
     """
 
     prompt_ids: list[int]
     rows: list[int]
-    seed: int
+    seed: int | None = None
 
 
-def make_requests(prompts: list[list[int]], generator: torch.Generator | None) -> list[Request]:
-    """Group identical prompts (a GRPO group) into one request with ``n`` samples, so the
-    engine prefills the prompt once, and give each request a seed from ``generator``:
-    resuming a run restores the generator and so the seeds.
+def make_requests(prompts: list[list[int]], seeds: list[int] | None) -> list[Request]:
+    """The requests for one ``generate`` call.
+
+    Seeded (``seeds``: one per prompt, :mod:`plainrl.rollout.seeding`): one request per
+    prompt with its own seed, so each sample's random stream is its own (vLLM gives the
+    ``n`` samples of a seeded request the seeds ``seed + i``, which would tie a sample to
+    its place in the batch); the engine's prefix cache still prefills a group's shared
+    prompt once. Unseeded: identical prompts (a GRPO group) grouped into one request with
+    ``n`` samples, so the engine prefills the prompt once.
+
+    Raises:
+        ValueError: ``seeds`` is not one per prompt.
     """
+    if seeds is not None:
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; give one seed per prompt")
+        return [Request(list(p), [row], int(s)) for row, (p, s) in enumerate(zip(prompts, seeds))]
     index: dict[tuple[int, ...], Request] = {}
     for row, p in enumerate(prompts):
-        key = tuple(p)
-        if key not in index:
-            index[key] = Request(list(p), [], 0)
-        index[key].rows.append(row)
-    requests = list(index.values())
-    device = generator.device if generator is not None else "cpu"
-    seeds = torch.randint(0, 2**31 - 1, (len(requests),), generator=generator, device=device).tolist()
-    for r, s in zip(requests, seeds):
-        r.seed = int(s)
-    return requests
+        index.setdefault(tuple(p), Request(list(p), [])).rows.append(row)
+    return list(index.values())
 
 
-def sampling_kwargs(params: SamplingParams, *, n: int, seed: int) -> dict[str, Any]:
+def sampling_kwargs(params: SamplingParams, *, n: int, seed: int | None) -> dict[str, Any]:
     """vLLM ``SamplingParams`` keyword arguments (also the JSON fields of its completions API).
 
     ``logprobs=0`` returns the sampled token's logprob alone; with the engine's

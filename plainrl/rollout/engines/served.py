@@ -17,6 +17,7 @@ from __future__ import annotations
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Callable
 
 import httpx
@@ -29,6 +30,20 @@ from plainrl.types import Generation, SamplingParams
 
 # text whose tokenisation tells tokenizers apart (digits, spaces, code, non-ASCII, a chat marker)
 TOKENIZER_PROBE = "Hello, world! 12 + 345 = 357.\n  def f(x):\treturn x**2  # café 東京 <|im_start|>user"
+
+
+@dataclass(frozen=True)
+class PushedWeights:
+    """What a weight push left on the servers, for processes that sample without having pushed
+    (under torchrun rank 0 pushes and every rank samples: :meth:`ServedEngine.follow`).
+
+    adapter: the LoRA adapter name every request must name (None: full weights, which the
+             servers serve under the base model's name).
+    servers: indices (into ``urls``) of the servers that hold the pushed weights.
+    """
+
+    adapter: str | None
+    servers: tuple[int, ...]
 
 
 class ServedEngine:
@@ -174,16 +189,18 @@ class ServedEngine:
 
     # -- sampling -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 generator: torch.Generator | None = None) -> list[Generation]:
+                 seeds: list[int] | None = None) -> list[Generation]:
         """Sample one completion per prompt; requests run concurrently so each server
-        batches them. See :meth:`plainrl.rollout.engines.hf.HFEngine.generate`.
+        batches them. Each prompt's seed goes with its request (the request's ``seed``; see
+        :func:`~plainrl.rollout.engines.requests.make_requests`). See
+        :meth:`plainrl.rollout.engines.hf.HFEngine.generate`.
 
         Raises:
             EngineError: every server failed, or a server refused a request (4xx).
         """
         if not prompts:
             return []
-        requests = make_requests(prompts, generator)
+        requests = make_requests(prompts, seeds)
         out: list[Generation | None] = [None] * len(prompts)
         with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
             futures = [pool.submit(self.pool.run, lambda server, r=r: self._complete(server, r, params))
@@ -245,6 +262,28 @@ class ServedEngine:
                 raise error
         if not self.pool.live():
             raise self.pool.none_left()
+
+    def pushed(self) -> PushedWeights:
+        """What this engine's latest :meth:`load_weights` left on the servers."""
+        return PushedWeights(adapter=self._lora, servers=tuple(self.pool.live()))
+
+    def follow(self, pushed: PushedWeights) -> None:
+        """Sample what another process's engine pushed (:meth:`pushed` there): requests name its
+        adapter (a server that no longer holds that name refuses them: an error, never another
+        policy), and go only to the servers that received the push.
+
+        Raises:
+            EngineError: ``pushed`` names no server.
+        """
+        if not pushed.servers:
+            raise self.pool.none_left()
+        self._lora = pushed.adapter
+        for i in range(len(self.urls)):
+            if i in pushed.servers:
+                self.pool.revive(i)
+            else:
+                self.pool.mark_dead(i, EngineError(f"inference server {self.urls[i]} did not receive the "
+                                                   "learner's latest weights"))
 
     def _answers(self, server: int) -> bool:
         """Whether a dead server is back: it passes the start-up check again."""

@@ -3,8 +3,9 @@ dead servers out, and a clear end when none is left.
 
 A request goes to the live server with the fewest requests in flight (ties to the lower
 index), the policy of verl's and SGLang's routers for servers of equal speed: a slow
-or busy server gets fewer new requests without any timing model. A group's samples are
-one request, so the group lands on one server and its prompt is prefilled once there.
+or busy server gets fewer new requests without any timing model. A seeded sample is a
+request of its own (:func:`~plainrl.rollout.engines.requests.make_requests`), so a group's
+samples may land on several servers, each prefilling the prompt once.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ Sampling uses SGLang's native ``/generate`` with token ids in (``input_ids``) an
 (``output_ids``, and ``meta_info.output_token_logprobs``: one ``[logprob, token_id, text]``
 per generated token, with ``return_logprob``). A group is one HTTP request holding its
 prompt ``n`` times, one sampling-params entry each: SGLang's docs advise repeating a
-prompt over ``n > 1`` (its radix cache shares the prefix), and each sample gets its own
-``sampling_seed``, which SGLang honours only when started with
-``--enable-deterministic-inference`` (one seed for all ``n`` would give ``n`` identical
-samples there). Without that flag SGLang's sampling is not seeded.
+prompt over ``n > 1`` (its radix cache shares the prefix). Seeded calls (every run's) send
+one request per sample with its own seed as ``sampling_seed`` (reduced modulo 2**31 - 1),
+which SGLang honours only when started with ``--enable-deterministic-inference``; without
+that flag SGLang's sampling is not seeded, and a run's samples are not reproducible.
 
 SGLang's logprobs are of the distribution after temperature (log softmax(z / T); greedy:
 log softmax(z)), plainrl's convention with top-k/top-p off, unless the server runs with
@@ -47,7 +47,7 @@ START_HINT = ("start one with `python -m sglang.launch_server --model-path MODEL
               "(docs/engines.md, \"SGLang\", gives the flags a run needs)")
 
 
-def generate_body(prompt_ids: list[int], params: SamplingParams, *, n: int, seed: int, seeded: bool,
+def generate_body(prompt_ids: list[int], params: SamplingParams, *, n: int, seed: int | None, seeded: bool,
                   lora: str | None) -> dict[str, Any]:
     """SGLang's ``/generate`` request for ``n`` samples of one prompt.
 
@@ -58,7 +58,8 @@ def generate_body(prompt_ids: list[int], params: SamplingParams, *, n: int, seed
 
     Args:
         prompt_ids: [P] token ids.
-        seed: the request's seed; sample i gets ``seed + i`` as ``sampling_seed`` when ``seeded``.
+        seed: the request's seed (None: unseeded); sample i gets ``seed + i`` as ``sampling_seed``
+            when ``seeded``.
         seeded: the server runs with ``--enable-deterministic-inference`` (else SGLang ignores seeds).
         lora: the adapter name to sample with (None: the base weights).
     """
@@ -66,7 +67,8 @@ def generate_body(prompt_ids: list[int], params: SamplingParams, *, n: int, seed
                 top_k=params.top_k if params.top_k > 0 else -1, min_p=0.0, repetition_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0, stop=list(params.stop), no_stop_trim=True,
                 skip_special_tokens=False)
-    sampling = [dict(base, sampling_seed=(seed + i) % (2**31 - 1)) if seeded else base for i in range(n)]
+    sampling = [dict(base, sampling_seed=(seed + i) % (2**31 - 1)) if seeded and seed is not None else base
+                for i in range(n)]
     body: dict[str, Any] = {"input_ids": [list(prompt_ids)] * n, "sampling_params": sampling, "return_logprob": True}
     if lora is not None:
         body["lora_path"] = [lora] * n

@@ -154,15 +154,17 @@ class VLLMEngine:
         self._asleep.difference_update(parts)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 generator: torch.Generator | None = None) -> list[Generation]:
-        """Sample one completion per prompt (identical prompts become one request with n
-        samples); see :meth:`plainrl.rollout.engines.hf.HFEngine.generate`."""
+                 seeds: list[int] | None = None) -> list[Generation]:
+        """Sample one completion per prompt, each with its seed as vLLM's per-request ``seed``
+        (unseeded: identical prompts become one request with n samples; see
+        :func:`~plainrl.rollout.engines.requests.make_requests`); see
+        :meth:`plainrl.rollout.engines.hf.HFEngine.generate`."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         if not prompts:
             return []
-        requests = make_requests(prompts, generator)
+        requests = make_requests(prompts, seeds)
         self._wake()
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
