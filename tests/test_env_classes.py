@@ -34,7 +34,7 @@ class TextEngine:
     def __init__(self, tokenizer, turns: list[tuple[str, bool]]):
         self.tok, self.turns, self.contexts = tokenizer, list(turns), []
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         out = []
         for ctx in prompts:
             self.contexts.append(list(ctx))

@@ -37,7 +37,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, delay_s: float = 0.0):
         self.tok, self.delay_s, self.calls, self.batches = tokenizer, delay_s, [], []
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         if self.delay_s:
             time.sleep(self.delay_s)
         self.batches.append(len(prompts))

@@ -39,7 +39,7 @@ class Player:
     def __init__(self, tokenizer):
         self.tok, self.draws = tokenizer, []
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         out = []
         for ctx in prompts:
             self.draws.append(random.random())
