@@ -40,7 +40,7 @@ class Engine:
         self.ids = tok(REPLY, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         self.delay_s = delay_s
 
-    def generate(self, prompts, params, *, generator=None):
+    def generate(self, prompts, params, *, seeds=None):
         if self.delay_s:
             time.sleep(self.delay_s)
         return [Generation(list(self.ids), [-0.1] * len(self.ids), "eos") for _ in prompts]

@@ -213,7 +213,7 @@ def test_segment_rewards_are_honoured_and_checked(tokenizer):
         return {"reward": 1.0, "segment_rewards": row["seg"], "tool_calls": 1}
 
     class Eos:
-        def generate(self, prompts, params, *, generator=None):
+        def generate(self, prompts, params, *, seeds=None):
             return [Generation([tokenizer.eos_token_id], [-0.1], "eos") for _ in prompts]
 
     segs = [[0.25, 1.0], [1.0], [0.5, "high"], 0.5, [1.0, float("nan")]]
