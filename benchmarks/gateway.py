@@ -38,9 +38,10 @@ class Engine:
 
     def __init__(self, tok, delay_s: float):
         self.ids = tok(REPLY, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        self.delay_s = delay_s
+        self.delay_s, self.batches = delay_s, 0
 
     def generate(self, prompts, params, *, seeds=None):
+        self.batches += 1
         if self.delay_s:
             time.sleep(self.delay_s)
         return [Generation(list(self.ids), [-0.1] * len(self.ids), "eos") for _ in prompts]
@@ -90,17 +91,20 @@ def main() -> None:
     prompts = [PromptRow(r, build_prompt_ids(r, tok), i) for i, r in enumerate(rows)]
     via_chat, via_gateway, via_http = agents(args.turns)
     gateway = Gateway("smollm2-135m-instruct", 2048)
+    batches: dict[str, int] = {}  # engine calls of each way's latest rollout
     calls = args.episodes * args.turns
     try:
         for ms in args.engine_ms:
             engine = Engine(tok, ms / 1000)
 
             def rollout(agent) -> tuple[float, float]:
+                engine.batches = 0
                 start, cpu = time.perf_counter(), time.process_time()
                 eps = agent_rollout(engine, prompts, agent, SamplingParams(max_new_tokens=32), tok,
                                     LoopSettings(1024, max_context=2048, gateway=gateway), group_size=1, step=0,
                                     generator=torch.Generator().manual_seed(0))
                 seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+                batches[agent.__name__] = engine.batches
                 assert all(e.env.error is None and e.env.info["segments"] == 1 for e in eps), eps[0].env.error
                 return seconds, cpu
 
@@ -120,6 +124,7 @@ def main() -> None:
             print(f"engine {ms:g} ms/batch, {args.episodes} episodes x {args.turns} calls, wall (process CPU): " +
                   "; ".join(f"{name} {med[name]:.3f} s ({cpu[name]:.3f} s; runs "
                             f"{', '.join(f'{x:.3f}' for x in ts)})" for name, ts in times.items()))
+            print("engine calls per rollout (the latest): " + ", ".join(f"{k} {v}" for k, v in batches.items()))
             added = {name: (cpu[name] - cpu["llm.chat"]) / calls * 1000 for name in ways}
             print(f"engine_ms={ms:g} chat_s={c:.3f} sdk_s={g:.3f} httpx_s={h:.3f} "
                   f"added_ms_per_call_sdk={(g - c) / calls * 1000:.2f} added_ms_per_call_httpx={(h - c) / calls * 1000:.2f} "
