@@ -120,7 +120,6 @@ class LLM:
         self.closed = False
         self.on_abort: Callable[[str], None] | None = None  # set by the episode loop: fails the episode
         self.gateway = gateway  # plainrl.rollout.gateway.Gateway: the HTTP route to this handle
-        self.sampling_overrides = 0  # gateway requests whose sampling settings the run's replaced
         self.started = time.monotonic()
         self.model_wait_s = 0.0
         self._waiting_since: float | None = None

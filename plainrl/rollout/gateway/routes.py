@@ -125,6 +125,8 @@ def build_app(gateway: Gateway) -> Starlette:
                 return await handler(request)
             except GatewayError as e:
                 return e.response()
+            except Exception as e:  # a bug or an engine breaking its contract: still OpenAI's schema
+                return error_response(500, f"{type(e).__name__}: {e}")
         return run
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -199,7 +201,6 @@ async def _call(gateway: Gateway, request: Request, llm: LLM, overridden: bool, 
     except (ValueError, TypeError) as e:
         raise GatewayError(400, f"{type(e).__name__}: {e}") from None
     if overridden:
-        llm.sampling_overrides += 1
         gateway.sampling_overrides += 1
     return turn
 
