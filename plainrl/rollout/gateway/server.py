@@ -145,6 +145,12 @@ class Gateway:
             await self._stop(starting)
 
     def _bind(self) -> None:
+        if self._app is None:  # built here, in the caller's thread: a missing package fails the caller
+            import uvicorn  # noqa: F401
+
+            from plainrl.rollout.gateway.routes import build_app
+
+            self._app = build_app(self)
         with self._lock:
             if self._sock is None:
                 # proto=IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
@@ -157,16 +163,12 @@ class Gateway:
                 self._sock = sock
             if self._loop is not None and self._starting is None:  # bound mid-rollout: start serving it
                 loop = self._loop
-                self._starting = asyncio.run_coroutine_threadsafe(_as_task(self._start), loop) \
+                self._starting = asyncio.run_coroutine_threadsafe(self._start(), loop) \
                     if _running_loop() is not loop else loop.create_task(self._start())
 
     async def _start(self) -> None:
         import uvicorn
 
-        from plainrl.rollout.gateway.routes import build_app
-
-        if self._app is None:
-            self._app = build_app(self)
         config = uvicorn.Config(self._app, lifespan="off", log_config=None, access_log=False,
                                 timeout_keep_alive=600)
         server = uvicorn.Server(config)
@@ -181,7 +183,7 @@ class Gateway:
         (uvicorn's own shutdown waits in 0.1 s sleeps for what this does at once; every episode
         has ended, so nothing in flight is worth waiting for.)"""
         if starting is not None:
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(Exception):  # (a server that failed to start has nothing to stop)
                 await (asyncio.wrap_future(starting) if not isinstance(starting, asyncio.Future) else starting)
         http, self._http = self._http, []
         for client in http:
@@ -213,7 +215,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-async def _as_task(start) -> None:
-    await start()
