@@ -48,6 +48,18 @@ def tiny_overrides(model_dir: Path, run_dir: Path) -> list[str]:
     ]
 
 
+# vLLM and SGLang tests start real servers (SERVE_START_TIMEOUT_S each, several per module on a
+# CPU): they get this limit instead of pyproject's default per-test timeout
+SERVER_TEST_TIMEOUT_S = 1800
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None and (item.get_closest_marker("vllm")
+                                                            or item.get_closest_marker("sglang")):
+            item.add_marker(pytest.mark.timeout(SERVER_TEST_TIMEOUT_S))
+
+
 class Preempted(Exception):
     """A simulated preemption: raised right after a checkpoint is committed."""
 

@@ -468,6 +468,7 @@ def test_policy_loss_padding_garbage_and_all_masked_rows(ratio_level):
         assert all(torch.isfinite(v) for v in stats.values())
         assert torch.isfinite(logps.grad).all()
         assert torch.equal(logps.grad[~mask.bool()], torch.zeros(int((~mask.bool()).sum())))
+        assert (logps.grad[mask.bool()] != 0).all(), agg  # the real tokens do get a gradient
     # No loss tokens at all: every stat is 0.
     loss, stats = policy_loss(logps, old, torch.ones(3), torch.zeros(3, 3), ratio_level=ratio_level)
     assert loss.item() == 0.0 and all(v.item() == 0.0 for v in stats.values())
@@ -584,8 +585,10 @@ def test_overlong_penalty_hand_computed():
     close(overlong_penalty(lengths, 10, 4, factor=2.0), [0.0, 0.0, -0.5, -1.0, -2.0, -2.0])
     # L_cache = L_max: the penalty starts at the first token, -|y| / 10
     close(overlong_penalty(lengths, 10, 10), [-0.5, -0.6, -0.7, -0.8, -1.0, -1.0])
-    for bad in (dict(max_len=0, cache_len=1), dict(max_len=10, cache_len=0), dict(max_len=10, cache_len=11)):
-        with pytest.raises(ValueError):
+    for bad, why in ((dict(max_len=0, cache_len=1), "max_len must be > 0, got 0"),
+                     (dict(max_len=10, cache_len=0), r"cache_len must be in \(0, max_len=10\], got 0"),
+                     (dict(max_len=10, cache_len=11), r"cache_len must be in \(0, max_len=10\], got 11")):
+        with pytest.raises(ValueError, match=why):
             overlong_penalty(lengths, **bad)
 
 

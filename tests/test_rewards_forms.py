@@ -93,6 +93,7 @@ def test_batched_wrong_length_is_an_error_naming_the_function(timeout_s):
 def test_batched_raising_makes_the_chunk_unscorable():
     out = score([_rf(raises)], ["a", "b"], [{}] * 2, ["s0", "s1"])
     assert out.parts["raises"] == [None, None] and out.total == [None, None]
+    assert [e.sample_id for e in out.errors] == ["s0", "s1"]
     assert all("batched call on 2 completions raised ValueError: boom" in str(e) for e in out.errors)
     with pytest.raises(RewardError, match="boom"):
         score([_rf(raises)], ["a"], [{}], ["s0"], fail_fast=True)

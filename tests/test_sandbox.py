@@ -124,11 +124,11 @@ def test_stdin_is_empty_by_default(sb):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="timeout_s must be a positive finite number, got 0"):
         run_python("pass", timeout_s=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="memory_mb must be a positive int, got 0"):
         run_python("pass", memory_mb=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_processes must be a positive int, got -1"):
         run_python("pass", max_processes=-1)
 
 

@@ -1,0 +1,189 @@
+"""Faults between the trainer and its inference servers, over real HTTP on loopback
+(tests/served_stub.py: servers speaking ``plainrl serve``'s routes, with faults switched on):
+a 5xx is retried once, then the server is marked dead and its requests go to another; a hung
+server is given up after ``timeout_s`` without a retry; a refused connection fails over; a
+slow first byte within ``timeout_s`` is no failure; a dead server that answers again gets the
+weights at the next sync and is used again; with none left the error names every server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plainrl.rollout.engines.remote import RemoteEngine
+from plainrl.rollout.engines.requests import EngineError
+from plainrl.types import SamplingParams
+from served_stub import StubServer
+
+PARAMS = SamplingParams(max_new_tokens=3, temperature=1.0)
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture()
+def servers(tokenizer):
+    made = [StubServer(0, tokenizer), StubServer(1, tokenizer)]
+    yield made
+    for s in made:
+        s.stop()
+
+
+def _engine(servers, tokenizer, tmp_path, **kw) -> RemoteEngine:
+    kw = {"timeout_s": 30.0, "connect_timeout_s": 5.0, **kw}
+    return RemoteEngine([s.url for s in servers], tokenizer, sync="lora", shared_dir=str(tmp_path / "shared"), **kw)
+
+
+def _served_by(gens) -> list[int]:
+    """The server each completion came from (the stub's ids are ``server_id * 1000 + i``)."""
+    return [g.token_ids[0] // 1000 for g in gens]
+
+
+def _lora_model(tiny_model_dir):
+    from plainrl.config import load_config
+    from plainrl.models import load_policy
+
+    cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                             f"model.name={tiny_model_dir}", "model.dtype=float32"])
+    return load_policy(cfg.model, torch.device("cpu"))
+
+
+def test_start_up_checks_each_server_then_requests_spread(servers, tokenizer, tmp_path):
+    engine = _engine(servers, tokenizer, tmp_path)
+    try:
+        assert [s.calls("/tokenize") for s in servers] == [1, 1]  # each server's tokenizer was probed
+        gens = engine.generate([[1, 2]] * 2 + [[3, 4]] * 2, PARAMS)  # two groups: one request each
+        assert sorted(_served_by(gens)) == [0, 0, 1, 1] and _served_by(gens)[:2] in ([0, 0], [1, 1])
+        assert [len(g.token_ids) for g in gens] == [3] * 4 and gens[0].logprobs == [-0.5] * 3
+        assert engine.take_metrics() == {"rollout/server_failures": 0.0}
+    finally:
+        engine.close()
+
+
+def test_a_5xx_is_retried_once_on_the_same_server(servers, tokenizer, tmp_path):
+    engine = _engine(servers[:1], tokenizer, tmp_path)
+    try:
+        servers[0].faults.fail_5xx = 1
+        gens = engine.generate([[1, 2]] * 2, PARAMS)
+        assert _served_by(gens) == [0, 0] and servers[0].calls(COMPLETIONS) == 2  # the 503, then the retry
+        assert engine.take_metrics()["rollout/server_failures"] == 0.0 and engine.pool.live() == [0]
+    finally:
+        engine.close()
+
+
+def test_a_server_failing_twice_is_marked_dead_and_its_requests_fail_over(servers, tokenizer, tmp_path):
+    engine = _engine(servers, tokenizer, tmp_path)
+    try:
+        servers[0].faults.fail_5xx = 2
+        gens = engine.generate([[1, 2]] * 2, PARAMS)  # one request: it goes to server 0 first (fewest in flight)
+        assert _served_by(gens) == [1, 1]
+        assert servers[0].calls(COMPLETIONS) == 2 and servers[1].calls(COMPLETIONS) == 1
+        assert engine.pool.live() == [1] and engine.take_metrics()["rollout/server_failures"] == 1.0
+        assert "answered 503" in engine.pool.errors[0]
+        engine.generate([[5]] * 2, PARAMS)
+        assert servers[0].calls(COMPLETIONS) == 2  # a dead server gets no more requests
+    finally:
+        engine.close()
+
+
+def test_a_hung_server_is_given_up_after_the_timeout_without_a_retry(servers, tokenizer, tmp_path):
+    engine = _engine(servers, tokenizer, tmp_path, timeout_s=2.0)
+    servers[0].faults.hang.set()
+    try:
+        gens = engine.generate([[1, 2]] * 2, PARAMS)
+        assert servers[0].entered.is_set() and _served_by(gens) == [1, 1]
+        assert servers[0].calls(COMPLETIONS) == 1  # a timeout is not retried: the server is presumed hung
+        assert "ReadTimeout" in engine.pool.errors[0] and engine.pool.live() == [1]
+    finally:
+        servers[0].faults.hang.clear()
+        engine.close()
+
+
+def test_a_refused_connection_fails_over_and_none_left_names_every_server(servers, tokenizer, tmp_path):
+    engine = _engine(servers, tokenizer, tmp_path)
+    try:
+        servers[0].stop()
+        assert _served_by(engine.generate([[1, 2]] * 2, PARAMS)) == [1, 1]
+        assert "ConnectError" in engine.pool.errors[0]
+        servers[1].stop()
+        with pytest.raises(EngineError, match=rf"no inference server left \(inference server {servers[0].url}.*"
+                                              rf"inference server {servers[1].url}.*plainrl serve"):
+            engine.generate([[1, 2]] * 2, PARAMS)
+    finally:
+        engine.close()
+
+
+def test_a_slow_first_byte_within_the_timeout_is_no_failure(servers, tokenizer, tmp_path):
+    # the first byte comes after the connect timeout but well within timeout_s: the connect
+    # timeout must not apply to an answer being computed
+    engine = _engine(servers[:1], tokenizer, tmp_path, timeout_s=30.0, connect_timeout_s=0.3)
+    servers[0].faults.first_byte_s = 1.0
+    try:
+        assert _served_by(engine.generate([[1, 2]] * 2, PARAMS)) == [0, 0]
+        assert servers[0].calls(COMPLETIONS) == 1 and engine.pool.live() == [0]
+    finally:
+        engine.close()
+
+
+def test_a_4xx_is_the_requests_fault_not_the_servers(servers, tokenizer, tmp_path):
+    engine = _engine(servers, tokenizer, tmp_path)
+    try:
+        engine._lora = "never-loaded"  # the server answers 404 for a model it does not hold
+        with pytest.raises(EngineError, match="answered 404.*never-loaded"):
+            engine.generate([[1, 2]] * 2, PARAMS)
+        assert engine.pool.live() == [0, 1] and servers[0].calls(COMPLETIONS) + servers[1].calls(COMPLETIONS) == 1
+    finally:
+        engine.close()
+
+
+def test_a_dead_server_that_answers_again_gets_the_weights_and_is_used_again(servers, tokenizer, tmp_path,
+                                                                             tiny_model_dir):
+    model = _lora_model(tiny_model_dir)
+    engine = _engine(servers, tokenizer, tmp_path)
+    try:
+        engine.load_weights(model)
+        first = engine._lora
+        assert all(s.adapters == {first} for s in servers)
+        servers[0].stop()
+        engine.generate([[1, 2]] * 2, PARAMS)
+        assert engine.pool.live() == [1]
+        servers[0] = servers[0].restart()  # back on the same port, without the adapter
+        engine.load_weights(model)  # the sync re-checks the dead server and pushes to it too
+        second = engine._lora
+        assert second != first and engine.pool.live() == [0, 1]
+        assert servers[0].adapters == {second} and servers[1].adapters == {second}  # the old one unloaded
+        assert [s.calls("/tokenize") for s in servers] == [1, 1]  # the revived one passed its start-up check again
+        seen = [len(s.requests) for s in servers]
+        gens = engine.generate([[1, 2]] * 2 + [[3, 4]] * 2, PARAMS)
+        assert sorted(_served_by(gens)) == [0, 0, 1, 1]  # used again, with the current adapter
+        assert [body["model"] for s, n in zip(servers, seen) for _, p, body in s.requests[n:] if p == COMPLETIONS] \
+            == [second, second]
+    finally:
+        engine.close()
+
+
+def test_a_server_failing_the_weight_push_is_marked_dead_the_others_hold_the_weights(servers, tokenizer, tmp_path,
+                                                                                     tiny_model_dir):
+    model = _lora_model(tiny_model_dir)
+    engine = _engine(servers, tokenizer, tmp_path)
+    try:
+        servers[0].faults.fail_paths, servers[0].faults.fail_5xx = ("/v1/load_lora_adapter",), 2
+        engine.load_weights(model)
+        assert engine.pool.live() == [1] and servers[1].adapters == {engine._lora} and not servers[0].adapters
+        assert _served_by(engine.generate([[1, 2]] * 2, PARAMS)) == [1, 1]
+        servers[1].faults.fail_paths, servers[1].faults.fail_5xx = ("/v1/load_lora_adapter",), 2
+        servers[0].faults.fail_5xx = 2
+        with pytest.raises(EngineError, match="no inference server left"):
+            engine.load_weights(model)
+    finally:
+        engine.close()
+
+
+def test_concurrent_requests_during_a_failure_all_complete(servers, tokenizer, tmp_path):
+    """Several groups in flight when a server starts failing: every request completes, on the other server."""
+    engine = _engine(servers, tokenizer, tmp_path)
+    try:
+        servers[0].faults.fail_5xx = 100
+        prompts = [[i, i] for i in range(8) for _ in range(2)]  # 8 groups of 2, sent concurrently
+        gens = engine.generate(prompts, PARAMS)
+        assert _served_by(gens) == [1] * 16 and engine.pool.live() == [1]
+    finally:
+        engine.close()
