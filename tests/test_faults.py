@@ -122,3 +122,25 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tiny_model_dir, tmp_pat
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_step"] for r in rows] == [1.0, 1.0, 1.0]
     assert all(r["loss"] == "nan" for r in rows)  # logged as it is, not smoothed
+
+
+def test_a_stop_agreed_under_torchrun_leaves_sigterm_ignored():
+    """torchrun sends SIGTERM to the ranks still running once one exits: after a stop agreed
+    by all ranks (Preempted), a rank finishing its exit must not die of it (status -15, not 75).
+    In one process, and on any other way out, the handlers are restored."""
+    from plainrl.run.lifecycle import GracefulStop, Preempted
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        for agree, raised, after in ((lambda v: v, Preempted(1, signal.SIGTERM, REPO), signal.SIG_IGN),
+                                     (None, Preempted(1, signal.SIGTERM, REPO), before),
+                                     (lambda v: v, RuntimeError("boom"), before)):
+            with pytest.raises(type(raised)):
+                with GracefulStop(agree=agree):
+                    assert signal.getsignal(signal.SIGTERM) not in (before, signal.SIG_IGN)
+                    raise raised
+            assert signal.getsignal(signal.SIGTERM) == after
+            assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
+            signal.signal(signal.SIGTERM, before)
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -41,19 +41,24 @@ def test_policy_base_is_bound_to_the_policy_and_servers_are_checked_first():
         bind_judges(build_reward_fns([RewardSpec(fn="judge", kwargs={"min_score": 5, "max_score": 5})]), "m")
 
 
+@pytest.mark.timeout(1800)  # 940 s measured on 2 cores at load average 20
 def test_a_run_judged_by_the_policys_base_model(tmp_path, capsys):
-    """The embedded model judges its own arithmetic (weight 0: logged beside correctness)."""
+    """The embedded model judges its own arithmetic (weight 0: logged beside correctness). A
+    135M model rarely answers the default grading template with a number (0 of 8 replies had
+    one), so the judge is asked the question itself and its first number, on the task's 0-198
+    scale, is the score: the test is of the judge's path through a run, which must score."""
     run = tmp_path / "run"
+    judge_kwargs = "{max_new_tokens: 8, template: '{prompt}', max_score: 198}"
     over = [f"run_dir={run}", "model.dtype=float32", "train.steps=1", "train.warmup_steps=0", "rollout.prompts_per_step=4",
             "rollout.group_size=2", "rollout.max_new_tokens=24", "eval.before=false", "eval.after=false",
             "log.progress=false", "log.report=false", "log.rollouts_per_step=8",
-            "rewards=[{fn: correctness}, {fn: judge, weight: 0.0, kwargs: {max_new_tokens: 8}}]"]
+            f"rewards=[{{fn: correctness}}, {{fn: judge, weight: 0.0, kwargs: {judge_kwargs}}}]"]
     assert main(["train", "examples/arithmetic_grpo.yaml", *over]) == 0
     step = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
-    assert "reward/judge/mean" in step or "reward/judge/unscorable" in step
     parts = [json.loads(x)["reward_parts"] for x in (run / "rollouts.jsonl").read_text().splitlines()]
     scores = [p["judge"] for p in parts]
-    assert len(scores) == 8 and all(s is None or 0.0 <= s <= 1.0 for s in scores)
-    agree = [(s >= 0.5) == (p["correctness"] == 1.0) for s, p in zip(scores, parts) if s is not None]
-    print(f"judge (SmolLM2-135M-Instruct judging itself): {len(agree)}/8 scored, agreement with correctness "
-          f"{sum(agree)}/{len(agree)}")
+    scored = [s for s in scores if s is not None]
+    assert len(scores) == 8 and len(scored) >= 4, scores  # the judge's replies were read as scores
+    assert all(0.0 <= s <= 1.0 for s in scored)
+    assert step["reward/judge/mean"] == pytest.approx(sum(scored) / len(scored))
+    print(f"judge (SmolLM2-135M-Instruct answering the question itself): {len(scored)}/8 scored")

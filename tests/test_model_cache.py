@@ -155,9 +155,33 @@ deadline = time.time() + 120
 while len(list(ready.iterdir())) < 2 and time.time() < deadline:
     time.sleep(0.01)
 """
+# Whichever process takes the lock builds only once the other is known to wait for it (its
+# "another process is building" warning, seen by a handler that also prints it as Python's
+# default would): the race happens every time, whatever the scheduling, instead of when the
+# loser happens to reach the lock before the winner has finished.
 _RACE = textwrap.dedent("""
+    import logging
+    from plainrl.models import gguf
     from plainrl.models.gguf import convert_gguf
 """) + _BARRIER + textwrap.dedent("""
+    class Waiting(logging.StreamHandler):
+        def emit(self, record):
+            super().emit(record)
+            if "another process is building" in record.getMessage():
+                (ready / "waiting").touch()
+
+    logging.getLogger("plainrl.models.cache").addHandler(Waiting())
+    real_publish = gguf.publish_dir
+
+    def publish_once_the_other_waits(target, build, **kw):
+        def held(tmp):
+            deadline = time.time() + 120
+            while not (ready / "waiting").exists() and time.time() < deadline:
+                time.sleep(0.01)
+            return build(tmp)
+        return real_publish(target, held, **kw)
+
+    gguf.publish_dir = publish_once_the_other_waits
     print(convert_gguf(Path(sys.argv[1]), sys.argv[2]))
 """)
 

@@ -3,6 +3,7 @@ shaping, several passes over a rollout batch, the PPO critic. (Every preset also
 to end through its example in tests/test_loop.py.)"""
 
 import json
+import shutil
 from typing import get_args
 
 import pytest
@@ -17,6 +18,7 @@ from plainrl.config import (
     load_config,
 )
 from plainrl.algorithms.estimators import ADVANTAGE_ESTIMATORS, compute_advantages
+from plainrl.checkpoint import CheckpointError
 from plainrl.frames import completion_frame
 from plainrl.rewards import score_episodes
 from plainrl.run.setup import advantage_params, make_learner
@@ -278,7 +280,8 @@ def test_single_pass_keeps_the_cheap_on_policy_path(tiny_model_dir, monkeypatch)
     learner = _learner(tiny_model_dir)
     monkeypatch.setattr(learner, "completion_logps", lambda *a, **k: pytest.fail("no recompute for one pass"))
     calls = _spy(monkeypatch)
-    learner.update(_episodes(4), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    stats = learner.update(_episodes(4), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    assert len(calls) == stats.micro_batches >= 1  # the spy saw every micro-batch's loss
     assert all(torch.equal(c["old"], c["logps"]) for c in calls)
 
 
@@ -326,6 +329,12 @@ def test_ppo_resume_restores_the_critic_exactly(tiny_model_dir, tmp_path, monkey
     with pytest.raises(Preempted):
         loop.train(_ppo(tiny_model_dir, cut, "checkpoint.every=1"))
     monkeypatch.setattr(run_setup, "save_checkpoint", real)
+    # a policy checkpoint whose critic checkpoint is gone is refused, naming what is missing
+    broken = tmp_path / "broken"
+    shutil.copytree(cut, broken)
+    shutil.rmtree(broken / "critic" / "checkpoints" / "step-000001")
+    with pytest.raises(CheckpointError, match=r"cannot resume the critic: .*critic/checkpoints/step-000001 is missing"):
+        loop.train(_ppo(tiny_model_dir, broken, "checkpoint.every=1"))
     loop.train(_ppo(tiny_model_dir, cut, "checkpoint.every=1"))
     assert _rows(cut) == _rows(full)
     assert (cut / "critic" / "checkpoints" / "step-000002").is_dir()

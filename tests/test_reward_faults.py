@@ -11,6 +11,8 @@ from plainrl.rewards import RewardError
 
 FNS = REPO / "tests" / "data" / "my_reward.py"
 BAD = REPO / "tests" / "data" / "bad_rewards.py"
+WHY = {"raises": "RuntimeError: reward backend down", "nan": "returned nan, expected a finite float",
+       "hangs": "timed out after 1s"}
 
 
 def _cfg(tiny_model_dir, run_dir, bad, *extra):
@@ -29,7 +31,12 @@ def test_unscorable_samples_are_counted_and_the_run_continues(tiny_model_dir, tm
         assert r["reward/unscorable"] == 4.0  # every sample: the bad function has a non-zero weight
         assert r["loss"] == 0.0  # unscorable samples get advantage 0
     lines = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
-    assert all(x["reward"] is None and x["reward_parts"][bad] is None for x in lines)
+    assert lines and all(x["reward"] is None and x["reward_parts"][bad] is None for x in lines)
+    # why, per sample, in errors.jsonl: each step's 4 samples, the function named, the cause
+    errors = [json.loads(x) for x in (run / "errors.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in errors] == [0] * 4 + [1] * 4
+    assert len({(e["step"], e["sample_id"]) for e in errors}) == 8
+    assert all(e["source"] == f"reward '{bad}'" and WHY[bad] in e["error"] for e in errors), errors
 
 
 def test_fail_fast_stops_with_the_function_and_sample(tiny_model_dir, tmp_path):

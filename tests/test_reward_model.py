@@ -18,6 +18,7 @@ from plainrl.models import sequence_scores
 from plainrl.models import ModelLoadError, load_policy
 from plainrl.data.offline import load_offline_data
 from plainrl.train.offline import collate
+from plainrl.rewards import RewardLoadError
 from plainrl.rewards.model import RewardModel
 from plainrl.types import Episode
 
@@ -98,5 +99,5 @@ def test_reward_model_errors(rm_run, tiny_model_dir, tmp_path, tokenizer):
     with pytest.raises(ModelLoadError, match="no adapter_config.json or config.json"):
         run_setup.prepare(empty)
     dup = f"[{{model: '{rm_run / 'final'}'}}, {{fn: plainrl.rewards:correctness, name: reward_model}}]"
-    with pytest.raises(Exception, match="'reward_model' is used twice"):
+    with pytest.raises(RewardLoadError, match="reward name 'reward_model' is used twice: rewards\\[0\\] .*give one of them a distinct"):
         run_setup.prepare(_rl_cfg(tiny_model_dir, tmp_path / "run", dup))

@@ -7,6 +7,10 @@ weights at the next sync and is used again; with none left the error names every
 
 from __future__ import annotations
 
+import threading
+import time
+
+import httpx
 import pytest
 import torch
 
@@ -50,6 +54,9 @@ def test_start_up_checks_each_server_then_requests_spread(servers, tokenizer, tm
     engine = _engine(servers, tokenizer, tmp_path)
     try:
         assert [s.calls("/tokenize") for s in servers] == [1, 1]  # each server's tokenizer was probed
+        together = threading.Barrier(2)  # both requests in flight at once, wherever they went
+        for s in servers:
+            s.faults.together = together
         gens = engine.generate([[1, 2]] * 2 + [[3, 4]] * 2, PARAMS)  # two groups: one request each
         assert sorted(_served_by(gens)) == [0, 0, 1, 1] and _served_by(gens)[:2] in ([0, 0], [1, 1])
         assert [len(g.token_ids) for g in gens] == [3] * 4 and gens[0].logprobs == [-0.5] * 3
@@ -85,7 +92,10 @@ def test_a_server_failing_twice_is_marked_dead_and_its_requests_fail_over(server
 
 
 def test_a_hung_server_is_given_up_after_the_timeout_without_a_retry(servers, tokenizer, tmp_path):
-    engine = _engine(servers, tokenizer, tmp_path, timeout_s=2.0)
+    start = time.monotonic()
+    engine = _engine(servers, tokenizer, tmp_path)  # the start-up checks: 3 calls to each server
+    # the timeout: far above what an answer takes on this machine now, so only the hung server misses it
+    engine.client.timeout = httpx.Timeout(max(2.0, 10 * (time.monotonic() - start)), connect=5.0)
     servers[0].faults.hang.set()
     try:
         gens = engine.generate([[1, 2]] * 2, PARAMS)
@@ -114,7 +124,8 @@ def test_a_refused_connection_fails_over_and_none_left_names_every_server(server
 def test_a_slow_first_byte_within_the_timeout_is_no_failure(servers, tokenizer, tmp_path):
     # the first byte comes after the connect timeout but well within timeout_s: the connect
     # timeout must not apply to an answer being computed
-    engine = _engine(servers[:1], tokenizer, tmp_path, timeout_s=30.0, connect_timeout_s=0.3)
+    engine = _engine(servers[:1], tokenizer, tmp_path)
+    engine.client.timeout = httpx.Timeout(30.0, connect=0.3)  # after the start-up checks, which use the connect timeout
     servers[0].faults.first_byte_s = 1.0
     try:
         assert _served_by(engine.generate([[1, 2]] * 2, PARAMS)) == [0, 0]
@@ -152,6 +163,9 @@ def test_a_dead_server_that_answers_again_gets_the_weights_and_is_used_again(ser
         assert servers[0].adapters == {second} and servers[1].adapters == {second}  # the old one unloaded
         assert [s.calls("/tokenize") for s in servers] == [1, 1]  # the revived one passed its start-up check again
         seen = [len(s.requests) for s in servers]
+        together = threading.Barrier(2)  # both requests in flight at once
+        for s in servers:
+            s.faults.together = together
         gens = engine.generate([[1, 2]] * 2 + [[3, 4]] * 2, PARAMS)
         assert sorted(_served_by(gens)) == [0, 0, 1, 1]  # used again, with the current adapter
         assert [body["model"] for s, n in zip(servers, seen) for _, p, body in s.requests[n:] if p == COMPLETIONS] \

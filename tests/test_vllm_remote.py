@@ -170,9 +170,12 @@ def test_the_judge_reward_asks_an_openai_compatible_server(server):
     url, _ = server
     bound = bind_judges(build_reward_fns([RewardSpec(fn="judge", kwargs={"model": url, "max_new_tokens": 8})]), "m")
     assert bound[0].kwargs["model"] == url  # a URL is kept, after answering /v1/models
+    # a 135M model rarely grades with a number (tests/test_judge.py): asked the question itself, it
+    # answers with numbers, which is what this test needs of the server path (a reply read as a score)
     scores = judge(["12 + 7 = 19", "12 + 7 = 5"], prompt=["What is 12 + 7?"] * 2, answer=["19", "19"],
-                   model=url, max_new_tokens=8)
-    assert len(scores) == 2 and all(s is None or 0.0 <= s <= 1.0 for s in scores)
+                   model=url, max_new_tokens=8, template="{prompt}", max_score=198)
+    assert len(scores) == 2 and any(s is not None for s in scores), scores
+    assert all(s is None or 0.0 <= s <= 1.0 for s in scores)
 
 
 def test_two_ranks_under_torchrun_sample_through_the_server(server, tmp_path):

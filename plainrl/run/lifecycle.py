@@ -61,7 +61,10 @@ class GracefulStop:
     SIGINT interrupts at once (KeyboardInterrupt). Handlers are restored on exit.
 
     ``agree``: under torchrun, the largest value over the ranks (``Parallel.max``): a signal
-    that reached one rank stops them all at the same boundary (:meth:`requested`)."""
+    that reached one rank stops them all at the same boundary (:meth:`requested`). Leaving
+    with :class:`Preempted` there, SIGTERM stays ignored: torchrun sends it to the ranks still
+    running as soon as one rank exits, and it would kill a rank finishing its own exit (status
+    -15 instead of 75, its clean-up cut short) after the checkpoint every rank agreed on."""
 
     def __init__(self, agree: Callable[[int], int] | None = None):
         self._agree = agree
@@ -86,9 +89,10 @@ class GracefulStop:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+            stopping = sig == signal.SIGTERM and self._agree is not None and exc_type is Preempted
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)
 
 
 def open_run(cfg: Config, *, write: bool = True) -> tuple[Path, Path | None, list[str]]:
