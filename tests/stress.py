@@ -18,7 +18,7 @@ import sys
 
 
 def _spin() -> None:
-    os.nice(0)  # same priority as the tests: a real competitor, not idle-time filler
+    # at the tests' own priority (inherited): a real competitor for the cores, not idle-time filler
     while True:
         pass
 

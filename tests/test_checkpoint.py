@@ -201,7 +201,7 @@ def learner_steps(learner, gen, steps):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_round_trip_bf16_with_fp32_master_weights(tmp_path, lora):
     ln = _learner(lora, 0)
-    assert any(m is not p for m, p in zip(ln.master, ln.params))  # masters are real copies
+    assert ln.master and all(m is not p and m.dtype == torch.float32 for m, p in zip(ln.master, ln.params))  # fp32 copies
     gen = torch.Generator().manual_seed(7)
     learner_steps(ln, gen, 2)
     path = save_checkpoint(tmp_path, 2, model=ln.model, optimizer=ln.optimizer, scheduler=ln.scheduler,
