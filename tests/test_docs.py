@@ -178,3 +178,9 @@ def test_code_pointers_fail_on_a_bad_file(tmp_path):
     problems = docs_check.check_code_pointers([bad])
     assert len(problems) == 2, problems
     assert '"Portable outputs": no such section' in problems[0] and "gone.md, which does not exist" in problems[1]
+
+
+def test_readme_stays_a_front_page():
+    """README.md is the front page (at most 250 lines); details belong on a page of docs/."""
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 250, f"README.md has {lines} lines: move detail to docs/ and link it"
