@@ -165,11 +165,13 @@ def _progress_bars_off():
         disable_progress_bars()
         undo.append(enable_progress_bars)
     if "datasets" in sys.modules:
-        from datasets.utils import tqdm as ds_tqdm
+        # datasets' public switch (datasets.utils.logging); `from datasets.utils import tqdm` is its tqdm
+        # class in datasets 5, not the module with the switch
+        from datasets.utils import logging as ds_logging
 
-        if not ds_tqdm.are_progress_bars_disabled():
-            ds_tqdm.disable_progress_bars()
-            undo.append(ds_tqdm.enable_progress_bars)
+        if ds_logging.is_progress_bar_enabled():
+            ds_logging.disable_progress_bar()
+            undo.append(ds_logging.enable_progress_bar)
     elif "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ:
         # datasets reads this once, when first imported (importing it here would cost a second or two
         # in runs that never use it): its bars then stay off in this process
