@@ -181,10 +181,10 @@ def test_the_judge_reward_asks_an_openai_compatible_server(server):
 def test_two_ranks_under_torchrun_sample_through_the_server(server, tmp_path):
     """Remote engines under torchrun (docs/distributed.md): every rank sends its own prompt
     groups to the server, rank 0 alone pushes the (FSDP2-gathered) adapter once per step, and
-    both ranks then sample the learner's policy. Rank 0's push is held back 3 s and the first
-    update is large (a reward that differs between samples, lr 5e-3): a rank sampling before
-    the push, or naming the base model instead of the pushed adapter, gives step 2 a
-    logprob_diff far above the tolerance."""
+    both ranks then sample the learner's policy. Rank 0's push is held back 3 s, rank 1 samples
+    alone (tests/dist_delayed_push.py) and the first update is large (a reward that differs
+    between samples, lr 5e-3): a rank sampling before the push, or naming the base model instead
+    of the pushed adapter, gives step 2 a logprob_diff far above the tolerance."""
     import json
     import subprocess
     import sys
@@ -197,8 +197,11 @@ def test_two_ranks_under_torchrun_sample_through_the_server(server, tmp_path):
             "train.lr=5e-3", "train.warmup_steps=0",
             f"rewards=[{{fn: {REPO / 'tests' / 'dist_delayed_push.py'}:distinct_words}}]",
             "rollout.engine=remote", f"rollout.remote.urls=[{url}]"]
+    marks = tmp_path / "marks"
+    marks.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO / "tests" / "dist_delayed_push.py"), "3", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]
+           str(REPO / "tests" / "dist_delayed_push.py"), "3", str(marks), str(REPO / "examples" / "arithmetic_grpo.yaml"),
+           *over]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
