@@ -18,7 +18,7 @@ import plainrl.run.setup as run_setup  # noqa: E402
 from conftest import REPO, tiny_overrides  # noqa: E402
 from plainrl.cli import main  # noqa: E402
 from plainrl.config import ConfigError, RewardSpec  # noqa: E402
-from plainrl.integrations.reasoning_gym import rows, score, solved  # noqa: E402
+from plainrl.integrations.reasoning_gym import answered, rows, score, solved  # noqa: E402
 from plainrl.rewards import build_reward_fns  # noqa: E402
 from plainrl.rewards import score as score_all  # noqa: E402
 
@@ -65,6 +65,7 @@ def test_rows_are_reasoning_gyms_entries_and_rewards_are_its_scores():
     assert {0.0, 1.0} < set(expected)  # partial credit too: not all 0/1
     assert default_differs > 0  # the near misses a default-config scorer would fail
     assert [solved(c, **r) for c, r in zip(completions, table)] == [float(e == 1.0) for e in expected]
+    assert [answered(c) for c in completions] == [float(extract_answer(c) is not None) for c in completions]
 
 
 def test_one_dataset_a_list_and_named_or_literal_system_prompts():
@@ -104,6 +105,7 @@ def test_two_steps_rewards_recomputed_and_held_out_from_another_seed(tiny_model_
     config = yaml.safe_load((REPO / "examples" / "reasoning_gym_grpo.yaml").read_text())
     config["data"]["source_args"].update(datasets=MIX, size=size)  # an override would merge into the example's mix
     config["data"]["eval_source_args"] = {"seed": 1000}
+    config["rewards"] = [{"fn": "plainrl.integrations.reasoning_gym:score"}]  # the example adds a shaping reward
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", str(tmp_path / "c.yaml"), *tiny_overrides(tiny_model_dir, run)]) == 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -33,7 +33,7 @@ from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSp
 from reasoning_gym.factory import DATASETS  # noqa: E402
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer  # noqa: E402
 
-__all__ = ["rows", "score", "solved"]
+__all__ = ["answered", "rows", "score", "solved"]
 
 ARGS = "data.source_args"
 # set once for the whole mix by rows(size=, seed=): a per-dataset seed would also pin the held-out rows
@@ -184,6 +184,13 @@ def score(completion: str, *, question: str, answer: Any, metadata: dict[str, An
     """
     entry = {"question": question, "answer": answer, "metadata": metadata}
     return float(_dataset(rg_dataset, rg_config).score_answer(extract_answer(completion), entry))
+
+
+def answered(completion: str, **_columns: Any) -> float:
+    """Shaping reward: 1.0 when ``completion`` has an ``<answer>...</answer>`` block (reasoning-gym's
+    ``extract_answer`` finds one), right or wrong, else 0.0: a model that never writes the block
+    never gets a non-zero :func:`score` to learn from."""
+    return 0.0 if extract_answer(completion) is None else 1.0
 
 
 def solved(completion: str, **columns: Any) -> float:
