@@ -1,0 +1,181 @@
+"""The ``algorithm`` section: the algorithm's name, its presets and every knob of the pure
+functions in :mod:`plainrl.algorithms` (formulas and papers: docs/algorithms.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from plainrl.config.base import _Section
+
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "sft", "dpo", "rm"]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
+KLPlacement = Literal["loss", "reward"]
+
+# Trained on rows from data.path by plainrl.run.offline, not by the RL loop.
+OFFLINE_ALGORITHMS = ("sft", "dpo", "rm")
+
+# algorithm.name -> defaults of the other algorithm.* knobs. A preset only fills in
+# keys the user did not set, so an explicit value always wins; the resolved values
+# are what config.yaml records. Sources and reasoning: docs/algorithms.md, "Presets".
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {"advantage": "grpo", "norm_std": True, "loss_agg": "token-mean"},
+    "dr_grpo": {"advantage": "grpo", "norm_std": False, "loss_agg": "seq-mean-token-sum-norm"},
+    "dapo": {
+        "advantage": "grpo", "norm_std": True, "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.28,
+        "kl_coef": 0.0, "dynamic_sampling": True, "overlong_buffer": 0.2, "overlong_filter": True,
+    },
+    "rloo": {"advantage": "rloo", "loss_agg": "seq-mean-token-sum-norm"},
+    "reinforce_pp": {
+        "advantage": "reinforce_pp", "loss_agg": "token-mean", "kl_coef": 0.01, "kl_estimator": "k1",
+        "kl_placement": "reward", "gamma": 1.0,
+    },
+    "gspo": {
+        "advantage": "grpo", "norm_std": True, "ratio_level": "sequence", "loss_agg": "seq-mean-token-mean",
+        "clip_low": 3e-4, "clip_high": 4e-4, "mini_batches": 4,
+    },
+    "ppo": {
+        "advantage": "gae", "gamma": 1.0, "lam": 0.95, "value_clip": 0.2, "loss_agg": "token-mean",
+        "kl_coef": 0.01, "kl_estimator": "k1", "kl_placement": "reward", "ppo_epochs": 2,
+        "whiten_advantages": True,
+    },
+    "sft": {"loss_agg": "token-mean"},
+    "dpo": {"beta": 0.1},
+    "rm": {},
+}
+
+
+class AlgorithmConfig(_Section):
+    """Which algorithm, as configuration of the pure functions in plainrl.algorithms
+    (formulas, knobs and papers: docs/algorithms.md).
+
+    ``name`` is a preset: it sets defaults of the other knobs (:data:`PRESETS`) for
+    the keys not given explicitly; every knob can still be set on its own.
+    """
+
+    name: AlgorithmName = "grpo"
+    """The preset: sets defaults of the other `algorithm.*` knobs that are not given (`grpo`, `dr_grpo`, `dapo`,
+    `rloo`, `reinforce_pp`, `gspo`, `ppo`; `sft`, `dpo`, `rm` train on rows instead)."""
+    # advantages
+    advantage: AdvantageEstimator = "grpo"
+    """Advantage estimator: `grpo` (group mean/std), `rloo` (leave-one-out), `reinforce_pp` (batch-normalised
+    returns) or `gae` (learned critic)."""
+    norm_std: bool = True
+    """`grpo` advantages: divide by the group's std (false: Dr. GRPO)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount per token (`reinforce_pp`, `gae`)."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE's lambda."""
+    whiten_advantages: bool = False
+    """Normalise advantages over the batch's loss tokens (PPO)."""
+    # policy loss
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """Lower clip range of the importance ratio (1 - clip_low)."""
+    clip_high: float = Field(0.2, ge=0.0)
+    """Upper clip range of the importance ratio (1 + clip_high; DAPO's clip-higher: 0.28)."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip bound on the ratio for negative advantages (null: off)."""
+    tis_cap: float | Literal["auto"] | None = "auto"
+    """Truncated importance sampling: the policy loss weighted per token by min(pi_learner / pi_engine, tis_cap), for
+    an engine whose logprobs differ from the learner's (Yao et al. 2025, 'Your efficient RL framework secretly
+    brings you off-policy RL training'; null: off). `auto`: 2.0 (the paper's cap; TRL corrects vLLM rollouts by
+    default) when the engine's logprobs can differ from the learner's (`vllm` or `remote` engines, 16-bit weights,
+    `rollout.async_steps: 1`), off when the embedded engine samples with the learner's own float32 weights
+    (`plainrl.run.setup.resolve_tis_cap`; the run's log says which)."""
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _positive_cap(cls, v):
+        if isinstance(v, float) and v <= 0:
+            raise ValueError(f"algorithm.tis_cap must be > 0, auto or null, got {v}")
+        return v
+
+    ratio_level: Literal["token", "sequence"] = "token"
+    """`token` ratios, or `sequence` (GSPO's length-normalised sequence ratio)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are averaged: `token-mean`, `seq-mean-token-mean` or `seq-mean-token-sum-norm` (a constant
+    normaliser, Dr. GRPO)."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of an entropy bonus in the loss."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL to the reference policy (the policy the run starts from)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: `k1`, `k2` or `k3`."""
+    kl_placement: KLPlacement = "loss"
+    """`loss`: a penalty term in the loss; `reward`: folded into the per-token reward."""
+    kl_reward_coef: float = Field(0.0, ge=0.0)
+    """A KL penalty in the reward beside the one in the loss (PPO-RLHF's per-token penalty), logged as `kl_reward`."""
+    kl_reward_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Estimator of `kl_reward_coef`'s KL."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over one rollout batch; more than one pass in all recomputes old logprobs first."""
+    mini_batches: int = Field(1, gt=0)
+    """Optimiser steps per pass."""
+    value_clip: float | None = Field(0.2, gt=0.0)
+    """`gae`: clip range of the critic's value update (null: off)."""
+    # DAPO
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts."""
+    dynamic_sampling_tries: int = Field(4, gt=0)
+    """Rollout batches per step at most under dynamic sampling."""
+    overlong_buffer: float | None = Field(None, gt=0.0, le=1.0)
+    """DAPO's soft overlong punishment: the last fraction of the completion budget over which a length penalty grows
+    (null: off)."""
+    overlong_penalty: float = Field(1.0, ge=0.0)
+    """The largest overlong length penalty."""
+    overlong_filter: bool = False
+    """Truncated completions get loss mask 0."""
+    # DPO
+    beta: float = Field(0.1, gt=0.0)
+    """DPO's beta."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("norm_std", True) is None:  # configs saved before presets: null meant "the preset's"
+            del data["norm_std"]
+        preset = PRESETS.get(data.get("name", "grpo"), {})  # an unknown name is reported by the Literal check
+        return {**preset, **data}
+
+    @model_validator(mode="after")
+    def _one_reward_kl(self) -> "AlgorithmConfig":
+        if self.kl_reward_coef > 0 and self.kl_placement == "reward" and self.kl_coef > 0:
+            raise ValueError(
+                f"algorithm.kl_reward_coef={self.kl_reward_coef} puts a KL into the reward, and algorithm.kl_placement="
+                f"reward puts algorithm.kl_coef={self.kl_coef} there too (the preset {self.name!r} may set it); set "
+                "algorithm.kl_placement=loss to have kl_coef in the loss beside kl_reward_coef in the reward, or "
+                "algorithm.kl_reward_coef=0"
+            )
+        return self
+
+    @property
+    def reward_kl(self) -> tuple[float, str]:
+        """``(coefficient, estimator)`` of the KL subtracted from the reward: ``kl_reward_*``, or
+        ``kl_coef``/``kl_estimator`` under ``kl_placement: reward``; coefficient 0 when none."""
+        if self.kl_reward_coef > 0:
+            return self.kl_reward_coef, self.kl_reward_estimator
+        return (self.kl_coef, self.kl_estimator) if self.kl_placement == "reward" else (0.0, self.kl_estimator)
+
+    @property
+    def loss_kl_coef(self) -> float:
+        """The weight of the KL term of the loss (``kl_coef`` under ``kl_placement: loss``, else 0)."""
+        return self.kl_coef if self.kl_placement == "loss" else 0.0
+
+    @property
+    def uses_reference(self) -> bool:
+        """A KL to the reference policy is computed (in the loss, the reward, or both)."""
+        return self.kl_coef > 0 or self.kl_reward_coef > 0
+
+    @property
+    def offline(self) -> bool:
+        """Trained on data rows (sft, dpo, rm) rather than by RL."""
+        return self.name in OFFLINE_ALGORITHMS
+
+    @property
+    def multi_pass(self) -> bool:
+        """More than one optimiser step per rollout batch (old logprobs must be recomputed)."""
+        return self.ppo_epochs > 1 or self.mini_batches > 1
