@@ -57,7 +57,7 @@ def request_sampling(req: SamplingFields, run: SamplingParams, max_tokens: int |
         or (req.top_p is not None and req.top_p != run.top_p)
         or (req.top_k is not None and req.top_k not in (run.top_k, -1 if run.top_k == 0 else run.top_k))
         or any(getattr(req, k, None) is not None and getattr(req, k) != v for k, v in _NEUTRAL.items())
-        or bool(getattr(req, "logit_bias", None))
+        or bool(req.logit_bias)
     )
     params = dataclasses.replace(
         run, max_new_tokens=min(limit, run.max_new_tokens) if limit else run.max_new_tokens,

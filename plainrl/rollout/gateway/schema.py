@@ -127,21 +127,10 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
 
 
-class GenerateSampling(_Model):
-    """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them (the fields read here)."""
+class GenerateSampling(SamplingFields):
+    """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them: the fields every
+    generating route shares (read here), and ``n``."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
     n: int | None = Field(None, ge=1)
     logprobs: int | None = None
 
