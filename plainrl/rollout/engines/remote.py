@@ -128,7 +128,7 @@ class RemoteEngine(ServedEngine):
         """One full sync over the group (formed first, or again when the live servers changed):
         each server is told by RPC to receive the buckets' layout, the trainer broadcasts, then
         every prefix cache is reset."""
-        members = tuple(i for i in range(len(self.urls)) if i in set(self.pool.live()) or self._answers(i))
+        members = tuple(self._push_targets())
         if not members:
             raise self.pool.none_left()
         if self._group is None or members != self._group_members:

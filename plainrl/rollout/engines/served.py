@@ -248,8 +248,7 @@ class ServedEngine:
             pass
 
     def _push_all(self, push: Callable[[str], None]) -> None:
-        live = set(self.pool.live())
-        targets = [i for i in range(len(self.urls)) if i in live or self._answers(i)]
+        targets = self._push_targets()
         with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
             results = {i: pool.submit(push, self.urls[i]) for i in targets}
         for i, fut in results.items():
@@ -284,6 +283,11 @@ class ServedEngine:
             else:
                 self.pool.mark_dead(i, EngineError(f"inference server {self.urls[i]} did not receive the "
                                                    "learner's latest weights"))
+
+    def _push_targets(self) -> list[int]:
+        """The servers a weight push goes to: the live ones, and dead ones that answer again."""
+        live = set(self.pool.live())
+        return [i for i in range(len(self.urls)) if i in live or self._answers(i)]
 
     def _answers(self, server: int) -> bool:
         """Whether a dead server is back: it passes the start-up check again."""

@@ -21,6 +21,7 @@ the receive.
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 from dataclasses import dataclass
@@ -46,14 +47,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        return math.prod(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
 
 def _layer_key(name: str) -> str:
