@@ -62,8 +62,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server (finally)
     print(cpu_line())
     work = Path(tempfile.mkdtemp(prefix="plainrl-weight-sync-"))
+    (work / "shared").mkdir()
     proc, url = _serve(["model.dtype=float32", "model.lora.enabled=false", "model.max_context=512",
-                        "rollout.vllm.enforce_eager=true"], work / "server.log")
+                        "rollout.vllm.enforce_eager=true", f"rollout.remote.shared_dir={work / 'shared'}"],
+                       work / "server.log")  # the server loads weight files only from its shared directory
     try:
         tok = load_tokenizer(MODEL)
         policy = load_policy(ModelConfig(name=MODEL, dtype="float32", lora={"enabled": False}), torch.device("cpu"))

@@ -139,9 +139,9 @@ class RemoteEngine(ServedEngine):
         buckets = plan_buckets(tensors.items())
         body = {"method": "plainrl_receive_weights", "args": [layout_json(buckets)]}
         with ThreadPoolExecutor(max_workers=len(members)) as pool:
-            futures = [pool.submit(self._call, "POST", self.urls[i], "/collective_rpc", json=body, retries=0)
-                       for i in members]
-            self._group.send(tensors, buckets, device)
+            futures = []
+            self._group.send(tensors, buckets, device, start=lambda: futures.extend(
+                pool.submit(self._call, "POST", self.urls[i], "/collective_rpc", json=body, retries=0) for i in members))
             for f in futures:
                 f.result()
         for i in members:
