@@ -1,36 +1,54 @@
 """What the OpenAI-compatible gateway costs against ``llm.chat``: the same agent (a chat of
-``--turns`` calls, a tool message between them) run through ``llm.chat`` and through
-``llm.openai_client()`` (``openai.AsyncOpenAI`` over loopback HTTP), ``--episodes`` at once.
+``--turns`` calls, a tool message between them) through ``llm.chat`` and through the gateway.
 
-    python benchmarks/gateway.py [--episodes 64] [--turns 4] [--engine-ms 0 50] [--repeats 5]
+    python benchmarks/gateway.py [--episodes 64] [--turns 4] [--engine-ms 0 1000] [--repeats 5]
+    python benchmarks/gateway.py --train 3 [--runs 2]    # real training steps, the embedded model
 
-The engine is a stand-in that answers every batch after ``--engine-ms`` milliseconds (0: at
-once, so that only the agent loop and the gateway are timed; 50: a step whose engine time is
-that of a small model's batch). A third way posts the same JSON with a plain ``httpx`` client,
-to tell the gateway's own cost (HTTP, validation, responses) from the ``openai`` SDK's (its
-request transformation and response models, which the agent pays with any server). For each
-engine latency it prints the median wall time of a rollout per way (after a warm-up rollout
-each, interleaved), the added time per model call ((way - llm.chat) / calls: every call's work
-runs on the one event loop, so this is its cost per call) and the step-time ratios. Ends with
-one ``key=value`` line per latency.
+Rollouts (the default). The engine is a stand-in that answers every batch after
+``--engine-ms`` milliseconds (0: at once, so only the agent loop and the gateway are timed).
+Four ways: ``llm.chat``; the ``openai`` SDK on ``llm.openai_client()`` (requests handed to the
+gateway's app on the episodes' loop, no socket); the same SDK over loopback HTTP (a client
+built from ``llm.base_url``, as a subprocess agent's would be); and plain ``httpx`` posting
+the same JSON through ``llm.openai_client()``'s transport (the gateway's own cost without the
+SDK's request transformation and response models, which an agent pays against any server).
+For each engine latency: the median wall and process-CPU time of a rollout per way (after a
+warm-up rollout each, interleaved), the added CPU per model call ((way - llm.chat) / calls:
+every call's work runs on the one event loop) and the rollout-time ratios.
+
+``--train N``: ``plainrl.train`` on examples/agent_openai.yaml's model and task for N steps,
+``--episodes`` episodes a step (8 per group), once with the agent on ``llm.chat`` and once on
+``llm.openai_client()``, interleaved ``--runs`` times; per-episode seeds make both ways sample
+the same tokens, so the learner does the same work and the step-time ratio is the gateway's.
+Reports the median ``time/step`` of steps 1..N-1 (step 0 loads and compiles) per way.
+Ends with one ``key=value`` line per measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from plainrl.data import PromptRow, build_prompt_ids
-from plainrl.models import load_tokenizer
-from plainrl.rollout import agent_rollout
-from plainrl.rollout.episode_loop import LoopSettings
-from plainrl.rollout.gateway import Gateway
-from plainrl.types import Generation, SamplingParams
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from engines import cpu_line  # noqa: E402
+
+from plainrl.data import PromptRow, build_prompt_ids  # noqa: E402
+from plainrl.models import load_tokenizer  # noqa: E402
+from plainrl.rollout import agent_rollout  # noqa: E402
+from plainrl.rollout.episode_loop import LoopSettings  # noqa: E402
+from plainrl.rollout.gateway import Gateway  # noqa: E402
+from plainrl.types import Generation, SamplingParams  # noqa: E402
 
 REPLY = "Let me check that with the tool."
+TURNS = 4  # --train's agents (rollout.agent names a function, so the count is fixed here)
 
 
 class Engine:
@@ -50,88 +68,154 @@ class Engine:
         pass
 
 
+async def _chat_loop(llm, turns: int) -> str:
+    messages, text = llm.prompt_messages, ""
+    for t in range(turns):
+        reply = await llm.chat(messages, max_tokens=32)
+        messages += [reply.message, {"role": "tool", "content": f"result {t}"}]
+        text = reply.text
+    return text
+
+
+async def _sdk_loop(client, llm, turns: int) -> str:
+    messages, text = llm.prompt_messages, ""
+    for t in range(turns):
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=32)
+        messages += [r.choices[0].message, {"role": "tool", "tool_call_id": f"c{t}", "content": f"result {t}"}]
+        text = r.choices[0].message.content or ""
+    return text
+
+
+def _reward(text: str) -> float:
+    """Varies with the sampled text, so every group has advantages and every sample is trained."""
+    return len(text) % 7 / 6
+
+
+async def train_via_chat(llm, row):
+    return _reward(await _chat_loop(llm, TURNS))
+
+
+async def train_via_sdk(llm, row):
+    return _reward(await _sdk_loop(llm.openai_client(), llm, TURNS))
+
+
 def agents(turns: int):
     async def via_chat(llm, row):
-        messages = [{"role": "user", "content": row["prompt"]}]
-        for t in range(turns):
-            reply = await llm.chat(messages, max_tokens=32)
-            messages += [reply.message, {"role": "tool", "content": f"result {t}"}]
+        await _chat_loop(llm, turns)
         return 1.0
 
-    async def via_gateway(llm, row):
-        client = llm.openai_client()
-        messages = [{"role": "user", "content": row["prompt"]}]
-        for t in range(turns):
-            r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=32)
-            messages += [r.choices[0].message, {"role": "tool", "tool_call_id": f"c{t}", "content": f"result {t}"}]
+    async def via_sdk(llm, row):
+        await _sdk_loop(llm.openai_client(), llm, turns)
         return 1.0
 
-    async def via_http(llm, row):  # the gateway without the openai SDK: JSON over the shared httpx client
+    async def via_sdk_socket(llm, row):
+        import httpx
+        import openai
+
+        async with httpx.AsyncClient(verify=False, trust_env=False) as http:
+            client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, http_client=http)
+            await _sdk_loop(client, llm, turns)
+        return 1.0
+
+    async def via_httpx(llm, row):  # the gateway without the openai SDK: JSON through the same transport
         http, url = llm.gateway.http_client(), f"{llm.base_url}/chat/completions"
         headers = {"Authorization": f"Bearer {llm.api_key}"}
-        messages = [{"role": "user", "content": row["prompt"]}]
+        messages = llm.prompt_messages
         for t in range(turns):
             r = (await http.post(url, json={"model": "policy", "messages": messages, "max_tokens": 32},
                                  headers=headers)).json()
             messages += [r["choices"][0]["message"], {"role": "tool", "tool_call_id": f"c{t}", "content": f"result {t}"}]
         return 1.0
 
-    return via_chat, via_gateway, via_http
+    return {"llm.chat": via_chat, "openai SDK": via_sdk, "openai SDK, socket": via_sdk_socket, "httpx": via_httpx}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--episodes", type=int, default=64)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--engine-ms", type=float, nargs="+", default=[0.0, 50.0])
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+def rollouts(args) -> None:
     tok = load_tokenizer("smollm2-135m-instruct")
     rows = [{"prompt": f"Task {i}: what is {i} * 7?"} for i in range(args.episodes)]
     prompts = [PromptRow(r, build_prompt_ids(r, tok), i) for i, r in enumerate(rows)]
-    via_chat, via_gateway, via_http = agents(args.turns)
+    ways = agents(args.turns)
     gateway = Gateway("smollm2-135m-instruct", 2048)
-    batches: dict[str, int] = {}  # engine calls of each way's latest rollout
     calls = args.episodes * args.turns
     try:
         for ms in args.engine_ms:
             engine = Engine(tok, ms / 1000)
 
-            def rollout(agent) -> tuple[float, float]:
+            def rollout(agent) -> tuple[float, float, int]:
                 engine.batches = 0
                 start, cpu = time.perf_counter(), time.process_time()
                 eps = agent_rollout(engine, prompts, agent, SamplingParams(max_new_tokens=32), tok,
                                     LoopSettings(1024, max_context=2048, gateway=gateway), group_size=1, step=0,
                                     generator=torch.Generator().manual_seed(0))
                 seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-                batches[agent.__name__] = engine.batches
                 assert all(e.env.error is None and e.env.info["segments"] == 1 for e in eps), eps[0].env.error
-                return seconds, cpu
+                return seconds, cpu, engine.batches
 
-            ways = {"llm.chat": via_chat, "openai SDK": via_gateway, "httpx": via_http}
             for agent in ways.values():  # warm-up: imports, the server's first start
                 rollout(agent)
-            times: dict[str, list[float]] = {name: [] for name in ways}
-            cpus: dict[str, list[float]] = {name: [] for name in ways}
+            wall: dict[str, list[float]] = {name: [] for name in ways}
+            cpu: dict[str, list[float]] = {name: [] for name in ways}
+            batches: dict[str, int] = {}
             for _ in range(args.repeats):
                 for name, agent in ways.items():
-                    wall, cpu = rollout(agent)
-                    times[name].append(wall)
-                    cpus[name].append(cpu)
-            med = {name: statistics.median(ts) for name, ts in times.items()}
-            cpu = {name: statistics.median(ts) for name, ts in cpus.items()}
-            c, g, h = med["llm.chat"], med["openai SDK"], med["httpx"]
-            print(f"engine {ms:g} ms/batch, {args.episodes} episodes x {args.turns} calls, wall (process CPU): " +
-                  "; ".join(f"{name} {med[name]:.3f} s ({cpu[name]:.3f} s; runs "
-                            f"{', '.join(f'{x:.3f}' for x in ts)})" for name, ts in times.items()))
-            print("engine calls per rollout (the latest): " + ", ".join(f"{k} {v}" for k, v in batches.items()))
-            added = {name: (cpu[name] - cpu["llm.chat"]) / calls * 1000 for name in ways}
-            print(f"engine_ms={ms:g} chat_s={c:.3f} sdk_s={g:.3f} httpx_s={h:.3f} "
-                  f"added_ms_per_call_sdk={(g - c) / calls * 1000:.2f} added_ms_per_call_httpx={(h - c) / calls * 1000:.2f} "
-                  f"added_cpu_ms_per_call_sdk={added['openai SDK']:.2f} added_cpu_ms_per_call_httpx={added['httpx']:.2f} "
-                  f"step_ratio_sdk={g / c:.3f} step_ratio_httpx={h / c:.3f}")
+                    w, c, batches[name] = rollout(agent)
+                    wall[name].append(w)
+                    cpu[name].append(c)
+            w = {name: statistics.median(ts) for name, ts in wall.items()}
+            c = {name: statistics.median(ts) for name, ts in cpu.items()}
+            print(f"\nengine {ms:g} ms/batch, {args.episodes} episodes x {args.turns} calls; engine calls per rollout: "
+                  + ", ".join(f"{k} {v}" for k, v in batches.items()))
+            print("| way | rollout s (median) | process CPU s | added CPU per call | rollout-time ratio |")
+            print("|---|---:|---:|---:|---:|")
+            for name in ways:
+                print(f"| {name} | {w[name]:.3f} | {c[name]:.3f} | {(c[name] - c['llm.chat']) / calls * 1000:.2f} ms "
+                      f"| {w[name] / w['llm.chat']:.3f} |")
+            print(f"engine_ms={ms:g} " + " ".join(
+                f"{name.replace(' ', '_').replace(',', '')}_cpu_ms_per_call={(c[name] - c['llm.chat']) / calls * 1000:.2f}"
+                for name in ways if name != "llm.chat"))
     finally:
         gateway.close()
+
+
+def train_steps(args) -> None:
+    import plainrl
+
+    here = Path(__file__).resolve()
+    overrides = {"rollout.prompts_per_step": args.episodes // 8, "rollout.group_size": 8,
+                 "rollout.max_concurrent_episodes": args.episodes, "rollout.max_new_tokens": 32,
+                 "rollout.max_total_tokens": 256, "rewards": [{"fn": "plainrl.rollout.envs:env_reward"}],
+                 "train.steps": args.train, "train.warmup_steps": 0, "eval.before": False, "eval.after": False,
+                 "log.report": False, "log.progress": False, "log.tensorboard": False, "checkpoint.every": 0}
+    steps: dict[str, list[float]] = {"llm.chat": [], "openai SDK": []}
+    completions: dict[str, list[list[str]]] = {name: [] for name in steps}
+    with tempfile.TemporaryDirectory(prefix="plainrl-gateway-bench-") as work:
+        for run in range(args.runs):
+            for name, fn in (("llm.chat", "train_via_chat"), ("openai SDK", "train_via_sdk")):
+                result = plainrl.train(REPO / "examples" / "agent_openai.yaml", run_dir=f"{work}/{run}-{fn}",
+                                       **{"rollout.agent": f"{here}:{fn}", **overrides})
+                times = [float(t) for t in result.run.metrics["time/step"]]
+                steps[name] += times[1:]
+                completions[name].append([r["completion"] for r in result.run.rollouts])
+                print(f"run {run} {name}: time/step " + ", ".join(f"{t:.2f}" for t in times), flush=True)
+    same = completions["llm.chat"] == completions["openai SDK"]
+    chat, sdk = statistics.median(steps["llm.chat"]), statistics.median(steps["openai SDK"])
+    print(f"\n| way | s per step (median of {len(steps['llm.chat'])}) | ratio |\n|---|---:|---:|")
+    print(f"| llm.chat | {chat:.2f} | 1.000 |\n| openai SDK (llm.openai_client()) | {sdk:.2f} | {sdk / chat:.3f} |")
+    print(f"(the two ways sampled the same completions: {same})")
+    print(f"train_steps={args.train} episodes={args.episodes} chat_s={chat:.2f} sdk_s={sdk:.2f} step_ratio={sdk / chat:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--episodes", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=TURNS)
+    ap.add_argument("--engine-ms", type=float, nargs="+", default=[0.0, 1000.0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--train", type=int, default=0, metavar="STEPS", help="time real training steps instead")
+    ap.add_argument("--runs", type=int, default=2, help="--train: interleaved runs per way")
+    args = ap.parse_args()
+    print(cpu_line())
+    train_steps(args) if args.train else rollouts(args)
 
 
 if __name__ == "__main__":

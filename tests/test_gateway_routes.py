@@ -67,9 +67,15 @@ def test_a_plain_function_agent_uses_a_blocking_client(tokenizer):
     assert [e.env.reward for e in eps] == [1.0, 1.0, 1.0]
 
 
-def test_a_client_that_disconnects_fails_its_own_episode_only(tokenizer):
+@pytest.mark.parametrize("wire", ["in-process", "socket"])
+def test_a_client_that_disconnects_fails_its_own_episode_only(tokenizer, wire):
+    """``llm.openai_client()`` reaches the app without the socket (its timeout cancels the call);
+    a client the agent builds itself from ``llm.base_url`` goes over loopback HTTP (its timeout
+    closes the connection, which uvicorn reports). Either way the gateway fails that episode."""
     async def agent(llm, row):
-        client = llm.openai_client(timeout=0.3 if row["i"] == 0 else 30)
+        timeout = 0.3 if row["i"] == 0 else 30
+        client = llm.openai_client(timeout=timeout) if wire == "in-process" else \
+            openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=timeout, max_retries=0)
         try:
             r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         except openai.APITimeoutError:  # it gave up on the call and closed the connection

@@ -181,14 +181,16 @@ async def _call(gateway: Gateway, request: Request, llm: LLM, overridden: bool, 
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # an in-process client gave up (its timeout, its task cancelled)
+        _client_gone(llm, request)
+        raise
     finally:
         if not task.done():  # the client went away, or this handler is being cancelled
             task.cancel()
             task.add_done_callback(_consume)
         gone.cancel()
     if not task.done() or task.cancelled():
-        llm.abort("rollout.gateway: the client disconnected before its response was ready "
-                  f"({request.url.path}); the episode's record ends mid-call")
+        _client_gone(llm, request)
         raise GatewayError(499, "client disconnected")
     try:
         turn = task.result()
@@ -203,6 +205,12 @@ async def _call(gateway: Gateway, request: Request, llm: LLM, overridden: bool, 
     if overridden:
         gateway.sampling_overrides += 1
     return turn
+
+
+def _client_gone(llm: LLM, request: Request) -> None:
+    if not llm.closed:
+        llm.abort("rollout.gateway: the client disconnected or gave up before its response was ready "
+                  f"({request.url.path}); the episode's record ends mid-call")
 
 
 async def _serialised(lock: asyncio.Lock, call: Awaitable[Turn]) -> Turn:

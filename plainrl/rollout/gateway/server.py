@@ -84,10 +84,17 @@ class Gateway:
 
     def http_client(self, *, blocking: bool = False):
         """An HTTP client for an episode's ``openai`` client (``llm.openai_client()``), closed with
-        the rollout. One per episode (a pool shared by many episodes costs each request a scan
-        of every connection), made without TLS set-up (a default ``httpx`` client loads the
-        system's CA certificates, ~10 ms, though loopback needs none). ``blocking``: one
-        ``httpx.Client`` for plain-function agents, shared by their threads."""
+        the rollout.
+
+        The async client (for agents on the episodes' loop) hands each request to the app as
+        an ASGI call on that loop, without the socket: the agent and the routes run in one
+        process on one loop, and the wire (httpx's connection pool and HTTP/1.1 writer,
+        uvicorn's parser) was half of each call's CPU (2.7 -> 1.5 ms per call through the
+        ``openai`` SDK, docs/benchmarks.md). Everything else is the same request: the same
+        routes, keys, errors and read timeout (:class:`_LoopTransport`). ``blocking``: one
+        ``httpx.Client`` over the socket for plain-function agents (they run in threads of
+        their own), shared by their threads, made without TLS set-up (a default client loads
+        the system's CA certificates, ~10 ms, though loopback needs none)."""
         import httpx
 
         # the openai SDK's own defaults: 600 s per request, 5 s to connect
@@ -97,7 +104,8 @@ class Gateway:
                 if self._sync_http is None:
                     self._sync_http = httpx.Client(limits=httpx.Limits(max_connections=None), **kw)
                 return self._sync_http
-        client = httpx.AsyncClient(**kw)
+        self._bind()
+        client = httpx.AsyncClient(transport=_loop_transport(self._app), **kw)
         self._http.append(client)
         return client
 
@@ -208,6 +216,25 @@ class Gateway:
             if self._sync_http is not None:
                 self._sync_http.close()
                 self._sync_http = None
+
+
+def _loop_transport(app: Any):
+    """An ``httpx.ASGITransport`` to ``app`` that honours the request's read timeout (the
+    in-process transport has no network to time): a call not answered within it raises
+    ``httpx.ReadTimeout``, as a socket's would, and its handler is cancelled (the gateway then
+    fails the episode, as for a client that disconnects mid-call)."""
+    import httpx
+
+    class _LoopTransport(httpx.ASGITransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            limit = request.extensions.get("timeout", {}).get("read")
+            try:
+                async with asyncio.timeout(limit):
+                    return await super().handle_async_request(request)
+            except TimeoutError:
+                raise httpx.ReadTimeout(f"no response within {limit} s", request=request) from None
+
+    return _LoopTransport(app=app)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
