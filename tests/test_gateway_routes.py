@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import openai
 import pytest
 
 from plainrl.rollout.gateway import Gateway
-from plainrl.types import SamplingParams
+from plainrl.types import Generation, SamplingParams
 from test_gateway import ANSWER, CALC, TOOL_CALL, ScriptedEngine, rollout
 
 
@@ -184,3 +185,73 @@ def test_stop_token_ids_end_the_completion_at_the_first_of_them(tokenizer):
     choice = ep.row["r"].choices[0]
     assert choice.finish_reason == "stop" and choice.token_ids[-1] == stop_at
     assert choice.token_ids == ids[:4] and ep.completion_ids == choice.token_ids
+
+
+class ContinuingEngine(ScriptedEngine):
+    """Continues whatever the context ends with by the rest of a call of ``calc`` (the part
+    after a forced prefix), ended by EOS."""
+
+    REST = {"named": '{"expression": "6*7"}}\n</tool_call>', "required": 'calc", "arguments": {"expression": "6*7"}}'
+                                                                         '\n</tool_call>'}
+
+    def __init__(self, tokenizer, rest: str):
+        super().__init__(tokenizer)
+        self.rest = rest
+
+    def generate(self, prompts, params, *, seeds=None):
+        ids = self.tok(self.rest, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        out = [Generation(list(ids), [-0.5] * len(ids), "eos") for _ in prompts]
+        self.calls += [(list(p), g, params) for p, g in zip(prompts, out)]
+        return out
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_tool_choice_forces_a_call_by_a_written_prefix(tokenizer, choice):
+    """``tool_choice`` named or ``"required"``: the gateway writes the call's opening into the
+    context (not sampled, loss mask 0), the model writes the rest, the response is that call."""
+    tool_choice = {"type": "function", "function": {"name": "calc"}} if choice == "named" else "required"
+    prefix = '<tool_call>\n{"name": "calc", "arguments": ' if choice == "named" else '<tool_call>\n{"name": "'
+
+    async def agent(llm, row):
+        r = await llm.openai_client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "6*7?"}], tools=[CALC], tool_choice=tool_choice,
+            extra_body={"return_token_ids": True})
+        llm.row["r"] = r
+        return 1.0
+
+    engine = ContinuingEngine(tokenizer, ContinuingEngine.REST[choice])
+    [ep] = rollout(engine, tokenizer, agent)
+    assert ep.env.error is None
+    r = ep.row["r"].choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls] == \
+        [("calc", {"expression": "6*7"})]
+    context = engine.calls[0][0]
+    assert tokenizer.decode(context).endswith(prefix)  # the engine continued the written prefix
+    assert r.token_ids == engine.calls[0][1].token_ids  # the sampled ids alone
+    # the prefix is context: the trained tokens are the sampled ones only
+    assert [t for t, m in zip(ep.completion_ids, ep.loss_mask) if m] == engine.calls[0][1].token_ids
+
+
+def test_tool_choice_required_without_tools_is_a_400(tokenizer):
+    async def agent(llm, row):
+        try:
+            await llm.openai_client().chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], tool_choice="required")
+        except openai.BadRequestError as e:
+            llm.row["e"] = e
+        await llm.chat([{"role": "user", "content": "hi"}])  # an episode must call the model
+        return 1.0
+
+    [ep] = rollout(ScriptedEngine(tokenizer), tokenizer, agent)
+    assert ep.row["e"].status_code == 400 and ep.row["e"].body["param"] == "tool_choice"
+
+
+def test_forced_call_prefixes_in_each_format():
+    from plainrl.rollout.gateway.toolcalls import forced_call_prefix
+
+    assert forced_call_prefix("required", None, "hermes") == '<tool_call>\n{"name": "'
+    assert forced_call_prefix(None, "calc", "hermes") == '<tool_call>\n{"name": "calc", "arguments": '
+    assert forced_call_prefix("required", None, "llama3_json") == '{"name": "'
+    assert forced_call_prefix(None, "calc", "llama3_json") == '{"name": "calc", "parameters": '
+    assert forced_call_prefix("auto", None, "hermes") == forced_call_prefix(None, None, "llama3_json") == ""

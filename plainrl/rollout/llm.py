@@ -237,7 +237,7 @@ class LLM:
 
     async def chat_turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                         params: SamplingParams, *, reply: Callable[[Completion], dict[str, Any]] | None = None,
-                        stop_token_ids: tuple[int, ...] = ()) -> Turn:
+                        stop_token_ids: tuple[int, ...] = (), prefix: str = "") -> Turn:
         """:meth:`chat` with the sampling settings given whole (the gateway's entry).
 
         Earlier messages are compared with the previous call's after dropping None-valued
@@ -251,6 +251,9 @@ class LLM:
                 messages repeat it.
             stop_token_ids: ids that end the completion (kept, finish reason ``stop``): the
                 sample is cut after the first one, which is the sample a stop at that id gives.
+            prefix: text the reply starts with, written into the context (not sampled, not
+                trained) before sampling; ``reply`` gets the completion with its text after it
+                (the gateway's forced tool calls).
         Returns:
             The :class:`Turn` (context, completion, reply message).
         Raises:
@@ -259,9 +262,13 @@ class LLM:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise TypeError("llm.chat(messages): messages must be a list of {'role': ..., 'content': ...} dicts")
         context = self._chat_context(messages, tools)
+        if prefix:
+            context = context + encode_rendered(self.tokenizer, prefix)
         self._chat = None
         sampled = await self._sample(context, params, stop_token_ids)
         out = sampled.completion
+        if prefix:  # the reply's text is what follows the assistant header: the prefix and the sample
+            out = dataclasses.replace(out, text=prefix + out.text)
         message = reply(out) if reply is not None else out.message
         self.chat_messages = [dict(m) for m in messages] + [message]
         self._chat = ([dict(m) for m in messages], message, out)

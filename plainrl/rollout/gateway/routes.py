@@ -31,7 +31,7 @@ from plainrl.rollout.gateway.messages import Reply, make_reply, template_message
 from plainrl.rollout.gateway.responses import chat_chunks, chat_completion, completion, generate_response
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import ChatRequest, CompletionRequest, GenerateRequest
-from plainrl.rollout.gateway.toolcalls import renders_tool_calls, tool_format
+from plainrl.rollout.gateway.toolcalls import forced_call_prefix, renders_tool_calls, tool_format
 from plainrl.rollout.llm import LLM, AgentCancelled, ContextLengthError, Turn
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ def build_app(gateway: Gateway) -> Starlette:
         fmt, renders = tool_format(tok), renders_tool_calls(tok)
         names = {t.function.name for t in req.tools or []}
         choice = req.tool_choice
+        if choice == "required" and not names:
+            raise GatewayError(400, 'tool_choice "required" needs tools: the request has none', param="tool_choice")
         if choice is not None and not isinstance(choice, str) and choice.function.name not in names:
             raise GatewayError(400, f"tool_choice names the function {choice.function.name!r}, which is not among "
                                     f"the request's tools {sorted(names)}", param="tool_choice")
@@ -67,9 +69,12 @@ def build_app(gateway: Gateway) -> Starlette:
             made.append(make_reply(c.text, fmt, renders, parse))
             return made[-1].template
 
+        prefix = forced_call_prefix(choice if isinstance(choice, str) else None,
+                                    None if choice is None or isinstance(choice, str) else choice.function.name,
+                                    fmt) if req.tools else ""
         turn = await _call(gateway, request, llm, sampling.overridden,
                            llm.chat_turn(messages, tools, sampling.params, reply=reply,
-                                         stop_token_ids=sampling.stop_token_ids))
+                                         stop_token_ids=sampling.stop_token_ids, prefix=prefix))
         kw = dict(logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs, token_ids=bool(req.return_token_ids))
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

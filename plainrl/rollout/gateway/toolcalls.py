@@ -21,7 +21,8 @@ from typing import Any, Literal
 from plainrl.rollout.envs.tools import ToolCall as _HermesCall
 from plainrl.rollout.envs.tools import parse_tool_calls as _parse_hermes
 
-__all__ = ["ParsedCall", "ToolFormat", "parse_tool_calls", "render_tool_calls", "renders_tool_calls", "tool_format"]
+__all__ = ["ParsedCall", "ToolFormat", "forced_call_prefix", "parse_tool_calls", "render_tool_calls",
+           "renders_tool_calls", "tool_format"]
 
 ToolFormat = Literal["hermes", "llama3_json"]
 
@@ -101,6 +102,29 @@ def render_tool_calls(calls: list[tuple[str, Any]], fmt: ToolFormat) -> str:
         return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
     return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
                      for n, a in calls)
+
+
+def forced_call_prefix(choice: str | None, name: str | None, fmt: ToolFormat) -> str:
+    """The text a reply starts with so that it is a tool call: ``tool_choice: "required"``
+    (``choice``) opens a call, a named choice (``name``) opens a call of that function; ``""``
+    for ``auto`` / ``none`` / no choice.
+
+    The gateway writes these tokens into the context before sampling (inserted, not sampled,
+    so not trained, like a tool's result) and the model writes the rest of the call. This is
+    how the format is forced without a grammar: the call's start is fixed, its arguments are
+    the model's (a malformed call stays content, as without a choice). vLLM's answer is
+    guided decoding (the whole call constrained by the tools' JSON schema), which the
+    embedded engine lacks; the prefix works on every engine.
+    """
+    if name is not None:
+        head = json.dumps({"name": name, "parameters" if fmt == "llama3_json" else "arguments": None},
+                          ensure_ascii=False)
+        head = head[: head.rindex("null")]  # '{"name": "f", "arguments": '
+    elif choice == "required":
+        head = '{"name": "'
+    else:
+        return ""
+    return head if fmt == "llama3_json" else "<tool_call>\n" + head
 
 
 _PROBE = "plainrl_probe_fn"
