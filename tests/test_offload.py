@@ -1,7 +1,7 @@
 """Optimizer offload (``train.offload: optimizer``, plainrl.train.optim.MasterAdamW): on the CPU
 host and device are one, so the offloaded path (host masters, host gradient buffers, fused CPU
-AdamW, copies back) must give plain AdamW's update, resume exactly, and trade checkpoints with
-the path without offload. The GPU memory it saves is checked in tests/test_gpu.py, the DDP update
+AdamW, copies back) must give plain AdamW's update and trade checkpoints with the path without
+offload (exact resume: tests/test_checkpoint.py). The GPU memory it saves is checked in tests/test_gpu.py, the DDP update
 in tests/test_distributed.py."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 from conftest import REPO
-from test_checkpoint import CONFIG_YAML, SAMPLER, assert_same, learner_steps, load, tiny_llama
+from test_checkpoint import CONFIG_YAML, SAMPLER, _learner, assert_same, learner_steps, load
 
 from plainrl.checkpoint import save_checkpoint
-from plainrl.config import Config, ConfigError, load_config
+from plainrl.config import ConfigError, load_config
 from plainrl.config.train import TrainConfig
 from plainrl.train.optim import MasterAdamW
 
@@ -87,56 +87,16 @@ def test_one_offloaded_step_follows_the_adamw_formula():
         torch.testing.assert_close(opt.optimizer.state[opt.master[0]]["exp_avg_sq"], torch.tensor(v))
 
 
-def _learner(offload: str, dtype: torch.dtype = torch.bfloat16):
-    """The production path (make_learner) on a tiny Llama, full fine-tuning."""
-    from plainrl.run.setup import make_learner
-
-    cfg = Config.model_validate({
-        "data": {"task": "arithmetic"}, "rewards": [{"fn": "m:f"}], "model": {"dtype": "bfloat16"},
-        "train": {"lr": 1e-2, "steps": 10, "warmup_steps": 2, "lr_schedule": "cosine", "offload": offload},
-        "rollout": {"max_new_tokens": 8, "group_size": 2},
-    })
-    model = tiny_llama(0).to(dtype)
-    model.train()
-    return make_learner(cfg, model, pad_id=0)
-
-
-def _save(ln, tmp_path, gen):
-    return save_checkpoint(tmp_path, 2, model=ln.model, optimizer=ln.optimizer, scheduler=ln.scheduler,
-                           sampler_state=SAMPLER, generator=gen, config_yaml=CONFIG_YAML)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_offloaded_learner_resumes_exactly(tmp_path, dtype):
-    """Two learner steps, a checkpoint, two more; a fresh offloaded learner (built before loading,
-    its host masters stale) loads it and takes the same two steps: every master, parameter and
-    AdamW state tensor is bit-equal."""
-    ln = _learner("optimizer", dtype)
-    assert ln.opt.offload and all(m is not p for m, p in zip(ln.master, ln.params))
-    gen = torch.Generator().manual_seed(7)
-    learner_steps(ln, gen, 2)
-    path = _save(ln, tmp_path, gen)
-    assert (path / "master.safetensors").is_file()
-    learner_steps(ln, gen, 2)
-
-    ln2 = _learner("optimizer", dtype)
-    gen2 = torch.Generator()
-    load(path, ln2.model, ln2.optimizer, ln2.scheduler, gen2)
-    learner_steps(ln2, gen2, 2)
-    for a, b in zip(ln.master + ln.params, ln2.master + ln2.params):
-        assert torch.equal(a.detach(), b.detach())
-    assert_same(ln2.optimizer.state_dict(), ln.optimizer.state_dict())
-
-
 @pytest.mark.parametrize("saved,resumed", [("optimizer", "none"), ("none", "optimizer")])
 def test_checkpoints_move_between_offload_and_none(tmp_path, saved, resumed):
     """A checkpoint of either setting loads into the other: the masters and the AdamW state
     restored are the saved ones, bit for bit (bf16 weights, so both keep fp32 masters)."""
-    ln = _learner(saved)
+    ln = _learner(False, 0, saved)
     gen = torch.Generator().manual_seed(7)
     learner_steps(ln, gen, 2)
-    path = _save(ln, tmp_path, gen)
-    ln2 = _learner(resumed)
+    path = save_checkpoint(tmp_path, 2, model=ln.model, optimizer=ln.optimizer, scheduler=ln.scheduler,
+                           sampler_state=SAMPLER, generator=gen, config_yaml=CONFIG_YAML)
+    ln2 = _learner(False, 0, resumed)
     load(path, ln2.model, ln2.optimizer, ln2.scheduler, torch.Generator())
     for a, b in zip(ln.master + ln.params, ln2.master + ln2.params):
         assert torch.equal(a.detach().cpu(), b.detach().cpu())
