@@ -5,7 +5,7 @@ single-process path, no collective).
 
     torchrun --standalone --nproc-per-node 2 tests/dist_update.py MODEL_DIR OUT.pt
 
-Writes (rank 0) ``{(case, "single" | "ddp" | "fsdp2"): {"stats": UpdateStats as dict,
+Writes (rank 0) ``{(case, "single" | strategy): {"stats": UpdateStats as dict,
 "weights": {name: full tensor}, "initial": {name: tensor}}}``.
 Cases: the policy learner with LoRA, two mini-batches and a KL to the adapter-free
 reference (token-mean), and with full fine-tuning, two PPO epochs, a KL to a frozen copy
@@ -71,7 +71,8 @@ def run_case(model_dir: str, strategy: str | None, overrides: list[str]) -> dict
     torch.manual_seed(1)  # the mini-batch shuffle
     stats = learner.update([dataclasses.replace(e) for e in eps], adv)
     weights = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
-    return {"stats": dataclasses.asdict(stats), "weights": weights, "initial": initial}
+    return {"stats": dataclasses.asdict(stats), "weights": weights, "initial": initial,
+            "offload": learner.opt.offload}
 
 
 def critic_case(model_dir: str, strategy: str | None) -> dict:
@@ -136,7 +137,8 @@ def offline_case(model_dir: str, strategy: str | None, name: str) -> dict:
 
 def main() -> None:
     """``DIST_STRATEGIES`` (default ``ddp,fsdp2``) and ``DIST_CASES`` (default all) choose what
-    runs; ``hsdp`` is FSDP2 with ``train.fsdp_size=2`` (policy cases only)."""
+    runs; ``hsdp`` is FSDP2 with ``train.fsdp_size=2``, ``ddp-offload`` DDP with
+    ``train.offload=optimizer`` (policy cases only)."""
     import os
 
     model_dir, out = sys.argv[1:3]
@@ -156,6 +158,8 @@ def main() -> None:
         for strategy in strategies:
             if strategy == "hsdp":
                 results[(name, strategy)] = run_case(model_dir, "fsdp2", [*CASES[name], "train.fsdp_size=2"])
+            elif strategy == "ddp-offload":
+                results[(name, strategy)] = run_case(model_dir, "ddp", [*CASES[name], "train.offload=optimizer"])
             else:
                 results[(name, strategy)] = case(strategy)
     if rank == 0:

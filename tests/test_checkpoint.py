@@ -165,9 +165,10 @@ def test_round_trip_resumes_exactly(tmp_path, lora):
         assert model2.lm_head.weight.data_ptr() == model2.model.embed_tokens.weight.data_ptr()
 
 
-def _learner(lora: bool, seed: int):
+def _learner(lora: bool, seed: int, offload: str = "none", dtype: torch.dtype = torch.bfloat16):
     """The production path: a bf16 model (LoRA via apply_lora) and Learner, whose AdamW
-    updates fp32 master copies of the bf16 parameters."""
+    updates fp32 master copies of the bf16 parameters (host copies, whatever the dtype, with
+    ``offload="optimizer"``)."""
     from plainrl.config import Config
     from plainrl.models import apply_lora
     from plainrl.run.setup import make_learner
@@ -175,10 +176,10 @@ def _learner(lora: bool, seed: int):
     cfg = Config.model_validate({
         "data": {"task": "arithmetic"}, "rewards": [{"fn": "m:f"}],
         "model": {"dtype": "bfloat16", "lora": {"enabled": lora, "r": 4, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}},
-        "train": {"lr": 1e-2, "steps": 10, "warmup_steps": 2, "lr_schedule": "cosine"},
+        "train": {"lr": 1e-2, "steps": 10, "warmup_steps": 2, "lr_schedule": "cosine", "offload": offload},
         "rollout": {"max_new_tokens": 8, "group_size": 2},
     })
-    model = tiny_llama(0).to(torch.bfloat16)
+    model = tiny_llama(0).to(dtype)
     if lora:
         torch.manual_seed(seed)
         model = apply_lora(model, cfg.model.lora)
@@ -198,9 +199,13 @@ def learner_steps(learner, gen, steps):
         assert not learner.update(eps, torch.randn(4, generator=gen)).skipped
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_round_trip_bf16_with_fp32_master_weights(tmp_path, lora):
-    ln = _learner(lora, 0)
+@pytest.mark.parametrize("lora,offload,dtype", [
+    (False, "none", torch.bfloat16), (True, "none", torch.bfloat16), (False, "optimizer", torch.bfloat16),
+    (False, "optimizer", torch.float32)], ids=["full", "lora", "offload", "offload-fp32"])
+def test_round_trip_with_fp32_master_weights(tmp_path, lora, offload, dtype):
+    """Exact resume of a learner whose AdamW updates fp32 masters: bf16 weights, or any weights
+    under train.offload=optimizer (host masters); built before loading, its masters are stale."""
+    ln = _learner(lora, 0, offload, dtype)
     assert ln.master and all(m is not p and m.dtype == torch.float32 for m, p in zip(ln.master, ln.params))  # fp32 copies
     gen = torch.Generator().manual_seed(7)
     learner_steps(ln, gen, 2)
@@ -209,7 +214,7 @@ def test_round_trip_bf16_with_fp32_master_weights(tmp_path, lora):
     assert (path / "master.safetensors").is_file()
     learner_steps(ln, gen, 2)
 
-    ln2 = _learner(lora, 1)  # built before loading, as the loop does: its masters are stale
+    ln2 = _learner(lora, 1, offload, dtype)  # built before loading, as the loop does: its masters are stale
     gen2 = torch.Generator()
     load(path, ln2.model, ln2.optimizer, ln2.scheduler, gen2)
     learner_steps(ln2, gen2, 2)

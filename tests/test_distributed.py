@@ -72,6 +72,25 @@ def test_four_rank_hsdp_update_equals_one_process(tiny_model_dir, tmp_path):
                                        msg=lambda m: f"{case}/hsdp {name}: {m}")
 
 
+def test_two_rank_ddp_with_optimizer_offload_equals_one_process(tiny_model_dir, tmp_path):
+    """train.offload=optimizer under DDP (the all-reduced gradients copied to host buffers, a
+    fused CPU AdamW step on host masters, the weights copied back on each rank) gives the
+    one-process update without offload: full fine-tuning with clipping, two PPO epochs."""
+    out = tmp_path / "updates.pt"
+    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out),
+             env={"DIST_STRATEGIES": "ddp-offload", "DIST_CASES": "full"})
+    results = torch.load(out, weights_only=False)
+    single, got = results[("full", "single")], results[("full", "ddp-offload")]
+    assert got["offload"] and not single["offload"]
+    for key in ("loss", "kl", "grad_norm"):
+        assert got["stats"][key] == pytest.approx(single["stats"][key], rel=1e-5, abs=1e-6), key
+    moved = max(float((single["weights"][n] - single["initial"][n]).abs().max()) for n in single["weights"])
+    assert moved > 1e-3, "the update must change the weights for the comparison to mean anything"
+    assert set(got["weights"]) == set(single["weights"])
+    for name, w in single["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_hsdp_size_must_divide_the_world_and_offload_needs_fsdp2_on_cuda():
     from plainrl.config import ConfigError, load_config
     from plainrl.run.distributed import check_launch

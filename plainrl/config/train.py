@@ -70,11 +70,14 @@ class TrainConfig(_Section):
     """Under torchrun with `strategy: fsdp2`: shard within groups of this many ranks and replicate across the groups
     (HSDP on a 2-D device mesh, replicate x shard; e.g. the GPUs of one node, so a layer's all-gather stays inside a
     node); it must divide the world size. null: shard over every rank."""
-    offload: Literal["none", "params"] = "none"
-    """Under torchrun with `strategy: fsdp2` on CUDA: `params` keeps the sharded parameters, their gradients and the
-    optimizer state in host memory (FSDP2's `CPUOffloadPolicy`: each layer is copied to the GPU for its forward and
-    backward, the optimizer steps on the CPU), freeing about 16 bytes per trained parameter of GPU memory (fp32
-    weight, gradient and two Adam moments) for a slower step."""
+    offload: Literal["none", "optimizer", "params"] = "none"
+    """Move training state from the GPU to host memory, for a slower step. `optimizer` (one process or `ddp`): the
+    fp32 master weights and AdamW's two moments stay in pinned host memory and AdamW steps on the CPU; each step
+    copies the gradients to the host and the updated weights back (ZeRO-Offload), freeing 8 bytes per trained
+    parameter of GPU memory, 12 where the weights are 16-bit. `params` (torchrun with `strategy: fsdp2` on CUDA): the
+    sharded parameters, their gradients and the optimizer state stay in host memory (FSDP2's `CPUOffloadPolicy`: each
+    layer is copied to the GPU for its forward and backward, the optimizer steps on the CPU), freeing about 16 bytes
+    per trained parameter (fp32 weight, gradient and two Adam moments) divided by the ranks."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """Under torchrun: the longest wait of a collective; a dead or stuck rank ends the run after it."""
     _epoch_steps: int | None = PrivateAttr(None)  # train.epochs in steps, set by resolve_epochs
@@ -144,9 +147,14 @@ def strategy_problem(train: TrainConfig, quantization: str, *, rl: bool) -> str 
     """Why ``train.strategy`` cannot run this config (None when it can); checked at load,
     before torchrun's processes load a model. ``quantization``: ``model.quantization``;
     ``rl``: an RL run (its packed or shared-prompt forward), not sft/dpo/rm."""
-    if train.strategy != "fsdp2" and (train.fsdp_size is not None or train.offload != "none"):
-        return (f"train.fsdp_size / train.offload shape FSDP2's sharding (train.strategy=fsdp2), not "
-                f"train.strategy={train.strategy}; set train.strategy=fsdp2 or leave them unset")
+    if train.strategy != "fsdp2" and (train.fsdp_size is not None or train.offload == "params"):
+        return (f"train.fsdp_size / train.offload=params shape FSDP2's sharding (train.strategy=fsdp2), not "
+                f"train.strategy={train.strategy}; set train.strategy=fsdp2 or leave them unset "
+                f"(train.offload=optimizer moves the optimizer state to the host without FSDP2)")
+    if train.strategy == "fsdp2" and train.offload == "optimizer":
+        return ("train.offload=optimizer keeps whole tensors in host memory and does not take FSDP2's sharded "
+                "parameters; under train.strategy=fsdp2 use train.offload=params (FSDP2's CPUOffloadPolicy moves the "
+                "optimizer state to the host with the shards), or train.strategy=ddp with train.offload=optimizer")
     if train.strategy != "fsdp2":
         return None
     if quantization != "none":

@@ -120,8 +120,8 @@ def join(cfg: Config) -> Parallel:
     world, rank, local = int(env["WORLD_SIZE"]), int(env["RANK"]), int(env["LOCAL_RANK"])
     check_launch(cfg, world)
     device = _device(cfg.device, local)
-    if cfg.train.offload != "none" and device.type != "cuda":
-        raise ConfigError(f"train.offload={cfg.train.offload} moves FSDP2's shards from the GPU to host memory; on "
+    if cfg.train.offload == "params" and device.type != "cuda":
+        raise ConfigError(f"train.offload=params moves FSDP2's shards from the GPU to host memory; on "
                           f"{device.type} they are in host memory already: set train.offload=none")
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.train.collective_timeout_s)

@@ -1,5 +1,6 @@
 """The optimiser shared by every trainer: AdamW on fp32 master weights with warm-up,
-a constant or cosine schedule and gradient clipping."""
+a constant or cosine schedule and gradient clipping; with ``train.offload: optimizer`` the
+masters and AdamW's moments live in host memory and the step runs on the CPU (ZeRO-Offload)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def lr_lambda(step: int, *, warmup: int, total: int, schedule: str) -> float:
     return 1.0
 
 
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An fp32 copy of ``t`` in host memory (page-locked when ``pin``, so copies to and from
+    the GPU can run asynchronously)."""
+    return torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=pin).copy_(t.detach())
+
+
 class MasterAdamW:
     """AdamW on fp32 master copies of the trainable parameters, with the LR schedule
     of :func:`lr_lambda` and gradient clipping; shared by the policy learner, the
@@ -30,19 +37,42 @@ class MasterAdamW:
     copies; bf16 parameters would round away updates smaller than ~0.4% of a weight.
     fp32 parameters are their own masters.
 
+    Optimizer offload (``train.offload: optimizer``; ZeRO-Offload, Ren et al. 2021): the
+    masters (fp32 for every parameter, whatever its dtype), AdamW's two moments and an fp32
+    gradient buffer per parameter live in host memory, page-locked when the parameters are on
+    CUDA. :meth:`step` copies each gradient to its host buffer (all queued, then one wait),
+    clips and steps there (torch's fused CPU AdamW) and queues the copies of the updated
+    weights back without waiting (the next forward on the same stream waits for them). The
+    device keeps only the parameters and, during backward, their gradients: 8 bytes of AdamW
+    state per trainable parameter less, and 4 more where the weights are 16-bit. With
+    parameters on the CPU it computes the same update with extra copies.
+
     Args:
         params: the trainable parameters (their order is the checkpoint's order).
-        train: the ``train`` config section (lr, betas, weight decay, schedule, clipping).
+        train: the ``train`` config section (lr, betas, weight decay, schedule, clipping, offload).
         lr: overrides ``train.lr`` (e.g. ``critic.lr``).
+    Raises:
+        ValueError: ``train.offload: optimizer`` with FSDP2's sharded (DTensor) parameters.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], train: TrainConfig, *, lr: float | None = None):
         self.params = params
-        self.master = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in params]
+        self.offload = train.offload == "optimizer"
+        if self.offload:
+            if any(hasattr(p, "full_tensor") for p in params):
+                raise ValueError("train.offload=optimizer does not take FSDP2's sharded parameters: "
+                                 "use train.offload=params under train.strategy=fsdp2")
+            pin = any(p.device.type == "cuda" for p in params)
+            self.master = [_host_copy(p, pin).requires_grad_(True) for p in params]
+            self.host_grads = [torch.empty(p.shape, dtype=torch.float32, pin_memory=pin) for p in params]
+        else:
+            self.master = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in params]
         self.max_grad_norm = train.max_grad_norm
         # fused AdamW on CUDA: one kernel for every parameter instead of a handful per tensor
-        # (what torchtitan and TRL default to); on CPU the foreach path torch picks is kept
-        self.fused = bool(self.master) and all(m.device.type == "cuda" for m in self.master)
+        # (what torchtitan and TRL default to); on the CPU the offloaded step is fused too (the
+        # step is the offload's bottleneck; torchao's CPUOffloadOptimizer does the same), while
+        # a plain CPU run keeps the foreach path torch picks
+        self.fused = bool(self.master) and (self.offload or all(m.device.type == "cuda" for m in self.master))
         self.optimizer = torch.optim.AdamW(
             self.master, lr=lr or train.lr, betas=train.betas, weight_decay=train.weight_decay,
             fused=self.fused or None,
@@ -64,10 +94,13 @@ class MasterAdamW:
         Returns:
             ``(grad_norm, skipped)``.
         """
-        for m, p in zip(self.master, self.params):
-            if m is not p:
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
+        if self.offload:
+            self._grads_to_host()
+        else:
+            for m, p in zip(self.master, self.params):
+                if m is not p:
+                    m.grad = None if p.grad is None else p.grad.float()
+                    p.grad = None
         grad_norm = torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm or float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards, replicated
             grad_norm = grad_norm.full_tensor()
@@ -77,6 +110,22 @@ class MasterAdamW:
             with torch.no_grad():
                 for m, p in zip(self.master, self.params):
                     if m is not p:
-                        p.copy_(m)
+                        # from page-locked memory: queued on the stream, the host goes on
+                        p.copy_(m, non_blocking=self.offload)
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm), skipped
+
+    def _grads_to_host(self) -> None:
+        """Every gradient into its fp32 host buffer (the device's freed), then one wait."""
+        devices = set()
+        for m, p, buf in zip(self.master, self.params, self.host_grads):
+            m.grad = None
+            if p.grad is not None:
+                # non_blocking into pinned memory: the copies queue behind one another and the
+                # backward; the device gradient's memory is reused only after its copy (same stream)
+                m.grad = buf.copy_(p.grad, non_blocking=True)
+                devices.add(p.device)
+                p.grad = None
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the CPU reads the buffers next
