@@ -113,3 +113,15 @@ def test_offload_choices_are_checked_against_the_strategy():
         load_config(None, [*base, "train.strategy=ddp", "train.offload=params"])
     with pytest.raises(ConfigError, match="'none', 'optimizer' or 'params'"):
         load_config(None, [*base, "train.offload=adam"])
+
+
+def test_offloading_params_in_one_process_is_refused(monkeypatch):
+    """One process does not shard, so FSDP2's parameter offload would do nothing: refused."""
+    from plainrl.run.distributed import join
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    base = [f"data.path={REPO / 'tests' / 'data' / 'sft_mini.jsonl'}", "algorithm.name=sft", "train.strategy=fsdp2"]
+    with pytest.raises(ConfigError, match="one process does not shard"):
+        join(load_config(None, [*base, "train.offload=params"]))
+    assert not join(load_config(None, [*base[:-1], "train.strategy=ddp", "train.offload=optimizer"])).active

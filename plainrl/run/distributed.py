@@ -116,6 +116,9 @@ def join(cfg: Config) -> Parallel:
     """
     env = launch_env()
     if env is None:
+        if cfg.train.offload == "params":
+            raise ConfigError("train.offload=params offloads FSDP2's shards, and one process does not shard: launch "
+                              "with torchrun and train.strategy=fsdp2, or use train.offload=optimizer")
         return Parallel()
     world, rank, local = int(env["WORLD_SIZE"]), int(env["RANK"]), int(env["LOCAL_RANK"])
     check_launch(cfg, world)
