@@ -1,5 +1,6 @@
 """A trained reward model as an RL reward: the score of a sampled response equals its score
-in RM training, the run shares the policy's frozen weights with it (checked on the objects the run built), and bad paths fail early and clearly."""
+in RM training, the run shares the policy's frozen weights with it (checked on the objects the
+run built), and bad paths fail early and clearly."""
 
 from __future__ import annotations
 
