@@ -2,12 +2,14 @@
 alive, for the tests that SIGKILL the trainer (tests/test_kill.py). Each started process
 carries ``$PLAINRL_TEST_MARK`` in its command line, so the test finds it wherever it went
 (another session, a PID namespace) and checks that it is gone after the trainer's death.
+And a reward function that holds the run past its first rollout (tests/test_vllm_kill.py).
 Nothing here waits for a number of seconds: a held process sleeps until it is killed."""
 
 import asyncio
 import dataclasses
 import os
 import sys
+import time
 
 from plainrl.rollout.envs import PythonToolEnv
 
@@ -63,3 +65,11 @@ async def held_agent(llm, row):
         env={**os.environ, **llm.openai_env()})
     await proc.wait()
     return {"reward": 0.0}
+
+
+def held_reward(completion, **columns):
+    """A reward function that touches ``$PLAINRL_TEST_GATE`` on its first call and never returns:
+    the run is then past its first rollout, with every engine process it started alive."""
+    open(os.environ["PLAINRL_TEST_GATE"], "a").close()
+    while True:
+        time.sleep(1)
