@@ -39,6 +39,7 @@ def _cmd_eval(args) -> int:
     from plainrl.run.engines import make_engine, read_only
     from plainrl.run.evaluate import evaluate
     from plainrl.run.lifecycle import seed_everything
+    from plainrl.rollout.reaper import Reaper
     from plainrl.run.setup import prepare
     from plainrl.models import load_policy, resolve_device
 
@@ -57,37 +58,38 @@ def _cmd_eval(args) -> int:
     if cfg.algorithm.name == "rm":
         raise ConfigError("plainrl eval measures a policy's answers; a reward model (algorithm.name=rm) has none. "
                           "Its held-out accuracy is logged as eval/accuracy in metrics.jsonl")
-    seed_everything(cfg.seed)
-    prep = prepare(cfg)
-    # otherwise the run's own held-out rows (a task's eval set, data.eval_path/eval_split/eval_holdout)
-    rows = prep.data.train if whole and not cfg.data.eval_path else (prep.data.eval or prep.data.train)
-    device = resolve_device(cfg.device)
-    final = run_dir / "final" if run_dir else None
-    if read_only(cfg):  # the served model is evaluated as it is: no local weights to load or push
-        model = None
-    elif final is not None and (final / "adapter_config.json").is_file():
-        from peft import PeftModel
+    with Reaper():  # as a run: what starts from here (vLLM's engine core, agents' subprocesses) dies with it
+        seed_everything(cfg.seed)
+        prep = prepare(cfg)
+        # otherwise the run's own held-out rows (a task's eval set, data.eval_path/eval_split/eval_holdout)
+        rows = prep.data.train if whole and not cfg.data.eval_path else (prep.data.eval or prep.data.train)
+        device = resolve_device(cfg.device)
+        final = run_dir / "final" if run_dir else None
+        if read_only(cfg):  # the served model is evaluated as it is: no local weights to load or push
+            model = None
+        elif final is not None and (final / "adapter_config.json").is_file():
+            from peft import PeftModel
 
-        base = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
-        model = PeftModel.from_pretrained(base, str(final))
-    elif final is not None and (final / "config.json").is_file():
-        model = load_policy(cfg.model.model_copy(update={"name": str(final)}), device)
-    else:
-        model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
-    engine = make_engine(cfg, model, prep.tokenizer, device)
-    try:
-        if cfg.rollout.engine != "hf" and model is not None:
-            engine.load_weights(model)
-        result = evaluate(
-            engine, rows, prep.tokenizer,
-            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
-            k=cfg.eval.k, temperature=cfg.eval.temperature,
-            generator=torch.Generator(device=device).manual_seed(cfg.seed), multi_turn=prep.multi_turn,
-            grader=prep.grader, chunk_size=cfg.rollout.batch_size, progress=True,
-        )
-    finally:
-        prep.close()
-        engine.close()
+            base = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
+            model = PeftModel.from_pretrained(base, str(final))
+        elif final is not None and (final / "config.json").is_file():
+            model = load_policy(cfg.model.model_copy(update={"name": str(final)}), device)
+        else:
+            model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
+        engine = make_engine(cfg, model, prep.tokenizer, device)
+        try:
+            if cfg.rollout.engine != "hf" and model is not None:
+                engine.load_weights(model)
+            result = evaluate(
+                engine, rows, prep.tokenizer,
+                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
+                k=cfg.eval.k, temperature=cfg.eval.temperature,
+                generator=torch.Generator(device=device).manual_seed(cfg.seed), multi_turn=prep.multi_turn,
+                grader=prep.grader, chunk_size=cfg.rollout.batch_size, progress=True,
+            )
+        finally:
+            prep.close()
+            engine.close()
     label = f"{engine.models[0]} at {cfg.rollout.remote.urls[0]}" if model is None else str(final or cfg.model.name)
     print(json.dumps({"model": label, **result}, indent=2))
     return 0

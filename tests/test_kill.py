@@ -2,8 +2,8 @@
 two checkpoints, one step past the last one logged; tests/data/gate_reward.py holds the run
 there), then the same command resumes it. The result equals an uninterrupted run's, and
 nothing the trainer started outlives it by more than 10 s: reward and environment worker
-processes, the Python tool's sandboxed processes (in sessions and a PID namespace of their
-own), the gateway's socket and an agent's subprocesses (tests/data/held.py holds those
+processes, the Python tool's sandboxed processes (under setsid and in a PID namespace of
+their own), the gateway's socket and an agent's subprocesses (tests/data/held.py holds those
 alive); vLLM's engine processes: tests/test_vllm_kill.py."""
 
 from __future__ import annotations
@@ -144,21 +144,21 @@ def _held_run(tiny_model_dir, tmp_path, example: str, *overrides: str, **env: st
 @pytest.mark.e2e
 @pytest.mark.parametrize("env_timeout_s", ["600", "null"], ids=["env-worker", "in-trainer"])
 def test_sigkill_leaves_no_sandboxed_tool_process(tiny_model_dir, tmp_path, env_timeout_s):
-    """The Python tool's sandbox (a keeper in a session of its own, the code in a PID namespace),
+    """The Python tool's sandbox (a keeper started under setsid, the code in a PID namespace),
     with the environment in a worker process and in the trainer's own: a tool process and a
-    grandchild that left for a session of its own are running when the trainer is killed."""
+    grandchild that called setsid() again are running when the trainer is killed."""
     job, log, mark = _held_run(tiny_model_dir, tmp_path, "arithmetic_python_tool.yaml",
                                f"rollout.env={DATA / 'held.py'}:held_python_tool",
                                f"rollout.env_timeout_s={env_timeout_s}", "rollout.max_concurrent_episodes=1")
     try:
 
-        def held():  # the tool process (the keeper's session) and its grandchild, once it has left for its own
+        def held():  # the tool process (under the keeper's setsid) and its grandchild, after its own setsid()
             procs = _marked(mark)
             return procs if len({_session(p) for p in procs} - {os.getsid(job.pid)}) == 2 else None
 
         tool = _wait_until(held, job, log, "the held tool call")
         started = psutil.Process(job.pid).children(recursive=True)
-        assert set(tool) <= set(started)  # found through the process tree, sessions notwithstanding
+        assert set(tool) <= set(started)  # found through the process tree, setsid() notwithstanding
         _kill_and_expect_gone(job, started, mark)
     finally:
         _end(job, mark)

@@ -1,5 +1,5 @@
 """plainrl.rollout.reaper on real processes: a process started from a marked trainer (with the
-trainer's environment, then one that left for a session of its own) is killed when the trainer
+trainer's environment, then one that called setsid()) is killed when the trainer
 is SIGKILLed; a run that ends normally kills nothing and takes its mark out of the environment."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import psutil
 from plainrl.rollout.reaper import MARK_ENV, Reaper
 
 SLEEPER = "import time\nwhile True:\n    time.sleep(1)\n"
-# a child with the trainer's environment that starts a grandchild in a session of its own
+# a child with the trainer's environment that starts a grandchild under setsid
 CHILD = f"""
 import subprocess, sys
 g = subprocess.Popen([sys.executable, "-c", {SLEEPER!r}], start_new_session=True)

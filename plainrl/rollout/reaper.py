@@ -9,7 +9,7 @@ kernel gives such a process to init when its parent dies, and nothing ends it.
 
 So a run marks the trainer's environment with ``PLAINRL_RUN_MARK=<random>``, which every
 process started from it inherits (and ``llm.openai_env()`` carries), and starts a watcher: a
-small standard-library program in a session of its own that holds the read end of a pipe whose
+small standard-library program started under ``setsid`` that holds the read end of a pipe whose
 write end only the trainer holds (it is closed on exec and in forked children). When the trainer
 dies the pipe reads EOF, and the watcher SIGKILLs every process whose environment
 (``/proc/PID/environ``) carries the mark, until none is left, then exits. A run that ends
@@ -32,7 +32,7 @@ __all__ = ["MARK_ENV", "Reaper"]
 
 MARK_ENV = "PLAINRL_RUN_MARK"
 
-# The watcher (argv: the mark as "NAME=value", the pipe's read end). Rounds repeat while any
+# The watcher (argv: the mark as "NAME=value", the pipe's read end). Passes repeat while any
 # marked process was found: one may have been forking while the others were killed. A killed
 # process's environ reads empty once it exits (a zombie), so it is not counted again.
 _WATCHER = r"""

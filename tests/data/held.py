@@ -1,7 +1,7 @@
 """An environment and an agent that hold a run at a known point with processes of their own
 alive, for the tests that SIGKILL the trainer (tests/test_kill.py). Each started process
 carries ``$PLAINRL_TEST_MARK`` in its command line, so the test finds it wherever it went
-(another session, a PID namespace) and checks that it is gone after the trainer's death.
+(after setsid(), into a PID namespace) and checks that it is gone after the trainer's death.
 And a reward function that holds the run past its first rollout (tests/test_vllm_kill.py).
 Nothing here waits for a number of seconds: a held process sleeps until it is killed."""
 
@@ -18,7 +18,7 @@ SLEEPER = "import time\nwhile True:\n    time.sleep(1)\n"
 
 
 def _tool_code(mark: str) -> str:
-    # runs inside the sandbox: a grandchild that leaves the run's process group and session,
+    # runs inside the sandbox: a grandchild that calls setsid() (it leaves the run's process group),
     # then the tool process itself turns into a sleeper (both in the sandbox's PID namespace)
     return (f"import os, subprocess, sys\n"
             f"subprocess.Popen([sys.executable, '-c', 'import os\\nos.setsid()\\n' + {SLEEPER!r}, {mark!r}])\n"
