@@ -58,24 +58,24 @@ def _cmd_eval(args) -> int:
     if cfg.algorithm.name == "rm":
         raise ConfigError("plainrl eval measures a policy's answers; a reward model (algorithm.name=rm) has none. "
                           "Its held-out accuracy is logged as eval/accuracy in metrics.jsonl")
-    with Reaper():  # as a run: what starts from here (vLLM's engine core, agents' subprocesses) dies with it
-        seed_everything(cfg.seed)
-        prep = prepare(cfg)
-        # otherwise the run's own held-out rows (a task's eval set, data.eval_path/eval_split/eval_holdout)
-        rows = prep.data.train if whole and not cfg.data.eval_path else (prep.data.eval or prep.data.train)
-        device = resolve_device(cfg.device)
-        final = run_dir / "final" if run_dir else None
-        if read_only(cfg):  # the served model is evaluated as it is: no local weights to load or push
-            model = None
-        elif final is not None and (final / "adapter_config.json").is_file():
-            from peft import PeftModel
+    seed_everything(cfg.seed)
+    prep = prepare(cfg)
+    # otherwise the run's own held-out rows (a task's eval set, data.eval_path/eval_split/eval_holdout)
+    rows = prep.data.train if whole and not cfg.data.eval_path else (prep.data.eval or prep.data.train)
+    device = resolve_device(cfg.device)
+    final = run_dir / "final" if run_dir else None
+    if read_only(cfg):  # the served model is evaluated as it is: no local weights to load or push
+        model = None
+    elif final is not None and (final / "adapter_config.json").is_file():
+        from peft import PeftModel
 
-            base = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
-            model = PeftModel.from_pretrained(base, str(final))
-        elif final is not None and (final / "config.json").is_file():
-            model = load_policy(cfg.model.model_copy(update={"name": str(final)}), device)
-        else:
-            model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
+        base = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
+        model = PeftModel.from_pretrained(base, str(final))
+    elif final is not None and (final / "config.json").is_file():
+        model = load_policy(cfg.model.model_copy(update={"name": str(final)}), device)
+    else:
+        model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
+    with Reaper():  # as in a run: vLLM's engine core and agents' subprocesses die with this process
         engine = make_engine(cfg, model, prep.tokenizer, device)
         try:
             if cfg.rollout.engine != "hf" and model is not None:

@@ -144,8 +144,9 @@ class Reaper:
         _WRITE_FDS.discard(self._w)
         try:
             os.write(self._w, b"q")
-        finally:
-            os.close(self._w)
+        except OSError:  # the watcher is gone already
+            pass
+        os.close(self._w)
         try:
             self._proc.wait(timeout=self.wait_s)
         except subprocess.TimeoutExpired:
