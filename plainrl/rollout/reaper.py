@@ -36,7 +36,10 @@ MARK_ENV = "PLAINRL_RUN_MARK"
 # marked process was found: one may have been forking while the others were killed. A killed
 # process's environ reads empty once it exits (a zombie), so it is not counted again.
 _WATCHER = r"""
-import os, signal, sys, time
+import os, resource, signal, sys, time
+# limits: it blocks in read() for the whole run, then scans /proc for milliseconds
+resource.setrlimit(resource.RLIMIT_AS, (1 << 28, 1 << 28))
+resource.setrlimit(resource.RLIMIT_CPU, (60, 60))
 mark, fd = sys.argv[1].encode(), int(sys.argv[2])
 quiet = False
 while True:
