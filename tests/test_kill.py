@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
-import socket
 import time
 import uuid
 
@@ -125,7 +125,10 @@ def _end(job: subprocess.Popen, mark: str) -> None:
     if job.poll() is None:
         job.kill()
     for p in _marked(mark):
-        p.kill()
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _held_run(tiny_model_dir, tmp_path, example: str, *overrides: str, **env: str):
@@ -151,10 +154,10 @@ def test_sigkill_leaves_no_sandboxed_tool_process(tiny_model_dir, tmp_path, env_
                                f"rollout.env={DATA / 'held.py'}:held_python_tool",
                                f"rollout.env_timeout_s={env_timeout_s}", "rollout.max_concurrent_episodes=1")
     try:
-
         def held():  # the tool process (under the keeper's setsid) and its grandchild, after its own setsid()
             procs = _marked(mark)
-            return procs if len({_session(p) for p in procs} - {os.getsid(job.pid)}) == 2 else None
+            sessions = {_session(p) for p in procs} - {None, os.getsid(job.pid)}
+            return procs if len(sessions) == 2 else None
 
         tool = _wait_until(held, job, log, "the held tool call")
         started = psutil.Process(job.pid).children(recursive=True)

@@ -15,8 +15,7 @@ import plainrl.run.setup as run_setup
 import plainrl.run.offline as offline
 from conftest import REPO, tiny_overrides
 from plainrl.config import ConfigError, load_config
-from plainrl.models import sequence_scores
-from plainrl.models import ModelLoadError
+from plainrl.models import ModelLoadError, sequence_scores
 from plainrl.data.offline import load_offline_data
 from plainrl.train.offline import collate
 from plainrl.rewards import RewardLoadError
