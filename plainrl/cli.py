@@ -39,6 +39,7 @@ def _cmd_eval(args) -> int:
     from plainrl.run.engines import make_engine, read_only
     from plainrl.run.evaluate import evaluate
     from plainrl.run.lifecycle import seed_everything
+    from plainrl.rollout.reaper import Reaper
     from plainrl.run.setup import prepare
     from plainrl.models import load_policy, resolve_device
 
@@ -74,20 +75,21 @@ def _cmd_eval(args) -> int:
         model = load_policy(cfg.model.model_copy(update={"name": str(final)}), device)
     else:
         model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
-    engine = make_engine(cfg, model, prep.tokenizer, device)
-    try:
-        if cfg.rollout.engine != "hf" and model is not None:
-            engine.load_weights(model)
-        result = evaluate(
-            engine, rows, prep.tokenizer,
-            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
-            k=cfg.eval.k, temperature=cfg.eval.temperature,
-            generator=torch.Generator(device=device).manual_seed(cfg.seed), multi_turn=prep.multi_turn,
-            grader=prep.grader, chunk_size=cfg.rollout.batch_size, progress=True,
-        )
-    finally:
-        prep.close()
-        engine.close()
+    with Reaper():  # as in a run: vLLM's engine core and agents' subprocesses die with this process
+        engine = make_engine(cfg, model, prep.tokenizer, device)
+        try:
+            if cfg.rollout.engine != "hf" and model is not None:
+                engine.load_weights(model)
+            result = evaluate(
+                engine, rows, prep.tokenizer,
+                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
+                k=cfg.eval.k, temperature=cfg.eval.temperature,
+                generator=torch.Generator(device=device).manual_seed(cfg.seed), multi_turn=prep.multi_turn,
+                grader=prep.grader, chunk_size=cfg.rollout.batch_size, progress=True,
+            )
+        finally:
+            prep.close()
+            engine.close()
     label = f"{engine.models[0]} at {cfg.rollout.remote.urls[0]}" if model is None else str(final or cfg.model.name)
     print(json.dumps({"model": label, **result}, indent=2))
     return 0

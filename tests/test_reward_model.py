@@ -1,5 +1,6 @@
 """A trained reward model as an RL reward: the score of a sampled response equals its score
-in RM training, it shares the policy's frozen weights, and bad paths fail early and clearly."""
+in RM training, the run shares the policy's frozen weights with it (checked on the objects the
+run built), and bad paths fail early and clearly."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ import plainrl.run.setup as run_setup
 import plainrl.run.offline as offline
 from conftest import REPO, tiny_overrides
 from plainrl.config import ConfigError, load_config
-from plainrl.models import sequence_scores
-from plainrl.models import ModelLoadError, load_policy
+from plainrl.models import ModelLoadError, sequence_scores
 from plainrl.data.offline import load_offline_data
 from plainrl.train.offline import collate
 from plainrl.rewards import RewardLoadError
@@ -66,15 +66,28 @@ def test_rl_time_scores_equal_rm_training_scores(rm_run, tiny_model_dir, tokeniz
     assert trained[: len(trained) // 2].gt(trained[len(trained) // 2:]).all()  # chosen > rejected: it learned
 
 
-def test_rl_with_a_reward_model_shares_the_policy_weights(rm_run, tiny_model_dir, tmp_path, tokenizer):
+def _frozen_base(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The frozen parameters of the transformer body (not the LoRA factors, not the LM or score head),
+    by their name without peft's wrapping."""
+    named = ((n.removeprefix("base_model.model.").replace(".base_layer", ""), p) for n, p in model.named_parameters())
+    return {n: p for n, p in named if n.startswith("model.") and "lora_" not in n and not p.requires_grad}
+
+
+def test_rl_with_a_reward_model_shares_the_policy_weights(rm_run, tiny_model_dir, tmp_path, monkeypatch):
     rewards = f"[{{model: '{rm_run / 'final'}', weight: 1.0, name: rm}}, {{fn: plainrl.rewards.builtins:correctness}}]"
     cfg = _rl_cfg(tiny_model_dir, tmp_path / "run", rewards)
-    policy = load_policy(cfg.model, torch.device("cpu"))
-    rm = RewardModel.load(cfg.rewards[0], cfg.model, tokenizer, torch.device("cpu"), share_with=policy)
-    embed = lambda m: m.get_base_model().get_input_embeddings().weight  # noqa: E731
-    assert embed(rm.model).data_ptr() == embed(policy).data_ptr()  # one copy of the frozen base
+    built = []  # the Run that loop.train builds (plainrl.run.setup.setup, as the run calls it)
+    real_setup = loop.setup
+    monkeypatch.setattr(loop, "setup", lambda *a, **kw: built.append(real_setup(*a, **kw)) or built[-1])
 
     run = loop.train(cfg)
+    assert len(built) == 1
+    [rm] = built[0].reward_models
+    policy, rm_base = _frozen_base(built[0].model), _frozen_base(rm.model)
+    # the reward model's whole body (2 layers x 9 tensors, the final norm, the embedding) is the policy's tensors
+    assert len(rm_base) == 2 * 9 + 2 and rm_base.keys() == policy.keys()
+    assert all(rm_base[n].data_ptr() == policy[n].data_ptr() for n in rm_base), "the reward model holds a copy"
+    assert not any(p.requires_grad for p in rm.model.parameters())
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["reward/rm/mean"]) for r in rows)
     assert all(r["reward/unscorable"] == 0 for r in rows)

@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, TypeVar
 
 from plainrl.rollout.batcher import RequestBatcher
 from plainrl.rollout.chat import encode_rendered, render_chat_continuation, render_with_tools
+from plainrl.rollout.reaper import MARK_ENV
 from plainrl.rollout.seeding import call_seed
 from plainrl.rollout.trajectory import Trajectory
 from plainrl.types import FinishReason, Generation, SamplingParams
@@ -175,8 +177,13 @@ class LLM:
 
     def openai_env(self) -> dict[str, str]:
         """``{"OPENAI_BASE_URL": ..., "OPENAI_API_KEY": ...}``: merge into a subprocess's environment
-        so an ``openai`` client made there is this episode's."""
-        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key}
+        so an ``openai`` client made there is this episode's. In a run it also carries the run's
+        ``PLAINRL_RUN_MARK``, by which the subprocess and what it starts are killed if the trainer
+        dies (:mod:`plainrl.rollout.reaper`)."""
+        env = {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key}
+        if MARK_ENV in os.environ:
+            env[MARK_ENV] = os.environ[MARK_ENV]
+        return env
 
     def openai_client(self, **kwargs: Any):
         """An ``openai.AsyncOpenAI`` bound to this episode (its base URL and key). Retries are off

@@ -14,6 +14,7 @@ from plainrl.metrics import StepTimer
 from plainrl.perf import throughput
 from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
+from plainrl.rollout.reaper import Reaper
 from plainrl.run.collect import dynamic_sampling, shape_overlong
 from plainrl.run.distributed import gather_episodes, join, leave, local_rows
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
@@ -161,19 +162,21 @@ def train(cfg: Config) -> Path:
         from plainrl.tracking import require_wandb
 
         require_wandb()
-    parallel = join(cfg)  # under torchrun: this rank (checks the launch first); else one process
-    try:
-        run = setup(cfg, parallel)
+    # what user code starts from here (an agent's harness, its tools) is killed if this process dies
+    with Reaper():
+        parallel = join(cfg)  # under torchrun: this rank (checks the launch first); else one process
         try:
-            if parallel.is_main:
-                attach_trackers(cfg, run.run_dir, run.logger)
-            return _train(run)
+            run = setup(cfg, parallel)
+            try:
+                if parallel.is_main:
+                    attach_trackers(cfg, run.run_dir, run.logger)
+                return _train(run)
+            finally:
+                run.logger.close()  # (once: a finished run closed it already) a failed run's trackers finish too
+                run.prep.close()
+                run.engine.close()
         finally:
-            run.logger.close()  # (once: a finished run closed it already) a failed run's trackers finish too
-            run.prep.close()
-            run.engine.close()
-    finally:
-        leave(parallel)
+            leave(parallel)
 
 
 def _train(run: Run) -> Path:
