@@ -5,6 +5,9 @@ single-process path, no collective).
 
     torchrun --standalone --nproc-per-node 2 tests/dist_update.py MODEL_DIR OUT.pt
 
+Under FSDP2 ranks other than 0 build their models on the meta device, as a run does
+(:attr:`plainrl.train.distributed.Parallel.on_meta`): their shards come from rank 0.
+
 Writes (rank 0) ``{(case, "single" | "ddp" | "fsdp2"): {"stats": UpdateStats as dict,
 "weights": {name: full tensor}, "initial": {name: tensor}}}``.
 Cases: the policy learner with LoRA, two mini-batches and a KL to the adapter-free
@@ -64,7 +67,7 @@ def run_case(model_dir: str, strategy: str | None, overrides: list[str]) -> dict
         "rollout.max_new_tokens=40", "algorithm.clip_high=0.2", *overrides])
     parallel = join(cfg) if strategy else Parallel()
     torch.manual_seed(0)  # LoRA's initial A: the same in every process
-    model = load_policy(cfg.model, parallel.device)
+    model = load_policy(cfg.model, parallel.device, meta=parallel.on_meta)  # FSDP2: as a run, rank 0 alone reads
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     learner = make_learner(cfg, model, pad_id=0, parallel=parallel)
     eps, adv = episodes(model.config.vocab_size if hasattr(model, "config") else 100)
@@ -118,7 +121,7 @@ def offline_case(model_dir: str, strategy: str | None, name: str) -> dict:
         "train.micro_batch_tokens=64", "train.lr=1e-2", "train.batch_size=4", f"model.lora.enabled={lora}"])
     parallel = join(cfg) if strategy else Parallel()
     torch.manual_seed(0)
-    model = load_policy(cfg.model, parallel.device)
+    model = load_policy(cfg.model, parallel.device, meta=parallel.on_meta)
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer = OfflineTrainer(model, cfg, pad_id=0, parallel=parallel)
     g = torch.Generator().manual_seed(3)

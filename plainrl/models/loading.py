@@ -176,11 +176,13 @@ def attention_implementation(requested: str, device: torch.device) -> str:
 
 
 def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, share_with=None,
-          reference_adapter: bool = False, **kwargs):
+          reference_adapter: bool = False, meta: bool = False, **kwargs):
     path = resolve_model_path(cfg.name, cfg.cache_dir)
     attn = attention_implementation(cfg.attn_implementation, device)
     dtype = model_dtype(cfg.dtype, device)
     quantized = cfg.quantization != "none"
+    if meta:
+        return _build_meta(cfg, path, auto_class, task_type, dtype, attn, reference_adapter, **kwargs)
     if quantized:
         log.info(check_support(cfg.quantization, device, dtype))
         if cfg.quantization == "int8":
@@ -202,6 +204,30 @@ def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, sh
         model = prepare_for_training(model)
     if share_with is not None:
         share_frozen_weights(model, share_with)
+    if cfg.adapter is not None:
+        model = load_adapter(model, cfg.adapter, lora_enabled=cfg.lora.enabled, reference=reference_adapter)
+    elif cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora, task_type=task_type)
+    model.train()
+    return model
+
+
+def _build_meta(cfg: ModelConfig, path: str, auto_class, task_type: str, dtype: torch.dtype, attn: str,
+                reference_adapter: bool, **kwargs):
+    """The model :func:`_load` would load, built from its config on the meta device: the same
+    modules, names, shapes and dtypes, no weight read and none allocated (FSDP2 fills them
+    from rank 0, :meth:`plainrl.train.distributed.Parallel.wrap`). Adapters are made as
+    :func:`_load` makes them, so the global RNG advances as it does there."""
+    from transformers import AutoConfig
+
+    if cfg.quantization != "none":
+        raise ModelLoadError("a model built on the meta device cannot be quantized; use model.quantization=none")
+    config = _from_pretrained(AutoConfig, path, **kwargs)  # (num_labels: a config field)
+    with torch.device("meta"):
+        model = auto_class.from_config(config, dtype=dtype, attn_implementation=attn)
+    model.config.use_cache = False
+    if kwargs.get("num_labels") is not None:
+        model.score.float()
     if cfg.adapter is not None:
         model = load_adapter(model, cfg.adapter, lora_enabled=cfg.lora.enabled, reference=reference_adapter)
     elif cfg.lora.enabled:
@@ -277,7 +303,7 @@ def reference_policy(model: torch.nn.Module):
         yield
 
 
-def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bool = False):
+def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bool = False, meta: bool = False):
     """Load the policy (with LoRA when enabled) in ``cfg.dtype`` on ``device``; with
     ``cfg.quantization`` the base's linear layers are quantized by bitsandbytes (QLoRA,
     :mod:`plainrl.models.quantization`) and only the adapters train.
@@ -285,6 +311,8 @@ def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bo
     Args:
         reference_adapter: the run computes a reference policy (a KL term, DPO): with
             ``cfg.adapter``, also load it frozen as that reference (:func:`load_adapter`).
+        meta: build it from its config on the meta device instead, reading no weights (a
+            rank other than 0 under FSDP2, which receives its shards from rank 0).
 
     Returns:
         the model (a peft ``PeftModel`` under LoRA, else the transformers model), in train mode.
@@ -295,10 +323,11 @@ def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bo
     """
     from transformers import AutoModelForCausalLM
 
-    return _load(cfg, device, AutoModelForCausalLM, "CAUSAL_LM", reference_adapter=reference_adapter)
+    return _load(cfg, device, AutoModelForCausalLM, "CAUSAL_LM", reference_adapter=reference_adapter, meta=meta)
 
 
-def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool, share_with=None):
+def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool, share_with=None,
+                     meta: bool = False):
     """A value model: the backbone of ``cfg.name`` with a new linear head ``score``
     (hidden -> 1, float32), LoRA per ``cfg.lora`` with the head trained beside it.
 
@@ -310,6 +339,7 @@ def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool,
 
     ``share_with``: a model on the same base whose frozen weights this one reuses
     (:func:`share_frozen_weights`); pass it only when both train adapters, not full weights.
+    ``meta``: as :func:`load_policy`'s.
 
     Raises:
         ModelLoadError: as :func:`load_policy`, or the architecture has no such head class.
@@ -324,7 +354,7 @@ def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool,
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return _load(cfg, device, auto, task, share_with=share_with, num_labels=1)
+        return _load(cfg, device, auto, task, share_with=share_with, meta=meta, num_labels=1)
     except ValueError as e:  # transformers: "Unrecognized configuration class ... for this kind of AutoModel"
         raise ModelLoadError(f"model {cfg.name!r} has no {auto.__name__} head: {e}") from e
     finally:
