@@ -53,6 +53,34 @@ def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_pa
                                            msg=lambda m: f"{case}/{strategy} {name}: {m}")
 
 
+@pytest.fixture(scope="module")
+def mid_model_dir(tmp_path_factory) -> Path:
+    """A random 40M-parameter Llama (160 MB in float32, no tensor above 4 MB), large enough
+    for its load to stand out of a rank's resident memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    d = tmp_path_factory.mktemp("mid-llama")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def test_fsdp2_ranks_other_than_0_never_hold_the_full_weights(mid_model_dir, tmp_path):
+    """Meta-device initialisation: rank 1 builds the model on the meta device and allocates only
+    its float32 shards (half the model), so its peak resident memory over loading and sharding
+    stays well under the full model's size; rank 0, which reads the weights, holds them all
+    (the control that the measurement sees a full load)."""
+    out = tmp_path / "memory.pt"
+    torchrun(str(REPO / "tests" / "dist_meta_memory.py"), str(mid_model_dir), str(out), timeout=300)
+    main, other = torch.load(out, weights_only=False)
+    full = main["full_bytes"]
+    assert full > 150e6 and not main["built_on_meta"] and other["built_on_meta"]
+    assert main["peak_bytes"] > 0.9 * full, main
+    assert other["peak_bytes"] < 0.8 * full, other  # its shards: 0.5 (measured 0.61); a full load: over 1
+
+
 def test_four_rank_hsdp_update_equals_one_process(tiny_model_dir, tmp_path):
     """HSDP (train.fsdp_size=2 on 4 ranks: a 2x2 mesh, shards within pairs, replicas across them)
     gives the one-process update, for the LoRA and the full fine-tuning policy cases."""
@@ -87,6 +115,27 @@ def _rows(run_dir: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fsdp2_run_samples_with_replicas_filled_from_rank_0(tiny_model_dir, tmp_path):
+    """A 2-rank FSDP2 run, full fine-tuning with a KL (the reference sharded too), embedded engine:
+    rank 1 built its model on the meta device, so its engine's replica starts empty and is filled
+    by the first sync (weights and the rotary buffers); both ranks' episodes are in the batch, and
+    the learner's logprobs of their sampled tokens are the engines' (garbage in rank 1's replica
+    would show here), before and after the first update."""
+    from conftest import tiny_overrides
+
+    run = tmp_path / "run"
+    torchrun("-m", "plainrl", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+             *tiny_overrides(tiny_model_dir, run), "train.strategy=fsdp2", "model.lora.enabled=false",
+             "algorithm.kl_coef=0.05", "train.lr=1e-3", "eval.before=false", "eval.after=false",
+             "log.tensorboard=false", "train.collective_timeout_s=120",
+             f"rewards=[{{fn: {REPO / 'tests' / 'data' / 'gate_reward.py'}:length_bonus}}]")
+    steps = [r for r in _rows(run) if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout/logprob_diff"] < 1e-4, r
+    assert steps[1]["kl"] > 0  # the policy moved away from the reference
 
 
 def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path):
