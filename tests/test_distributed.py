@@ -34,12 +34,16 @@ def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_pa
     Policy learner (LoRA; full fine-tuning), PPO's critic, DPO and SFT (tests/dist_update.py)."""
     out = tmp_path / "updates.pt"
     torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out))
-    results = torch.load(out, weights_only=False)
-    for case in ("lora", "full", "critic", "dpo", "sft"):
+    assert_updates_equal(torch.load(out, weights_only=False), ("lora", "full", "critic", "dpo", "sft"))
+
+
+def assert_updates_equal(results: dict, cases, strategies=("ddp", "fsdp2")) -> None:
+    """tests/dist_update.py's results: each strategy's update is the one-process update of its case."""
+    for case in cases:
         single = results[(case, "single")]
         moved = max(float((single["weights"][n] - single["initial"][n]).abs().max()) for n in single["weights"])
         assert moved > 1e-3, f"{case}: the update must change the weights for the comparison to mean anything"
-        for strategy in ("ddp", "fsdp2"):
+        for strategy in strategies:
             got = results[(case, strategy)]
             for key, value in single["stats"].items():
                 if key in ("micro_batches", "optimizer_steps", "skipped") or not isinstance(value, (int, float)):
