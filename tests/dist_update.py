@@ -75,7 +75,7 @@ def run_case(model_dir: str, strategy: str | None, overrides: list[str]) -> dict
     parallel = join(cfg) if strategy else Parallel(device=single_device())
     torch.manual_seed(0)  # LoRA's initial A: the same in every process
     model = load_policy(cfg.model, parallel.device, meta=parallel.on_meta)  # FSDP2: as a run, rank 0 alone reads
-    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
     learner = make_learner(cfg, model, pad_id=0, parallel=parallel)
     eps, adv = episodes(model.config.vocab_size if hasattr(model, "config") else 100)
     torch.manual_seed(1)  # the mini-batch shuffle
@@ -100,7 +100,8 @@ def critic_case(model_dir: str, strategy: str | None) -> dict:
     torch.manual_seed(0)
     del load_value_model  # (built by load_critic, as a run builds it)
     critic = load_critic(cfg, None, parallel.device, 0, parallel)
-    initial = {n: p.detach().cpu().clone() for n, p in critic.model.named_parameters() if p.requires_grad}
+    initial = {n: p.detach().cpu().clone() for n, p in critic.model.named_parameters()
+               if p.requires_grad and not p.is_meta}
     eps, _ = episodes(critic.model.config.vocab_size)
     for i, e in enumerate(eps):
         e.reward = None if i == 3 else float(i)  # one unscorable episode: out of the value loss
@@ -129,7 +130,7 @@ def offline_case(model_dir: str, strategy: str | None, name: str) -> dict:
     parallel = join(cfg) if strategy else Parallel(device=single_device())
     torch.manual_seed(0)
     model = load_policy(cfg.model, parallel.device, meta=parallel.on_meta)
-    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
     trainer = OfflineTrainer(model, cfg, pad_id=0, parallel=parallel)
     g = torch.Generator().manual_seed(3)
 
