@@ -307,3 +307,35 @@ def test_shards_and_group_split():
     idx = torch.tensor([5, 0, 7, 2])  # a mini-batch: 2, 10, 2, 2 tokens
     assert [p.share(eps, idx, share_prompts=True).tolist() for p in ranks] == [[5, 0], [7, 2]]
     assert Parallel().share(eps, idx, share_prompts=True) is idx  # one process: as given
+
+
+def test_meta_build_matches_the_loaded_model(tiny_model_dir, tmp_path):
+    """What a rank other than 0 builds under FSDP2 (``meta=True``): the loaded model's parameter and
+    buffer names, shapes, dtypes and requires_grad (``Parallel.wrap`` checks the same across ranks),
+    every tensor on the meta device; for a LoRA policy, one started from a saved adapter with its
+    frozen reference copy, a full policy in bfloat16, and a value model with its float32 head."""
+    from plainrl.config import ModelConfig
+    from plainrl.models import load_policy, load_value_model, save_policy
+
+    def layout(m):
+        return {n: (tuple(t.shape), t.dtype, t.requires_grad) for n, t in [*m.named_parameters(), *m.named_buffers()]}
+
+    lora = ModelConfig(name=str(tiny_model_dir), dtype="float32", lora={"enabled": True, "r": 4})
+    adapter = tmp_path / "adapter"
+    save_policy(load_policy(lora, torch.device("cpu")), _tokenizer(tiny_model_dir), adapter)
+    cases = [(lambda **kw: load_policy(lora, torch.device("cpu"), **kw)),
+             (lambda **kw: load_policy(lora.model_copy(update={"adapter": str(adapter)}), torch.device("cpu"),
+                                       reference_adapter=True, **kw)),
+             (lambda **kw: load_policy(ModelConfig(name=str(tiny_model_dir), dtype="bfloat16",
+                                                   lora={"enabled": False}), torch.device("cpu"), **kw)),
+             (lambda **kw: load_value_model(lora, torch.device("cpu"), per_token=True, **kw))]
+    for load in cases:
+        real, meta = load(), load(meta=True)
+        assert layout(meta) == layout(real)
+        assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+
+
+def _tokenizer(model_dir: Path):
+    from plainrl.models import load_tokenizer
+
+    return load_tokenizer(str(model_dir))

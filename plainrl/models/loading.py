@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -229,11 +230,33 @@ def _build_meta(cfg: ModelConfig, path: str, auto_class, task_type: str, dtype: 
     if kwargs.get("num_labels") is not None:
         model.score.float()
     if cfg.adapter is not None:
-        model = load_adapter(model, cfg.adapter, lora_enabled=cfg.lora.enabled, reference=reference_adapter)
+        with warnings.catch_warnings():  # its weights are read into meta tensors: a no-op, by design here
+            warnings.filterwarnings("ignore", message="for .*: copying from a non-meta parameter")
+            model = load_adapter(model, cfg.adapter, lora_enabled=cfg.lora.enabled, reference=reference_adapter)
     elif cfg.lora.enabled:
         model = apply_lora(model, cfg.lora, task_type=task_type)
+    empty_weights(model, "meta")  # peft places a second adapter on the CPU
     model.train()
     return model
+
+
+def empty_weights(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Replace every parameter and buffer of ``model`` by an uninitialised one on ``device``
+    (the meta device: nothing allocated), in place, keeping dtypes, ``requires_grad`` and
+    tied parameters tied (``Module.to("meta")`` and ``to_empty`` untie them between the
+    meta device and another). The old tensors are freed unless something else holds them."""
+    memo: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                if id(p) not in memo:
+                    memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                m._parameters[name] = memo[id(p)]
+        for name, b in m._buffers.items():
+            if b is not None:
+                if id(b) not in memo:
+                    memo[id(b)] = torch.empty_like(b, device=device)
+                m._buffers[name] = memo[id(b)]
 
 
 # peft's name of the adapter a run trains (get_peft_model and PeftModel.from_pretrained use it)

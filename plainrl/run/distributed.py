@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from plainrl.config import Config, ConfigError
 from plainrl.metrics import MetricsLogger
-from plainrl.train.distributed import Parallel, empty_weights, full_tensor, shared_copy
+from plainrl.models import empty_weights
+from plainrl.train.distributed import Parallel, full_tensor, shared_copy
 from plainrl.types import Episode, RewardOutput
 
 # what torchrun (torch.distributed.run) sets in every worker's environment

@@ -253,7 +253,7 @@ class Parallel:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        from plainrl.models import unwrap
+        from plainrl.models import empty_weights, unwrap
 
         # Meta-device initialisation (torchtitan's, TRL's and accelerate's order): rank 0's weights
         # are the source (the other ranks may have built the model on the meta device: nothing
@@ -327,30 +327,11 @@ class Parallel:
             dist.broadcast(b, src=0)
 
 
-def empty_weights(model: torch.nn.Module, device: torch.device | str) -> None:
-    """Replace every parameter and buffer of ``model`` by an uninitialised one on ``device``
-    (the meta device: nothing allocated), in place, keeping dtypes, ``requires_grad`` and
-    tied parameters tied (``Module.to("meta")`` and ``to_empty`` untie them between the
-    meta device and another). The old tensors are freed unless something else holds them."""
-    memo: dict[int, torch.Tensor] = {}
-    for m in model.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                if id(p) not in memo:
-                    memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
-                m._parameters[name] = memo[id(p)]
-        for name, b in m._buffers.items():
-            if b is not None:
-                if id(b) not in memo:
-                    memo[id(b)] = torch.empty_like(b, device=device)
-                m._buffers[name] = memo[id(b)]
-
-
 def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` (a deep copy of its modules) whose parameters are new
     ``Parameter`` objects over the same storage, and whose buffers are the same tensors:
     no weight is copied. Safe only while ``model``'s tensors are about to be replaced
-    (:func:`empty_weights`, FSDP2's wrap), never for a model that trains in place."""
+    (:func:`plainrl.models.empty_weights`, FSDP2's wrap), never for a model that trains in place."""
     memo: dict[int, object] = {}
     for p in model.parameters():
         memo[id(p)] = torch.nn.Parameter(p.detach(), p.requires_grad)
