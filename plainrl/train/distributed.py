@@ -302,15 +302,16 @@ class Parallel:
         a model built from its config on the meta device must match the one loaded from files.
 
         Raises:
-            ValueError: on a rank whose model differs, naming the first difference.
+            ValueError: on every rank when one differs (none waits in a collective), naming the
+                first difference on that rank.
         """
         layout = {n: (tuple(t.shape), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]}
         main = self.broadcast(layout if self.is_main else None)
-        if layout != main:
-            diff = next((n for n in sorted(set(main) | set(layout)) if main.get(n) != layout.get(n)), None)
-            raise ValueError(f"train.strategy=fsdp2: rank {self.rank} built another model than rank 0 ({diff}: "
-                             f"{layout.get(diff)} here, {main.get(diff)} on rank 0); every rank must load the "
-                             "same model.name and model section")
+        diff = next((n for n in sorted(set(main) | set(layout)) if main.get(n) != layout.get(n)), None)
+        if self.max(int(diff is not None)):
+            here = f" ({diff}: {layout.get(diff)} here, {main.get(diff)} on rank 0)" if diff else ", see its error"
+            raise ValueError(f"train.strategy=fsdp2: a rank built another model than rank 0{here}; every rank "
+                             "must load the same model.name and model section")
 
     @torch.no_grad()
     def _load_from_main(self, model: torch.nn.Module, full: dict[str, torch.Tensor],
