@@ -85,6 +85,16 @@ def test_fsdp2_ranks_other_than_0_never_hold_the_full_weights(mid_model_dir, tmp
     assert other["peak_bytes"] < 0.8 * full, other  # its shards: 0.5 (measured 0.61); a full load: over 1
 
 
+def test_fsdp2_stops_every_rank_when_one_built_another_model(tiny_model_dir, tmp_path):
+    """Rank 1 builds its meta model in bfloat16, rank 0 loads float32: both raise before any shard is
+    filled (none is left waiting in a collective), rank 1 naming the first differing tensor."""
+    out = tmp_path / "errors"
+    torchrun(str(REPO / "tests" / "dist_meta_memory.py"), str(tiny_model_dir), str(out), "mismatch", timeout=300)
+    main, other = (Path(f"{out}.rank{r}").read_text() for r in (0, 1))
+    assert "a rank built another model than rank 0, see its error" in main
+    assert "torch.bfloat16) here" in other and "torch.float32) on rank 0" in other
+
+
 def test_four_rank_hsdp_update_equals_one_process(tiny_model_dir, tmp_path):
     """HSDP (train.fsdp_size=2 on 4 ranks: a 2x2 mesh, shards within pairs, replicas across them)
     gives the one-process update, for the LoRA and the full fine-tuning policy cases."""
