@@ -100,9 +100,10 @@ def cases(quick: bool, model_dirs: dict[str, str], quantizations=("none",)) -> l
 # ----------------------------------------------------------------------------- one case (subprocess)
 
 
-def build_model(shape: str, dest: Path) -> None:
-    """A random Llama of ``SHAPES[shape]`` with the embedded tokenizer, saved (bfloat16, half
-    the disk; loading casts to ``model.dtype``) as a transformers directory."""
+def build_model(shape: str | dict, dest: Path) -> None:
+    """A random Llama of ``SHAPES[shape]`` (or of the given LlamaConfig fields) with the embedded
+    tokenizer, saved (bfloat16, half the disk; loading casts to ``model.dtype``) as a
+    transformers directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from plainrl.models import load_tokenizer
@@ -111,7 +112,7 @@ def build_model(shape: str, dest: Path) -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=True,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      **SHAPES[shape])
+                      **(SHAPES[shape] if isinstance(shape, str) else shape))
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(dest)
     tok.save_pretrained(dest)
 

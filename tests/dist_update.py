@@ -5,6 +5,9 @@ single-process path, no collective).
 
     torchrun --standalone --nproc-per-node 2 tests/dist_update.py MODEL_DIR OUT.pt
 
+Under FSDP2 ranks other than 0 build their models on the meta device, as a run does
+(:attr:`plainrl.train.distributed.Parallel.on_meta`): their shards come from rank 0.
+
 Writes (rank 0) ``{(case, "single" | strategy): {"stats": UpdateStats as dict,
 "weights": {name: full tensor}, "initial": {name: tensor}}}``.
 Cases: the policy learner with LoRA, two mini-batches and a KL to the adapter-free
@@ -18,12 +21,19 @@ no loss token, one no completion.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+DEVICE = os.environ.get("DIST_DEVICE", "cpu")  # cuda: NCCL, a GPU per rank (tests/test_gpu.py)
+
+
+def single_device() -> torch.device:
+    """Where the one-process update runs: rank 0's device."""
+    return torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
 
 CASES = {
     "lora": ["model.lora.enabled=true", "algorithm.mini_batches=2", "algorithm.kl_coef=0.1",
@@ -59,18 +69,18 @@ def run_case(model_dir: str, strategy: str | None, overrides: list[str]) -> dict
     from plainrl.train.distributed import Parallel, full_tensor
 
     cfg = load_config(REPO / "examples" / "arithmetic_grpo.yaml", [
-        f"model.name={model_dir}", "model.dtype=float32", "device=cpu", f"train.strategy={strategy or 'ddp'}",
+        f"model.name={model_dir}", "model.dtype=float32", f"device={DEVICE}", f"train.strategy={strategy or 'ddp'}",
         "train.micro_batch_tokens=48", "train.lr=1e-2", "rollout.prompts_per_step=4", "rollout.group_size=2",
         "rollout.max_new_tokens=40", "algorithm.clip_high=0.2", *overrides])
-    parallel = join(cfg) if strategy else Parallel()
+    parallel = join(cfg) if strategy else Parallel(device=single_device())
     torch.manual_seed(0)  # LoRA's initial A: the same in every process
-    model = load_policy(cfg.model, parallel.device)
-    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    model = load_policy(cfg.model, parallel.device, meta=parallel.on_meta)  # FSDP2: as a run, rank 0 alone reads
+    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
     learner = make_learner(cfg, model, pad_id=0, parallel=parallel)
     eps, adv = episodes(model.config.vocab_size if hasattr(model, "config") else 100)
     torch.manual_seed(1)  # the mini-batch shuffle
     stats = learner.update([dataclasses.replace(e) for e in eps], adv)
-    weights = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+    weights = {n: full_tensor(p.detach()).cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
     return {"stats": dataclasses.asdict(stats), "weights": weights, "initial": initial,
             "offload": learner.opt.offload}
 
@@ -84,14 +94,15 @@ def critic_case(model_dir: str, strategy: str | None) -> dict:
     from plainrl.train.distributed import Parallel, full_tensor
 
     cfg = load_config(REPO / "examples" / "arithmetic_ppo.yaml", [
-        f"model.name={model_dir}", "model.dtype=float32", "device=cpu", f"train.strategy={strategy or 'ddp'}",
+        f"model.name={model_dir}", "model.dtype=float32", f"device={DEVICE}", f"train.strategy={strategy or 'ddp'}",
         "train.micro_batch_tokens=48", "train.lr=1e-2", "rollout.prompts_per_step=4", "rollout.group_size=2",
         "rollout.max_new_tokens=40", "algorithm.ppo_epochs=2", "critic.lr=1e-2"])
-    parallel = join(cfg) if strategy else Parallel()
+    parallel = join(cfg) if strategy else Parallel(device=single_device())
     torch.manual_seed(0)
     del load_value_model  # (built by load_critic, as a run builds it)
     critic = load_critic(cfg, None, parallel.device, 0, parallel)
-    initial = {n: p.detach().clone() for n, p in critic.model.named_parameters() if p.requires_grad}
+    initial = {n: p.detach().cpu().clone() for n, p in critic.model.named_parameters()
+               if p.requires_grad and not p.is_meta}
     eps, _ = episodes(critic.model.config.vocab_size)
     for i, e in enumerate(eps):
         e.reward = None if i == 3 else float(i)  # one unscorable episode: out of the value loss
@@ -101,7 +112,7 @@ def critic_case(model_dir: str, strategy: str | None) -> dict:
     torch.manual_seed(1)
     stats = critic.update(eps, returns, values, frame.mask)
     stats["values_sum"] = float(values.sum())
-    weights = {n: full_tensor(p.detach()).clone() for n, p in critic.model.named_parameters() if p.requires_grad}
+    weights = {n: full_tensor(p.detach()).cpu().clone() for n, p in critic.model.named_parameters() if p.requires_grad}
     return {"stats": stats, "weights": weights, "initial": initial}
 
 
@@ -115,12 +126,12 @@ def offline_case(model_dir: str, strategy: str | None, name: str) -> dict:
 
     lora = "false" if name == "dpo" else "true"
     cfg = load_config(REPO / "examples" / ("dpo_ultrafeedback.yaml" if name == "dpo" else "sft_chat.yaml"), [
-        f"model.name={model_dir}", "model.dtype=float32", "device=cpu", f"train.strategy={strategy or 'ddp'}",
+        f"model.name={model_dir}", "model.dtype=float32", f"device={DEVICE}", f"train.strategy={strategy or 'ddp'}",
         "train.micro_batch_tokens=64", "train.lr=1e-2", "train.batch_size=4", f"model.lora.enabled={lora}"])
-    parallel = join(cfg) if strategy else Parallel()
+    parallel = join(cfg) if strategy else Parallel(device=single_device())
     torch.manual_seed(0)
-    model = load_policy(cfg.model, parallel.device)
-    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    model = load_policy(cfg.model, parallel.device, meta=parallel.on_meta)
+    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
     trainer = OfflineTrainer(model, cfg, pad_id=0, parallel=parallel)
     g = torch.Generator().manual_seed(3)
 
@@ -131,16 +142,15 @@ def offline_case(model_dir: str, strategy: str | None, name: str) -> dict:
     rows = [Example(tuple(chat(30 - 5 * i + j, 6 + j) for j in range(seqs)), i) for i in range(4)]
     metrics = trainer.step(rows)
     metrics.update({f"eval_{k}": v for k, v in trainer.evaluate(rows).items()})
-    weights = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+    weights = {n: full_tensor(p.detach()).cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
     return {"stats": metrics, "weights": weights, "initial": initial}
 
 
 def main() -> None:
     """``DIST_STRATEGIES`` (default ``ddp,fsdp2``) and ``DIST_CASES`` (default all) choose what
     runs; ``hsdp`` is FSDP2 with ``train.fsdp_size=2``, ``ddp-offload`` DDP with
-    ``train.offload=optimizer`` (policy cases only)."""
-    import os
-
+    ``train.offload=optimizer`` (policy cases only); ``DIST_DEVICE=cuda`` runs every rank (and
+    the one process) on its GPU, over NCCL."""
     model_dir, out = sys.argv[1:3]
     rank = int(os.environ["RANK"])
     strategies = os.environ.get("DIST_STRATEGIES", "ddp,fsdp2").split(",")

@@ -34,12 +34,16 @@ def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_pa
     Policy learner (LoRA; full fine-tuning), PPO's critic, DPO and SFT (tests/dist_update.py)."""
     out = tmp_path / "updates.pt"
     torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out))
-    results = torch.load(out, weights_only=False)
-    for case in ("lora", "full", "critic", "dpo", "sft"):
+    assert_updates_equal(torch.load(out, weights_only=False), ("lora", "full", "critic", "dpo", "sft"))
+
+
+def assert_updates_equal(results: dict, cases, strategies=("ddp", "fsdp2")) -> None:
+    """tests/dist_update.py's results: each strategy's update is the one-process update of its case."""
+    for case in cases:
         single = results[(case, "single")]
         moved = max(float((single["weights"][n] - single["initial"][n]).abs().max()) for n in single["weights"])
         assert moved > 1e-3, f"{case}: the update must change the weights for the comparison to mean anything"
-        for strategy in ("ddp", "fsdp2"):
+        for strategy in strategies:
             got = results[(case, strategy)]
             for key, value in single["stats"].items():
                 if key in ("micro_batches", "optimizer_steps", "skipped") or not isinstance(value, (int, float)):
@@ -51,6 +55,44 @@ def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_pa
             for name, w in single["weights"].items():
                 torch.testing.assert_close(got["weights"][name], w, rtol=1e-4, atol=2e-5,
                                            msg=lambda m: f"{case}/{strategy} {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def mid_model_dir(tmp_path_factory) -> Path:
+    """A random 40M-parameter Llama (160 MB in float32, no tensor above 4 MB), large enough
+    for its load to stand out of a rank's resident memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    d = tmp_path_factory.mktemp("mid-llama")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def test_fsdp2_ranks_other_than_0_never_hold_the_full_weights(mid_model_dir, tmp_path):
+    """Meta-device initialisation: rank 1 builds the model on the meta device and allocates only
+    its float32 shards (half the model), so its peak resident memory over loading and sharding
+    stays well under the full model's size; rank 0, which reads the weights, holds them all
+    (the control that the measurement sees a full load)."""
+    out = tmp_path / "memory.pt"
+    torchrun(str(REPO / "tests" / "dist_meta_memory.py"), str(mid_model_dir), str(out), timeout=300)
+    main, other = torch.load(out, weights_only=False)
+    full = main["full_bytes"]
+    assert full > 150e6 and not main["built_on_meta"] and other["built_on_meta"]
+    assert main["peak_bytes"] > 0.9 * full, main
+    assert other["peak_bytes"] < 0.8 * full, other  # its shards: 0.5 (measured 0.61); a full load: over 1
+
+
+def test_fsdp2_stops_every_rank_when_one_built_another_model(tiny_model_dir, tmp_path):
+    """Rank 1 builds its meta model in bfloat16, rank 0 loads float32: both raise before any shard is
+    filled (none is left waiting in a collective), rank 1 naming the first differing tensor."""
+    out = tmp_path / "errors"
+    torchrun(str(REPO / "tests" / "dist_meta_memory.py"), str(tiny_model_dir), str(out), "mismatch", timeout=300)
+    main, other = (Path(f"{out}.rank{r}").read_text() for r in (0, 1))
+    assert "a rank built another model than rank 0, see its error" in main
+    assert "torch.bfloat16) here" in other and "torch.float32) on rank 0" in other
 
 
 def test_four_rank_hsdp_update_equals_one_process(tiny_model_dir, tmp_path):
@@ -106,6 +148,27 @@ def _rows(run_dir: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fsdp2_run_samples_with_replicas_filled_from_rank_0(tiny_model_dir, tmp_path):
+    """A 2-rank FSDP2 run, full fine-tuning with a KL (the reference sharded too), embedded engine:
+    rank 1 built its model on the meta device, so its engine's replica starts empty and is filled
+    by the first sync (weights and the rotary buffers); both ranks' episodes are in the batch, and
+    the learner's logprobs of their sampled tokens are the engines' (garbage in rank 1's replica
+    would show here), before and after the first update."""
+    from conftest import tiny_overrides
+
+    run = tmp_path / "run"
+    torchrun("-m", "plainrl", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+             *tiny_overrides(tiny_model_dir, run), "train.strategy=fsdp2", "model.lora.enabled=false",
+             "algorithm.kl_coef=0.05", "train.lr=1e-3", "eval.before=false", "eval.after=false",
+             "log.tensorboard=false", "train.collective_timeout_s=120",
+             f"rewards=[{{fn: {REPO / 'tests' / 'data' / 'gate_reward.py'}:length_bonus}}]")
+    steps = [r for r in _rows(run) if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout/logprob_diff"] < 1e-4, r
+    assert steps[1]["kl"] > 0  # the policy moved away from the reference
 
 
 def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path):
@@ -273,3 +336,35 @@ def test_shards_and_group_split():
     idx = torch.tensor([5, 0, 7, 2])  # a mini-batch: 2, 10, 2, 2 tokens
     assert [p.share(eps, idx, share_prompts=True).tolist() for p in ranks] == [[5, 0], [7, 2]]
     assert Parallel().share(eps, idx, share_prompts=True) is idx  # one process: as given
+
+
+def test_meta_build_matches_the_loaded_model(tiny_model_dir, tmp_path):
+    """What a rank other than 0 builds under FSDP2 (``meta=True``): the loaded model's parameter and
+    buffer names, shapes, dtypes and requires_grad (``Parallel.wrap`` checks the same across ranks),
+    every tensor on the meta device; for a LoRA policy, one started from a saved adapter with its
+    frozen reference copy, a full policy in bfloat16, and a value model with its float32 head."""
+    from plainrl.config import ModelConfig
+    from plainrl.models import load_policy, load_value_model, save_policy
+
+    def layout(m):
+        return {n: (tuple(t.shape), t.dtype, t.requires_grad) for n, t in [*m.named_parameters(), *m.named_buffers()]}
+
+    lora = ModelConfig(name=str(tiny_model_dir), dtype="float32", lora={"enabled": True, "r": 4})
+    adapter = tmp_path / "adapter"
+    save_policy(load_policy(lora, torch.device("cpu")), _tokenizer(tiny_model_dir), adapter)
+    cases = [(lambda **kw: load_policy(lora, torch.device("cpu"), **kw)),
+             (lambda **kw: load_policy(lora.model_copy(update={"adapter": str(adapter)}), torch.device("cpu"),
+                                       reference_adapter=True, **kw)),
+             (lambda **kw: load_policy(ModelConfig(name=str(tiny_model_dir), dtype="bfloat16",
+                                                   lora={"enabled": False}), torch.device("cpu"), **kw)),
+             (lambda **kw: load_value_model(lora, torch.device("cpu"), per_token=True, **kw))]
+    for load in cases:
+        real, meta = load(), load(meta=True)
+        assert layout(meta) == layout(real)
+        assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+
+
+def _tokenizer(model_dir: Path):
+    from plainrl.models import load_tokenizer
+
+    return load_tokenizer(str(model_dir))

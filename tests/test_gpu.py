@@ -1,7 +1,7 @@
 """What a machine with a CUDA GPU checks (`make test-gpu` runs every `gpu`-marked test): the
 dtype `auto` picks, the embedded demo on CUDA with MFU logged, the static decoder's SDPA
-attention against transformers, the GPU memory optimizer offload frees, and the NCCL weight
-group (two GPUs). Each skips, saying why, where the machine cannot run it."""
+attention against transformers, the GPU memory optimizer offload frees, the NCCL weight group
+and DDP/FSDP2 over NCCL (two GPUs). Each skips, saying why, where the machine cannot run it."""
 
 from __future__ import annotations
 
@@ -126,3 +126,15 @@ def test_optimizer_offload_keeps_adamw_state_on_the_host_and_frees_its_gpu_memor
     print(f"optimizer offload, {n / 1e6:.0f}M bf16 parameters: GPU memory after a step {plain_bytes / 2**20:.0f} MiB "
           f"-> {off_bytes / 2**20:.0f} MiB, {saved / n:.2f} bytes per parameter freed")
     assert saved == pytest.approx(12 * n, rel=0.05)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP and FSDP2 over NCCL need two GPUs (one rank each)")
+def test_two_rank_ddp_and_fsdp2_over_nccl_update_equals_one_process(tiny_model_dir, tmp_path):
+    """tests/test_distributed.py's gloo comparison on two GPUs over NCCL: one update of each case
+    (LoRA and full fine-tuning policy, PPO's critic, DPO, SFT) under DDP and FSDP2 (rank 1 built on
+    the meta device, its shards broadcast from rank 0) equals the one-process update on GPU 0."""
+    from test_distributed import assert_updates_equal, torchrun
+
+    out = tmp_path / "updates.pt"
+    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out), env={"DIST_DEVICE": "cuda"})
+    assert_updates_equal(torch.load(out, weights_only=False), ("lora", "full", "critic", "dpo", "sft"))

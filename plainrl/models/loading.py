@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -176,11 +177,13 @@ def attention_implementation(requested: str, device: torch.device) -> str:
 
 
 def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, share_with=None,
-          reference_adapter: bool = False, **kwargs):
+          reference_adapter: bool = False, meta: bool = False, **kwargs):
     path = resolve_model_path(cfg.name, cfg.cache_dir)
     attn = attention_implementation(cfg.attn_implementation, device)
     dtype = model_dtype(cfg.dtype, device)
     quantized = cfg.quantization != "none"
+    if meta:
+        return _build_meta(cfg, path, auto_class, task_type, dtype, attn, reference_adapter, **kwargs)
     if quantized:
         log.info(check_support(cfg.quantization, device, dtype))
         if cfg.quantization == "int8":
@@ -208,6 +211,52 @@ def _load(cfg: ModelConfig, device: torch.device, auto_class, task_type: str, sh
         model = apply_lora(model, cfg.lora, task_type=task_type)
     model.train()
     return model
+
+
+def _build_meta(cfg: ModelConfig, path: str, auto_class, task_type: str, dtype: torch.dtype, attn: str,
+                reference_adapter: bool, **kwargs):
+    """The model :func:`_load` would load, built from its config on the meta device: the same
+    modules, names, shapes and dtypes, no weight read and none allocated (FSDP2 fills them
+    from rank 0, :meth:`plainrl.train.distributed.Parallel.wrap`). Adapters are made as
+    :func:`_load` makes them, so the global RNG advances as it does there."""
+    from transformers import AutoConfig
+
+    if cfg.quantization != "none":
+        raise ModelLoadError("a model built on the meta device cannot be quantized; use model.quantization=none")
+    config = _from_pretrained(AutoConfig, path, **kwargs)  # (num_labels: a config field)
+    with torch.device("meta"):
+        model = auto_class.from_config(config, dtype=dtype, attn_implementation=attn)
+    model.config.use_cache = False
+    if kwargs.get("num_labels") is not None:
+        model.score.float()
+    if cfg.adapter is not None:
+        with warnings.catch_warnings():  # its weights are read into meta tensors: a no-op, by design here
+            warnings.filterwarnings("ignore", message="for .*: copying from a non-meta parameter")
+            model = load_adapter(model, cfg.adapter, lora_enabled=cfg.lora.enabled, reference=reference_adapter)
+    elif cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora, task_type=task_type)
+    empty_weights(model, "meta")  # peft places a second adapter on the CPU
+    model.train()
+    return model
+
+
+def empty_weights(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Replace every parameter and buffer of ``model`` by an uninitialised one on ``device``
+    (the meta device: nothing allocated), in place, keeping dtypes, ``requires_grad`` and
+    tied parameters tied (``Module.to("meta")`` and ``to_empty`` untie them between the
+    meta device and another). The old tensors are freed unless something else holds them."""
+    memo: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                if id(p) not in memo:
+                    memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                m._parameters[name] = memo[id(p)]
+        for name, b in m._buffers.items():
+            if b is not None:
+                if id(b) not in memo:
+                    memo[id(b)] = torch.empty_like(b, device=device)
+                m._buffers[name] = memo[id(b)]
 
 
 # peft's name of the adapter a run trains (get_peft_model and PeftModel.from_pretrained use it)
@@ -277,7 +326,7 @@ def reference_policy(model: torch.nn.Module):
         yield
 
 
-def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bool = False):
+def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bool = False, meta: bool = False):
     """Load the policy (with LoRA when enabled) in ``cfg.dtype`` on ``device``; with
     ``cfg.quantization`` the base's linear layers are quantized by bitsandbytes (QLoRA,
     :mod:`plainrl.models.quantization`) and only the adapters train.
@@ -285,6 +334,8 @@ def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bo
     Args:
         reference_adapter: the run computes a reference policy (a KL term, DPO): with
             ``cfg.adapter``, also load it frozen as that reference (:func:`load_adapter`).
+        meta: build it from its config on the meta device instead, reading no weights (a
+            rank other than 0 under FSDP2, which receives its shards from rank 0).
 
     Returns:
         the model (a peft ``PeftModel`` under LoRA, else the transformers model), in train mode.
@@ -295,10 +346,11 @@ def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bo
     """
     from transformers import AutoModelForCausalLM
 
-    return _load(cfg, device, AutoModelForCausalLM, "CAUSAL_LM", reference_adapter=reference_adapter)
+    return _load(cfg, device, AutoModelForCausalLM, "CAUSAL_LM", reference_adapter=reference_adapter, meta=meta)
 
 
-def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool, share_with=None):
+def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool, share_with=None,
+                     meta: bool = False):
     """A value model: the backbone of ``cfg.name`` with a new linear head ``score``
     (hidden -> 1, float32), LoRA per ``cfg.lora`` with the head trained beside it.
 
@@ -310,6 +362,7 @@ def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool,
 
     ``share_with``: a model on the same base whose frozen weights this one reuses
     (:func:`share_frozen_weights`); pass it only when both train adapters, not full weights.
+    ``meta``: as :func:`load_policy`'s.
 
     Raises:
         ModelLoadError: as :func:`load_policy`, or the architecture has no such head class.
@@ -324,7 +377,7 @@ def load_value_model(cfg: ModelConfig, device: torch.device, *, per_token: bool,
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return _load(cfg, device, auto, task, share_with=share_with, num_labels=1)
+        return _load(cfg, device, auto, task, share_with=share_with, meta=meta, num_labels=1)
     except ValueError as e:  # transformers: "Unrecognized configuration class ... for this kind of AutoModel"
         raise ModelLoadError(f"model {cfg.name!r} has no {auto.__name__} head: {e}") from e
     finally:

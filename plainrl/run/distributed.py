@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from plainrl.config import Config, ConfigError
 from plainrl.metrics import MetricsLogger
-from plainrl.train.distributed import Parallel, full_tensor
+from plainrl.models import empty_weights
+from plainrl.train.distributed import Parallel, full_tensor, shared_copy
 from plainrl.types import Episode, RewardOutput
 
 # what torchrun (torch.distributed.run) sets in every worker's environment
@@ -242,7 +243,7 @@ class RankEngine:
         inner: the engine (built on ``replica`` when there is one).
         parallel: this rank.
         replica: FSDP2: the copy of the model made before sharding (on rank 0 only for a remote
-            engine); None under DDP.
+            engine), filled whole by the first :meth:`load_weights`; None under DDP.
         local: the engine runs in this process (the embedded one); False for remote servers.
         gather: FSDP2: take part in gathering the weights (every rank must, replica or not).
     """
@@ -272,6 +273,10 @@ class RankEngine:
                 full = full_tensor(p.detach())  # a collective: every rank, in the same order
                 if name in target:
                     target[name].copy_(full)
+        if not self._frozen_synced and self.replica is not None:  # buffers are whole on every rank
+            replica_buffers = dict(self.replica.named_buffers())
+            for name, b in model.named_buffers():
+                replica_buffers[name].copy_(b)
         self._frozen_synced = True
 
     def load_weights(self, model: torch.nn.Module) -> None:
@@ -297,18 +302,23 @@ def rank_engine(cfg: Config, model: torch.nn.Module, parallel: Parallel, build) 
     """The engine for this rank: ``build(model_for_the_engine)``, wrapped in a :class:`RankEngine`
     where needed (FSDP2, or a remote engine under torchrun).
 
+    Under FSDP2 the replica is made here, before the learner shards ``model``, as a
+    :func:`~plainrl.train.distributed.shared_copy`: on rank 0 it keeps the loaded weights
+    (sharding gives the learner fresh tensors), so rank 0 holds one full copy, not two; on
+    the other ranks, where ``model`` was built on the meta device, it is allocated empty here
+    and filled by the engine's first ``load_weights`` (the setup's first sync).
+
     Returns:
-        ``(engine, model the engine reads)``: under FSDP2 the replica (made here, before the
-        learner shards ``model``), else ``model``.
+        ``(engine, model the engine reads)``: under FSDP2 the replica, else ``model``.
     """
     local = cfg.rollout.engine == "hf"
     if not parallel.active or (parallel.strategy == "ddp" and local):
         return build(model), model
     replica, sharded = None, parallel.strategy == "fsdp2"
     if sharded and (local or parallel.is_main):  # a remote engine reads the weights on rank 0 only
-        import copy
-
-        replica = copy.deepcopy(model)
+        replica = shared_copy(model)
+        if parallel.on_meta:
+            empty_weights(replica, parallel.device)
     engine = RankEngine(build(replica if replica is not None else model), parallel, replica, local=local,
                         gather=sharded)
     return engine, replica if replica is not None else model

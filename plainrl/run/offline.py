@@ -78,9 +78,9 @@ def _train_offline(cfg: Config, run_dir: Path, resume_from: Path | None, resume_
     device = parallel.device if parallel.active else resolve_device(cfg.device)
     logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
     if cfg.algorithm.name == "rm":
-        model = load_value_model(cfg.model, device, per_token=False)
+        model = load_value_model(cfg.model, device, per_token=False, meta=parallel.on_meta)
     else:
-        model = load_policy(cfg.model, device, reference_adapter=cfg.algorithm.name == "dpo")
+        model = load_policy(cfg.model, device, reference_adapter=cfg.algorithm.name == "dpo", meta=parallel.on_meta)
     trainer = OfflineTrainer(model, cfg, pad_id=pad_token_id(tokenizer), parallel=parallel)
     sampler = PromptSampler(data.train, cfg.train.batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
     start = 0

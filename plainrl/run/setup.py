@@ -322,7 +322,8 @@ def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_
     model_cfg = cfg.model.model_copy(update=update)
     shared = cfg.model.lora.enabled and model_cfg.lora.enabled and model_cfg.name == cfg.model.name
     shared = shared and not _sharded(parallel)  # FSDP2 replaced the policy's parameters by its shards
-    model = load_value_model(model_cfg, device, per_token=True, share_with=policy if shared else None)
+    model = load_value_model(model_cfg, device, per_token=True, share_with=policy if shared else None,
+                             meta=parallel is not None and parallel.on_meta)
     return Critic(model, cfg.algorithm, cfg.train, lr=cfg.critic.lr, pad_id=pad_id, parallel=parallel)
 
 
@@ -373,7 +374,8 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         logger.print(f"train.epochs={cfg.train.epochs}: {cfg.train.total_steps} steps of {cfg.rollout.prompts_per_step} "
                      f"prompts over {len(prep.data.train)} training prompts")
     prep.prestart()
-    model = load_policy(cfg.model, device, reference_adapter=cfg.algorithm.uses_reference)
+    # under FSDP2 only rank 0 reads the weights; the other ranks build on the meta device
+    model = load_policy(cfg.model, device, reference_adapter=cfg.algorithm.uses_reference, meta=parallel.on_meta)
     # vLLM's start (loading, compiling) or the servers' checks take a while: not in silence
     hf = cfg.rollout.engine == "hf"
     with nullcontext() if hf else logger.phase(f"starting the {cfg.rollout.engine} engine"):

@@ -31,6 +31,7 @@ Sources: PyTorch DistributedDataParallel (``torch.nn.parallel``, comm hooks,
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -107,6 +108,12 @@ class Parallel:
     def is_main(self) -> bool:
         """Rank 0: the one that logs and writes."""
         return self.rank == 0
+
+    @property
+    def on_meta(self) -> bool:
+        """FSDP2 on a rank other than 0: models are built on the meta device, reading and
+        allocating no weights; :meth:`wrap` allocates this rank's shards and fills them from rank 0."""
+        return self.active and self.strategy == "fsdp2" and not self.is_main
 
     # ------------------------------------------------------------------ rows
 
@@ -204,13 +211,20 @@ class Parallel:
         a SUM hook, no buffer broadcast (a forward must not be a collective: ranks run
         different numbers of no-grad forwards) and rank 0's weights broadcast at
         construction; a frozen model (``trainable=False``, a reference) is not wrapped.
-        FSDP2: rank 0's weights broadcast, then ``fully_shard`` on each decoder layer, on a
-        value model's ``score`` head (kept float32), and on the root, over every rank or, with
+        FSDP2, with meta-device initialisation: the model moves to the meta device (on ranks
+        other than 0 it may have been built there: :func:`plainrl.models.load_policy`'s
+        ``meta``), its trainable parameters are cast to float32 there (the sharded copies are
+        the optimiser's master weights), ``fully_shard`` is applied to each decoder layer, to a
+        value model's ``score`` head (kept float32), and to the root, over every rank or, with
         ``fsdp_size``, within groups of that many ranks and replicated across them (HSDP, a 2-D
-        mesh), shards in host memory with ``offload="params"``; trainable parameters
-        are cast to float32 first (the sharded copies are the optimiser's master weights)
-        and computed in the model's dtype (``MixedPrecisionPolicy``, gradients reduced in
-        float32). Build the optimiser on the parameters after this call.
+        mesh); then each rank allocates its shards alone (in host memory with
+        ``offload="params"``) and receives them from rank 0's full tensors, which are the only
+        full copy. Computed in the model's dtype (``MixedPrecisionPolicy``, gradients reduced
+        in float32). Build the optimiser on the parameters after this call; a tensor of
+        ``model`` held elsewhere (a :func:`shared_copy`) keeps its values.
+
+        Raises:
+            ValueError: FSDP2, a rank built another model than rank 0 (names, shapes, dtypes).
         """
         call = ModelCall(model)
         if not self.active:
@@ -225,20 +239,35 @@ class Parallel:
             return ddp
         return self._fully_shard(call, model)
 
+    def frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen copy of ``model`` in eval mode (a KL or DPO reference), to be wrapped with
+        ``trainable=False``. Under FSDP2 it shares ``model``'s storage instead of copying it:
+        wrapping moves each of the two to its own fresh shards (:meth:`wrap`), so nothing
+        stays shared once both are wrapped, and a rank never holds a second full copy.
+        Elsewhere a deep copy (the policy then trains its own tensors in place)."""
+        if self.active and self.strategy == "fsdp2":
+            return shared_copy(model).eval().requires_grad_(False)
+        return copy.deepcopy(model).eval().requires_grad_(False)
+
     def _fully_shard(self, call: ModelCall, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        from plainrl.models import unwrap
+        from plainrl.models import empty_weights, unwrap
 
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
+        # Meta-device initialisation (torchtitan's, TRL's and accelerate's order): rank 0's weights
+        # are the source (the other ranks may have built the model on the meta device: nothing
+        # read, nothing allocated); every rank moves the model to meta, casts there (free), shards
+        # there, allocates only its own shards and receives them from rank 0.
+        full = model.state_dict() if self.is_main else {}  # references: rank 0's tensors stay alive here
+        buffers = {n: b for n, b in model.named_buffers()} if self.is_main else {}  # non-persistent ones too
+        self._check_layout(model)
+        empty_weights(model, "meta")
         params = [p for p in model.parameters() if p.is_floating_point()]
         compute = next((p.dtype for p in params if p.requires_grad), params[0].dtype)
         for p in params:
             if p.requires_grad and p.dtype != torch.float32:
-                p.data = p.data.float()
+                p.data = p.data.float()  # the sharded float32 copies are the optimiser's master weights
         mp = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
                                   reduce_dtype=torch.float32)
         shard = self.fsdp_size or self.world_size
@@ -257,6 +286,8 @@ class Parallel:
             fully_shard(head, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32),
                         offload_policy=offload)
         fully_shard(call, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        call.to_empty(device="cpu" if self.offload == "params" else self.device)
+        self._load_from_main(model, full, buffers)
         # the logprobs come back as a view; FSDP2 warns that an in-place op on it would skip its
         # pre-backward hook, and plainrl never modifies a forward's output in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -265,6 +296,49 @@ class Parallel:
                 m.set_gradient_divide_factor(1.0)  # sum, not mean: the loss is normalised globally
                 m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (a factor of 1 needs none)
         return call
+
+    def _check_layout(self, model: torch.nn.Module) -> None:
+        """Every rank built the same parameters and buffers as rank 0 (names, shapes, dtypes):
+        a model built from its config on the meta device must match the one loaded from files.
+
+        Raises:
+            ValueError: on every rank when one differs (none waits in a collective), naming the
+                first difference on that rank.
+        """
+        layout = {n: (tuple(t.shape), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        main = self.broadcast(layout if self.is_main else None)
+        diff = next((n for n in sorted(set(main) | set(layout)) if main.get(n) != layout.get(n)), None)
+        if self.max(int(diff is not None)):
+            here = f" ({diff}: {layout.get(diff)} here, {main.get(diff)} on rank 0)" if diff else ", see its error"
+            raise ValueError(f"train.strategy=fsdp2: a rank built another model than rank 0{here}; every rank "
+                             "must load the same model.name and model section")
+
+    @torch.no_grad()
+    def _load_from_main(self, model: torch.nn.Module, full: dict[str, torch.Tensor],
+                        buffers: dict[str, torch.Tensor]) -> None:
+        """Fill the freshly allocated shards from rank 0's full tensors, one tensor at a time
+        (``set_model_state_dict`` with ``broadcast_from_rank0``: each rank keeps its slice,
+        cast to the shard's dtype), then every buffer (rotary tables are not in the state dict)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for name, b in model.named_buffers():
+            if self.is_main:
+                b.copy_(buffers[name])
+            dist.broadcast(b, src=0)
+
+
+def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` (a deep copy of its modules) whose parameters are new
+    ``Parameter`` objects over the same storage, and whose buffers are the same tensors:
+    no weight is copied. Safe only while ``model``'s tensors are about to be replaced
+    (:func:`plainrl.models.empty_weights`, FSDP2's wrap), never for a model that trains in place."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach(), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b
+    return copy.deepcopy(model, memo)
 
 
 def connected_positions(positions: torch.Tensor, parallel: Parallel) -> torch.Tensor:

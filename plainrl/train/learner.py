@@ -6,7 +6,6 @@ with the policy loss of :mod:`plainrl.algorithms` and the optimiser of
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import warnings
@@ -112,7 +111,7 @@ class Learner:
         self.parallel = parallel or Parallel()
         self.temperature = temperature or 1.0
         self.completion_budget = completion_budget
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if copy_reference else None
+        self.ref_model = self.parallel.frozen_copy(model) if copy_reference else None
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         # every forward runs through these (DDP / FSDP2 hooks; in one process a plain call)

@@ -8,7 +8,6 @@ each algorithm's objective, and :class:`OfflineTrainer`, one optimiser step
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -148,7 +147,7 @@ class OfflineTrainer:
         self.objective = OBJECTIVES[cfg.algorithm.name]
         self.ref_model = None
         if cfg.algorithm.name == "dpo" and not cfg.model.lora.enabled:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            self.ref_model = self.parallel.frozen_copy(model)
         if cfg.train.gradient_checkpointing:  # sft, dpo and rm all train the model under autograd
             enable_gradient_checkpointing(model)
         self.call = self.parallel.wrap(model)  # every forward runs through it (DDP / FSDP2 hooks)
