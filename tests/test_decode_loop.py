@@ -17,23 +17,13 @@ from plainrl.types import Generation, SamplingParams
 
 
 class PerStepEngine(HFEngine):
-    """HFEngine with the decode loop of plainrl 167a155: three ``.tolist()`` and a Python pass
-    over the rows every step (a host synchronisation per token on CUDA)."""
+    """HFEngine with the decode loop of plainrl 167a155 (its prefill, unchanged, shared): three
+    ``.tolist()`` and a Python pass over the rows every step (a host synchronisation per token on CUDA)."""
 
     @torch.no_grad()
     def _generate_batch(self, dec, prompts, params, seeds):
         dev = self.device
         n = len(prompts)
-        first: dict[tuple[int, ...], int] = {}
-        inverse = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts], device=dev)
-        uniq = [list(p) for p in first]
-        width = max(len(p) for p in uniq)
-        input_ids = torch.full((len(uniq), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(uniq), width), dtype=torch.long)
-        for r, p in enumerate(uniq):
-            input_ids[r, width - len(p):] = torch.tensor(p)
-            attn[r, width - len(p):] = 1
-        input_ids, attn = input_ids.to(dev), attn.to(dev)
         eos_ids = self.eos_ids.to(dev)
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
@@ -41,9 +31,7 @@ class PerStepEngine(HFEngine):
         active = torch.arange(n, device=dev)
         stop_window = max((len(s) for s in params.stop), default=0) + 4
         uniforms = row_uniforms(seeds, n, params.max_new_tokens, dev) if params.temperature > 0 else None
-        logits = dec.start(input_ids, attn.bool(), width + params.max_new_tokens)[inverse]
-        if len(uniq) < n:
-            dec.select(inverse)
+        logits = self._prefill(dec, prompts, params.max_new_tokens)
         for t in range(params.max_new_tokens):
             logprobs = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
             if params.temperature == 0:

@@ -187,7 +187,7 @@ class _Finisher:
     """
 
     def __init__(self, n: int, steps: int, stop: tuple[str, ...], tokenizer):
-        self.steps, self.stop, self.tokenizer = steps, stop, tokenizer
+        self.stop, self.tokenizer = stop, tokenizer
         self.window = max((len(s) for s in stop), default=0) + 4
         self.live = list(range(n))  # original row of each live batch row (the loop's ``active``)
         self.history: list[list[int]] = [[] for _ in range(n)]  # tokens seen so far (with stop strings)
@@ -371,12 +371,10 @@ class HFEngine:
             self._static = (key, StaticDecoder(self.model))
         return self._static[1]
 
-    @torch.no_grad()
-    def _generate_batch(
-        self, dec: Decoder, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None
-    ) -> list[Generation]:
+    def _prefill(self, dec: Decoder, prompts: list[list[int]], steps: int) -> torch.Tensor:
+        """Start ``dec`` on ``prompts`` with room for ``steps`` new tokens; [n, V] float32 logits
+        of each prompt's next token, the decoder holding one row per prompt."""
         dev = self.device
-        n, steps = len(prompts), params.max_new_tokens
         # A group's samples share one prompt: prefill each distinct prompt once,
         # then copy its KV cache rows to every sample of the group.
         first: dict[tuple[int, ...], int] = {}
@@ -389,7 +387,17 @@ class HFEngine:
         for r, p in enumerate(uniq):
             input_ids[r, width - len(p) :] = torch.tensor(p)
             attn[r, width - len(p) :] = 1
-        input_ids, attn = input_ids.to(dev), attn.to(dev)
+        logits = dec.start(input_ids.to(dev), attn.to(dev).bool(), width + steps)[inverse]  # [n, V]
+        if len(uniq) < len(prompts):
+            dec.select(inverse)
+        return logits
+
+    @torch.no_grad()
+    def _generate_batch(
+        self, dec: Decoder, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None
+    ) -> list[Generation]:
+        dev = self.device
+        n, steps = len(prompts), params.max_new_tokens
         eos_ids = self.eos_ids.to(dev)
 
         # Everything a step produces stays on the device: tokens and logprobs go into buffers by
@@ -404,9 +412,7 @@ class HFEngine:
         finisher = _Finisher(n, steps, params.stop, self.tokenizer)
         every = self.check_every
 
-        logits = dec.start(input_ids, attn.bool(), width + steps)[inverse]  # [n, V]
-        if len(uniq) < n:
-            dec.select(inverse)
+        logits = self._prefill(dec, prompts, steps)  # [n, V]
         block_start = 0
         for t in range(steps):
             # logprobs of the tempered policy softmax(z / T), before top-k/top-p: what the learner recomputes
