@@ -1,8 +1,7 @@
 """What a machine with a CUDA GPU checks (`make test-gpu` runs every `gpu`-marked test): the
 dtype `auto` picks, the embedded demo on CUDA with MFU logged, the static decoder's SDPA
 attention against transformers, decode steps without host synchronisations, and the NCCL
-weight group (two GPUs). Each skips, saying why,
-where the machine cannot run it."""
+weight group (two GPUs). Each skips, saying why, where the machine cannot run it."""
 
 from __future__ import annotations
 
