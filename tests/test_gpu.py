@@ -1,13 +1,15 @@
 """What a machine with a CUDA GPU checks (`make test-gpu` runs every `gpu`-marked test): the
 dtype `auto` picks, the embedded demo on CUDA with MFU logged, the static decoder's SDPA
-attention against transformers, the GPU memory optimizer offload frees, the NCCL weight group
-and DDP/FSDP2 over NCCL (two GPUs). Each skips, saying why, where the machine cannot run it."""
+attention against transformers, decode steps without host synchronisations, the GPU memory
+optimizer offload frees, the NCCL weight group and DDP/FSDP2 over NCCL (two GPUs). Each skips,
+saying why, where the machine cannot run it."""
 
 from __future__ import annotations
 
 import io
 import json
 import multiprocessing as mp
+import warnings
 
 import pytest
 import torch
@@ -39,6 +41,43 @@ def test_demo_steps_on_cuda_log_mfu(tmp_path):
     assert len(steps) == 2
     if device_peak_bf16(torch.cuda.get_device_name()) is not None and torch.cuda.get_device_capability() >= (8, 0):
         assert all(0 < r["perf/mfu"] < 1 for r in steps)
+
+
+def test_embedded_decode_steps_make_no_host_synchronisation(tiny_model_dir, tokenizer):
+    """Between the host's checks for finished rows (every CHECK_EVERY steps) a decode step of the
+    static decoder reads nothing back: over a generate call, as torch's sync debug mode counts
+    them, 32 more tokens add a read per check, not one per step (the loop before read three a step)."""
+    from transformers import AutoModelForCausalLM
+
+    from plainrl.rollout.engines.hf import CHECK_EVERY, HFEngine
+    from plainrl.types import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda()
+    engine = HFEngine(model, tokenizer, decoder="static")
+    assert engine.decoder == "static" and engine.check_every == CHECK_EVERY
+    engine.eos_ids = torch.tensor([-1])  # every row runs the whole budget: no row leaves the batch
+    prompts = [tokenizer("What is 2 + 2?")["input_ids"], tokenizer("Name a colour.")["input_ids"]] * 2
+    seeds = [1, 2, 3, 4]
+
+    def syncs(steps: int) -> int:
+        params = SamplingParams(max_new_tokens=steps, temperature=1.0, top_p=0.9)
+        engine.generate(prompts, params, seeds=seeds)  # builds the decoder and loads the kernels
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                gens = engine.generate(prompts, params, seeds=seeds)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert [len(g.token_ids) for g in gens] == [steps] * len(prompts)
+        return sum("synchronizing" in str(w.message) for w in caught)
+
+    short, long = syncs(16), syncs(48)
+    assert short > 0  # the mode reports here: the checks and the final read are synchronisations
+    # one read per check (each row's first EOS step); 2 per check leaves room for the unforeseen
+    # while any read per step (32 or more) fails
+    assert long - short <= 2 * (32 // CHECK_EVERY), (short, long)
 
 
 def _receive(port: int, layout: str, out) -> None:

@@ -1,8 +1,10 @@
 """The embedded engine: sampling with the learner's own transformers model, in process.
 
 Weight sync is free (same module). Sequences are decoded in batches with a KV
-cache; a sequence that finishes (EOS, stop string or length) leaves the batch,
-so the cost of a step falls as the batch empties.
+cache; a sequence that finishes (EOS, stop string or length) leaves the batch at
+the host's next check (every step on a CPU, every :data:`CHECK_EVERY` steps on an
+accelerator, where a decode step otherwise makes no host round trip), so the cost
+of a step falls as the batch empties.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from plainrl.models import is_quantized, lora_delta, pad_token_id, unwrap
 from plainrl.rollout.engines.static_decoder import StaticDecoder, unsupported_reason
 from plainrl.rollout.seeding import row_uniforms
-from plainrl.types import Generation, SamplingParams
+from plainrl.types import FinishReason, Generation, SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -104,6 +106,15 @@ def merged_lora(model: torch.nn.Module):
             w.data = original
 
 
+# Decode steps between the host's checks for finished rows on an accelerator. Reading a result
+# on the host waits for every queued kernel (on CUDA: a synchronisation), so a check every
+# step would stall the launch queue once per token; between checks the loop runs on device
+# tensors alone. The price: a row that finishes keeps decoding until the next check, at most
+# CHECK_EVERY - 1 wasted steps per row (and for the batch after its last row ends), which at 8
+# is small against a completion of hundreds of tokens. On a CPU a read waits for nothing
+# (kernels run as they are issued), so it checks every step and finished rows leave at once.
+CHECK_EVERY = 8
+
 DecoderChoice = Literal["auto", "static", "transformers"]
 DECODERS: tuple[str, ...] = get_args(DecoderChoice)
 
@@ -158,6 +169,69 @@ class _TransformersDecoder:
         return logits
 
 
+class _Finisher:
+    """Which rows of a batch have finished, settled on the host from blocks of decode steps.
+
+    The decode loop keeps each row's tokens and first EOS step on the device and calls
+    :meth:`check` every few steps with the block decoded since the last check. Each live row
+    is then settled exactly as if it had been checked after every token: EOS at its first EOS
+    step; a stop string at the first step before that whose decoded tail (the last
+    ``max(len(stop)) + 4`` tokens, decoded but never re-tokenised) contains one; else it
+    runs on. Tokens decoded after a row's end are dropped by :meth:`generations`.
+
+    Args:
+        n: rows in the batch.
+        steps: the token budget (``max_new_tokens``); a row never settled ends by ``length``.
+        stop: stop strings (``SamplingParams.stop``).
+        tokenizer: decodes the tails checked for stop strings.
+    """
+
+    def __init__(self, n: int, steps: int, stop: tuple[str, ...], tokenizer):
+        self.stop, self.tokenizer = stop, tokenizer
+        self.window = max((len(s) for s in stop), default=0) + 4
+        self.live = list(range(n))  # original row of each live batch row (the loop's ``active``)
+        self.history: list[list[int]] = [[] for _ in range(n)]  # tokens seen so far (with stop strings)
+        self.ends = [steps] * n  # tokens each row keeps
+        self.reasons: list[FinishReason] = ["length"] * n
+
+    def check(self, active: torch.Tensor, eos_at: torch.Tensor, out_tok: torch.Tensor, start: int, t: int) -> list[int]:
+        """Settle the rows that finished at steps ``start..t`` (one device-to-host copy).
+
+        Args:
+            active: [b] original row of each live batch row (on the device).
+            eos_at: [b] each live row's first EOS step, ``steps`` where none.
+            out_tok: [n, steps] tokens by original row, filled up to step ``t``.
+            start, t: the first and last step of the block not yet checked.
+        Returns:
+            the batch positions of the rows still running, ascending.
+        """
+        if self.stop:  # [b, 1 + block]: the first EOS step, then the block's tokens
+            rows = torch.cat([eos_at[:, None], out_tok[active, start : t + 1]], dim=1).tolist()
+        else:
+            rows = [[e] for e in eos_at.tolist()]
+        keep = []
+        for j, (row, (eos, *block)) in enumerate(zip(self.live, rows)):
+            end, reason = (eos + 1, "eos") if eos <= t else (None, None)
+            if self.stop:  # the steps before the EOS step: there an EOS wins over a stop string
+                history = self.history[row]
+                for s, token in enumerate(block[: min(eos, t + 1) - start]):
+                    history.append(token)
+                    if any(x in self.tokenizer.decode(history[-self.window :]) for x in self.stop):
+                        end, reason = start + s + 1, "stop"
+                        break
+            if end is None:
+                keep.append(j)
+            else:
+                self.ends[row], self.reasons[row] = end, reason
+        self.live = [self.live[j] for j in keep]
+        return keep
+
+    def generations(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[Generation]:
+        """Each row's :class:`Generation` from the [n, steps] buffers, cut at its end."""
+        return [Generation(token_ids=tok[:end], logprobs=lp[:end], finish_reason=reason)
+                for tok, lp, end, reason in zip(tokens, logprobs, self.ends, self.reasons)]
+
+
 class HFEngine:
     """Batched sampling with a transformers (or peft-wrapped) causal LM.
 
@@ -174,15 +248,21 @@ class HFEngine:
             Llama-family models with float weights), ``transformers`` (the model's own
             forward with a ``DynamicCache``, any causal LM, quantized too) or ``auto``
             (static where supported).
+        check_every: decode steps between the host's checks for finished rows (EOS, stop
+            strings); None: 1 on a CPU, :data:`CHECK_EVERY` on an accelerator.
 
     Raises:
-        ValueError: ``decoder="static"`` for an unsupported model, or an unknown ``decoder``.
+        ValueError: ``decoder="static"`` for an unsupported model, an unknown ``decoder``, or
+            ``check_every`` below 1.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 64, merge_lora: bool = True,
-                 decoder: DecoderChoice = "auto"):
+                 decoder: DecoderChoice = "auto", check_every: int | None = None):
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
+        if check_every is not None and check_every < 1:
+            raise ValueError(f"check_every must be at least 1 (decode steps between checks), got {check_every}")
+        self._check_every = check_every
         self.model = model
         self.merge_lora = merge_lora
         unsupported = unsupported_reason(model)
@@ -228,6 +308,13 @@ class HFEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def check_every(self) -> int:
+        """Decode steps between the host's checks for finished rows (see :data:`CHECK_EVERY`)."""
+        if self._check_every is not None:
+            return self._check_every
+        return 1 if self.device.type == "cpu" else CHECK_EVERY
 
     def generate(
         self,
@@ -284,12 +371,10 @@ class HFEngine:
             self._static = (key, StaticDecoder(self.model))
         return self._static[1]
 
-    @torch.no_grad()
-    def _generate_batch(
-        self, dec: Decoder, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None
-    ) -> list[Generation]:
+    def _prefill(self, dec: Decoder, prompts: list[list[int]], steps: int) -> torch.Tensor:
+        """Start ``dec`` on ``prompts`` with room for ``steps`` new tokens; [n, V] float32 logits
+        of each prompt's next token, the decoder holding one row per prompt."""
         dev = self.device
-        n = len(prompts)
         # A group's samples share one prompt: prefill each distinct prompt once,
         # then copy its KV cache rows to every sample of the group.
         first: dict[tuple[int, ...], int] = {}
@@ -302,54 +387,58 @@ class HFEngine:
         for r, p in enumerate(uniq):
             input_ids[r, width - len(p) :] = torch.tensor(p)
             attn[r, width - len(p) :] = 1
-        input_ids, attn = input_ids.to(dev), attn.to(dev)
+        logits = dec.start(input_ids.to(dev), attn.to(dev).bool(), width + steps)[inverse]  # [n, V]
+        if len(uniq) < len(prompts):
+            dec.select(inverse)
+        return logits
+
+    @torch.no_grad()
+    def _generate_batch(
+        self, dec: Decoder, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None
+    ) -> list[Generation]:
+        dev = self.device
+        n, steps = len(prompts), params.max_new_tokens
         eos_ids = self.eos_ids.to(dev)
 
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        reasons: list[str | None] = [None] * n
+        # Everything a step produces stays on the device: tokens and logprobs go into buffers by
+        # original row, and a row's first EOS step into ``eos_at`` (``steps``: none yet). The host
+        # reads them only every ``check_every`` steps (:class:`_Finisher`) and once at the end.
+        out_tok = torch.zeros(n, steps, dtype=torch.long, device=dev)
+        out_lp = torch.zeros(n, steps, dtype=torch.float32, device=dev)
         active = torch.arange(n, device=dev)  # original row of each live batch row
-        stop_window = max((len(s) for s in params.stop), default=0) + 4
+        eos_at = torch.full((n,), steps, dtype=torch.long, device=dev)  # [b]
         # each row's draws come from its own stream, so its tokens do not depend on the batch
-        uniforms = row_uniforms(seeds, n, params.max_new_tokens, dev) if params.temperature > 0 else None  # [n, T]
+        uniforms = row_uniforms(seeds, n, steps, dev) if params.temperature > 0 else None  # [b, T], live rows
+        finisher = _Finisher(n, steps, params.stop, self.tokenizer)
+        every = self.check_every
 
-        logits = dec.start(input_ids, attn.bool(), width + params.max_new_tokens)[inverse]  # [n, V]
-        if len(uniq) < n:
-            dec.select(inverse)
-        for t in range(params.max_new_tokens):
+        logits = self._prefill(dec, prompts, steps)  # [n, V]
+        block_start = 0
+        for t in range(steps):
             # logprobs of the tempered policy softmax(z / T), before top-k/top-p: what the learner recomputes
             logprobs = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)  # [b, V]
             if params.temperature == 0:
                 tok = logits.argmax(-1)
             elif 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0:
                 probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
-                tok = sample_categorical(probs, uniforms[active, t])
+                tok = sample_categorical(probs, uniforms[:, t])
             else:
-                tok = sample_categorical(logprobs.exp(), uniforms[active, t])
-            tok_lp = logprobs.gather(-1, tok[:, None]).squeeze(-1)
-            done = torch.isin(tok, eos_ids)
-            tok_l, lp_l, done_l = tok.tolist(), tok_lp.tolist(), done.tolist()
-            for j, row in enumerate(active.tolist()):
-                tokens[row].append(tok_l[j])
-                logps[row].append(lp_l[j])
-                if done_l[j]:
-                    reasons[row] = "eos"
-                elif params.stop:
-                    tail = self.tokenizer.decode(tokens[row][-stop_window:])
-                    if any(s in tail for s in params.stop):
-                        reasons[row] = "stop"
-                        done_l[j] = True
-            if t == params.max_new_tokens - 1:
+                tok = sample_categorical(logprobs.exp(), uniforms[:, t])
+            out_tok[:, t].index_copy_(0, active, tok)
+            out_lp[:, t].index_copy_(0, active, logprobs.gather(-1, tok[:, None]).squeeze(-1))
+            is_eos = (tok[:, None] == eos_ids).any(-1)
+            eos_at.masked_fill_(is_eos & (eos_at == steps), t)
+            if t + 1 - block_start < every and t < steps - 1:
+                logits = dec.step(tok)
+                continue
+            keep = finisher.check(active, eos_at, out_tok, block_start, t)  # the host reads the block
+            if not keep or t == steps - 1:
                 break
-            keep = [j for j, d in enumerate(done_l) if not d]
-            if not keep:
-                break
-            if len(keep) < len(done_l):  # finished rows leave the batch
+            if len(keep) < len(active):  # finished rows leave the batch
                 idx = torch.tensor(keep, device=dev)
                 dec.select(idx)
-                active, tok = active[idx], tok[idx]
+                active, tok, eos_at = active[idx], tok[idx], eos_at[idx]
+                uniforms = None if uniforms is None else uniforms[idx]
+            block_start = t + 1
             logits = dec.step(tok)
-        return [
-            Generation(token_ids=tokens[r], logprobs=logps[r], finish_reason=reasons[r] or "length")
-            for r in range(n)
-        ]
+        return finisher.generations(out_tok.tolist(), out_lp.tolist())
