@@ -196,7 +196,9 @@ def train_steps(args) -> None:
                 times = [float(t) for t in result.run.metrics["time/step"]]
                 steps[name] += times[1:]
                 completions[name].append([r["completion"] for r in result.run.rollouts])
-                print(f"run {run} {name}: time/step " + ", ".join(f"{t:.2f}" for t in times), flush=True)
+                cols = [c for c in ("time/generate", "rollout/segments_per_episode") if c in result.run.metrics]
+                print(f"run {run} {name}: time/step " + ", ".join(f"{t:.2f}" for t in times) + "; " + "; ".join(
+                    f"{c} " + ", ".join(f"{float(v):.2f}" for v in result.run.metrics[c]) for c in cols), flush=True)
     same = completions["llm.chat"] == completions["openai SDK"]
     chat, sdk = statistics.median(steps["llm.chat"]), statistics.median(steps["openai SDK"])
     print(f"\n| way | s per step (median of {len(steps['llm.chat'])}) | ratio |\n|---|---:|---:|")
