@@ -69,9 +69,8 @@ def build_app(gateway: Gateway) -> Starlette:
             made.append(make_reply(c.text, fmt, renders, parse))
             return made[-1].template
 
-        prefix = forced_call_prefix(choice if isinstance(choice, str) else None,
-                                    None if choice is None or isinstance(choice, str) else choice.function.name,
-                                    fmt) if req.tools else ""
+        named = None if choice is None or isinstance(choice, str) else choice.function.name
+        prefix = forced_call_prefix(choice if isinstance(choice, str) else None, named, fmt) if req.tools else ""
         turn = await _call(gateway, request, llm, sampling.overridden,
                            llm.chat_turn(messages, tools, sampling.params, reply=reply,
                                          stop_token_ids=sampling.stop_token_ids, prefix=prefix))

@@ -89,8 +89,8 @@ class Gateway:
         The async client (for agents on the episodes' loop) hands each request to the app as
         an ASGI call on that loop, without the socket: the agent and the routes run in one
         process on one loop, and the wire (httpx's connection pool and HTTP/1.1 writer,
-        uvicorn's parser) was half of each call's CPU (2.7 -> 1.5 ms per call through the
-        ``openai`` SDK, docs/benchmarks.md). Everything else is the same request: the same
+        uvicorn's parser) was about half of the gateway's CPU per call (0.85 -> 0.48 ms,
+        docs/benchmarks.md). Everything else is the same request: the same
         routes, keys, errors and read timeout (:class:`_LoopTransport`). ``blocking``: one
         ``httpx.Client`` over the socket for plain-function agents (they run in threads of
         their own), shared by their threads, made without TLS set-up (a default client loads
