@@ -116,10 +116,9 @@ def forced_call_prefix(choice: str | None, name: str | None, fmt: ToolFormat) ->
     guided decoding (the whole call constrained by the tools' JSON schema), which the
     embedded engine lacks; the prefix works on every engine.
     """
-    if name is not None:
-        head = json.dumps({"name": name, "parameters" if fmt == "llama3_json" else "arguments": None},
-                          ensure_ascii=False)
-        head = head[: head.rindex("null")]  # '{"name": "f", "arguments": '
+    if name is not None:  # as render_tool_calls writes a call, up to its arguments
+        key = "parameters" if fmt == "llama3_json" else "arguments"
+        head = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{key}": '
     elif choice == "required":
         head = '{"name": "'
     else:
