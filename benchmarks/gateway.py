@@ -16,10 +16,11 @@ warm-up rollout each, interleaved), the added CPU per model call ((way - llm.cha
 every call's work runs on the one event loop) and the rollout-time ratios.
 
 ``--train N``: ``plainrl.train`` on examples/agent_openai.yaml's model and task for N steps,
-``--episodes`` episodes a step (8 per group), once with the agent on ``llm.chat`` and once on
-``llm.openai_client()``, interleaved ``--runs`` times; per-episode seeds make both ways sample
-the same tokens, so the learner does the same work and the step-time ratio is the gateway's.
-Reports the median ``time/step`` of steps 1..N-1 (step 0 loads and compiles) per way.
+``--episodes`` episodes a step (8 per group), with the agent on ``llm.chat`` and on
+``llm.openai_client()``, ``--runs`` runs per way, each run in a process of its own, in ABBA
+order; per-episode seeds make both ways sample the same tokens, so the learner does the same
+work and the step-time ratio is the gateway's. Reports the median ``time/step`` and
+``time/generate`` of steps 1..N-1 (step 0 loads and compiles) per way.
 Ends with one ``key=value`` line per measurement.
 """
 
@@ -177,34 +178,67 @@ def rollouts(args) -> None:
         gateway.close()
 
 
-def train_steps(args) -> None:
+TRAIN_WAYS = {"llm.chat": "train_via_chat", "openai SDK": "train_via_sdk"}
+
+
+def train_one(args) -> None:
+    """One training run of one way (``--way``), in this process; prints its step times as JSON."""
+    import hashlib
+    import json
+
     import plainrl
 
-    here = Path(__file__).resolve()
     overrides = {"rollout.prompts_per_step": args.episodes // 8, "rollout.group_size": 8,
                  "rollout.max_concurrent_episodes": args.episodes, "rollout.max_new_tokens": 32,
                  "rollout.max_total_tokens": 256, "rewards": [{"fn": "plainrl.rollout.envs:env_reward"}],
                  "train.steps": args.train, "train.warmup_steps": 0, "eval.before": False, "eval.after": False,
                  "log.report": False, "log.progress": False, "log.tensorboard": False, "checkpoint.every": 0}
-    steps: dict[str, list[float]] = {"llm.chat": [], "openai SDK": []}
-    completions: dict[str, list[list[str]]] = {name: [] for name in steps}
     with tempfile.TemporaryDirectory(prefix="plainrl-gateway-bench-") as work:
-        for run in range(args.runs):
-            for name, fn in (("llm.chat", "train_via_chat"), ("openai SDK", "train_via_sdk")):
-                result = plainrl.train(REPO / "examples" / "agent_openai.yaml", run_dir=f"{work}/{run}-{fn}",
-                                       **{"rollout.agent": f"{here}:{fn}", **overrides})
-                times = [float(t) for t in result.run.metrics["time/step"]]
-                steps[name] += times[1:]
-                completions[name].append([r["completion"] for r in result.run.rollouts])
-                cols = [c for c in ("time/generate", "rollout/segments_per_episode") if c in result.run.metrics]
-                print(f"run {run} {name}: time/step " + ", ".join(f"{t:.2f}" for t in times) + "; " + "; ".join(
-                    f"{c} " + ", ".join(f"{float(v):.2f}" for v in result.run.metrics[c]) for c in cols), flush=True)
-    same = completions["llm.chat"] == completions["openai SDK"]
+        result = plainrl.train(REPO / "examples" / "agent_openai.yaml", run_dir=work,
+                               **{"rollout.agent": f"{Path(__file__).resolve()}:{TRAIN_WAYS[args.way]}", **overrides})
+    metrics = result.run.metrics
+    completions = json.dumps([r["completion"] for r in result.run.rollouts])
+    print("RESULT " + json.dumps({
+        "step": [float(t) for t in metrics["time/step"]],
+        "generate": [float(t) for t in metrics.get("time/generate", [])],
+        "segments": [float(t) for t in metrics.get("rollout/segments_per_episode", [])],
+        "completions": hashlib.sha256(completions.encode()).hexdigest()[:16]}), flush=True)
+
+
+def train_steps(args) -> None:
+    """Each run in a process of its own (a fresh interpreter, allocator and thread pool), the ways
+    in ABBA order so a drift of the machine over the runs falls on both alike."""
+    import json
+    import subprocess
+
+    order = [w for r in range(args.runs) for w in (("llm.chat", "openai SDK") if r % 2 == 0
+                                                  else ("openai SDK", "llm.chat"))]
+    steps: dict[str, list[float]] = {name: [] for name in TRAIN_WAYS}
+    generate: dict[str, list[float]] = {name: [] for name in TRAIN_WAYS}
+    hashes: dict[str, set[str]] = {name: set() for name in TRAIN_WAYS}
+    for i, name in enumerate(order):
+        out = subprocess.run([sys.executable, __file__, "--train", str(args.train), "--episodes", str(args.episodes),
+                              "--way", name], capture_output=True, text=True, check=False)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if out.returncode or line is None:
+            raise SystemExit(f"run {i} ({name}) failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+        r = json.loads(line[len("RESULT "):])
+        steps[name] += r["step"][1:]  # step 0 loads and compiles
+        generate[name] += r["generate"][1:]
+        hashes[name].add(r["completions"])
+        print(f"run {i} {name}: time/step " + ", ".join(f"{t:.2f}" for t in r["step"]) + "; time/generate "
+              + ", ".join(f"{t:.2f}" for t in r["generate"]) + "; segments/episode "
+              + ", ".join(f"{t:.2f}" for t in r["segments"]), flush=True)
+    same = len(hashes["llm.chat"] | hashes["openai SDK"]) == 1
     chat, sdk = statistics.median(steps["llm.chat"]), statistics.median(steps["openai SDK"])
-    print(f"\n| way | s per step (median of {len(steps['llm.chat'])}) | ratio |\n|---|---:|---:|")
-    print(f"| llm.chat | {chat:.2f} | 1.000 |\n| openai SDK (llm.openai_client()) | {sdk:.2f} | {sdk / chat:.3f} |")
-    print(f"(the two ways sampled the same completions: {same})")
-    print(f"train_steps={args.train} episodes={args.episodes} chat_s={chat:.2f} sdk_s={sdk:.2f} step_ratio={sdk / chat:.3f}")
+    gchat, gsdk = statistics.median(generate["llm.chat"]), statistics.median(generate["openai SDK"])
+    n = len(steps["llm.chat"])
+    print(f"\n| way | s per step (median of {n}) | generate s | ratio |\n|---|---:|---:|---:|")
+    print(f"| llm.chat | {chat:.2f} | {gchat:.2f} | 1.000 |")
+    print(f"| openai SDK (llm.openai_client()) | {sdk:.2f} | {gsdk:.2f} | {sdk / chat:.3f} |")
+    print(f"(every run sampled the same completions: {same})")
+    print(f"train_steps={args.train} episodes={args.episodes} runs={args.runs} chat_s={chat:.2f} sdk_s={sdk:.2f} "
+          f"step_ratio={sdk / chat:.3f}")
 
 
 def main() -> None:
@@ -214,8 +248,11 @@ def main() -> None:
     ap.add_argument("--engine-ms", type=float, nargs="+", default=[0.0, 1000.0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--train", type=int, default=0, metavar="STEPS", help="time real training steps instead")
-    ap.add_argument("--runs", type=int, default=2, help="--train: interleaved runs per way")
+    ap.add_argument("--runs", type=int, default=2, help="--train: runs per way, each in its own process")
+    ap.add_argument("--way", choices=TRAIN_WAYS, help=argparse.SUPPRESS)  # --train's child process
     args = ap.parse_args()
+    if args.way:
+        return train_one(args)
     print(cpu_line())
     train_steps(args) if args.train else rollouts(args)
 
