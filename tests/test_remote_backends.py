@@ -34,8 +34,10 @@ def test_backend_settings_are_checked_at_load():
         load_config(EXAMPLE, [*REMOTE, "rollout.remote.backend=tgi"])
     with pytest.raises(ConfigError, match="never the key itself"):
         load_config(EXAMPLE, [*REMOTE, "rollout.remote.api_key_env=sk-abc123"])
-    with pytest.raises(ConfigError, match="SGLang loads full weights from disk"):
+    with pytest.raises(ConfigError, match="SGLang takes full weights over a process group or from disk"):
         load_config(EXAMPLE, [*REMOTE, "rollout.remote.backend=sglang", "rollout.remote.weights_via=http"])
+    assert load_config(EXAMPLE, [*REMOTE, "rollout.remote.backend=sglang",
+                                 "rollout.remote.weights_via=group"]).rollout.remote.weights_via == "group"
     with pytest.raises(ConfigError, match="takes no model name"):
         load_config(EXAMPLE, [*REMOTE, "rollout.remote.backend=sglang", "rollout.remote.model=smol"])
     cfg = load_config(EXAMPLE, [*REMOTE, "rollout.remote.backend=sglang", "rollout.async_steps=1",
@@ -73,6 +75,14 @@ def test_training_with_the_openai_backend_is_refused_before_anything_loads(tmp_p
     err = capsys.readouterr().err
     assert "rollout.remote.backend=openai is read-only" in err and "plainrl eval" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_sglang_versions_are_compared_as_numbers_for_the_weight_group():
+    from plainrl.rollout.engines.sglang import GROUP_MIN_VERSION, _version
+
+    assert _version("0.5.23") == (0, 5, 23) > GROUP_MIN_VERSION > _version("0.5.5") == (0, 5, 5)
+    assert _version("0.5.6.post1") == GROUP_MIN_VERSION and _version("0.5.10rc0") == (0, 5, 10)
+    assert _version("") == () < GROUP_MIN_VERSION  # a server that does not say is not trusted with the group
 
 
 def test_sglang_request_repeats_the_prompt_with_a_seed_per_sample():

@@ -1,7 +1,8 @@
 """rollout.remote.backend=sglang against a real SGLang server (`python -m sglang.launch_server`
 of the embedded model, float32, LoRA on): greedy tokens and logprobs as the learner's, a
-full sync (/update_weights_from_disk) and a LoRA sync (/load_lora_adapter) landing, and a
-training run through it. One server for the module.
+full sync from disk (/update_weights_from_disk) and over a weight group
+(/init_weights_update_group, /update_weights_from_distributed), a LoRA sync
+(/load_lora_adapter) landing, and a training run through it. One server for the module.
 
 SGLang serves on a CUDA GPU (or an Intel Xeon with AMX and sgl-kernel built for CPU); this
 project's machines have neither, so here these tests skip and the SGLang path has NOT run
@@ -80,7 +81,7 @@ def _mean_diff(policy, prompt, gen) -> float:
 
 def test_greedy_equals_the_embedded_engine_and_a_full_sync_lands(server, tok):
     policy = _policy(lora=False)
-    engine = SGLangEngine([server], tok, sync="full", max_model_len=512)
+    engine = SGLangEngine([server], tok, sync="full", weights_via="path", max_model_len=512)
     try:
         prompts = [chat_prompt_ids(tok, "What is 12 + 7?"), chat_prompt_ids(tok, "Name three colours.")]
         params = SamplingParams(max_new_tokens=16, temperature=0.0)
@@ -104,6 +105,32 @@ def test_greedy_equals_the_embedded_engine_and_a_full_sync_lands(server, tok):
         # unseeded, a group is one request holding its prompt n times: n samples come back
         sampled = engine.generate([prompts[0]] * 4, SamplingParams(max_new_tokens=8))
         assert len(sampled) == 4 and all(len(g.token_ids) == len(g.logprobs) > 0 for g in sampled)
+    finally:
+        engine.close()
+
+
+def test_a_full_sync_over_the_weight_group_lands(server, tok):
+    """weights_via=group: the server joins through /init_weights_update_group (NCCL on CUDA,
+    gloo on CPU), each bucket goes through /update_weights_from_distributed as a flattened
+    bucket; a second sync reuses the group."""
+    policy = _policy(lora=False)
+    engine = SGLangEngine([server], tok, sync="full", weights_via="group", max_model_len=512, group_timeout_s=120)
+    prompt = chat_prompt_ids(tok, "What is 12 + 7?")
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    try:
+        with torch.no_grad():
+            for layer in policy.model.layers:
+                layer.mlp.down_proj.weight.mul_(1.5)
+        engine.load_weights(policy)
+        assert engine._group is not None and engine._group.world_size == 2
+        assert _mean_diff(policy, prompt, engine.generate([prompt], params)[0]) < LOGPROB_TOL
+        group = engine._group
+        with torch.no_grad():  # the served weights back for the tests that follow
+            for layer in policy.model.layers:
+                layer.mlp.down_proj.weight.div_(1.5)
+        engine.load_weights(policy)
+        assert engine._group is group
+        assert _mean_diff(policy, prompt, engine.generate([prompt], params)[0]) < LOGPROB_TOL
     finally:
         engine.close()
 

@@ -1,6 +1,7 @@
 """Full weights over a process group (plainrl.rollout.engines.weight_group): bucket plans by
 hand, packing of mixed dtypes, and a real broadcast to two receiving processes over gloo.
-(The same code against a `plainrl serve` server: tests/test_vllm_remote.py, `make test-vllm`.)"""
+(The same code against a `plainrl serve` server: tests/test_vllm_remote.py, `make test-vllm`; the
+trainer's side against receivers built by SGLang's own group and bucket code, also there.)"""
 
 import io
 import multiprocessing as mp
@@ -32,10 +33,27 @@ def test_buckets_keep_whole_layers_and_respect_the_byte_cap():
     assert names == [["model.embed_tokens.weight"],
                      ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias"],
                      ["model.layers.1.mlp.up_proj.weight", "model.norm.weight"]]
-    assert [s.offset for s in buckets[1]] == [0, 128] and [wg.bucket_bytes(b) for b in buckets] == [3200, 144, 272]
+    # a bucket ends where its last tensor does (the bias's 12 bytes from 128)
+    assert [s.offset for s in buckets[1]] == [0, 128] and [wg.bucket_bytes(b) for b in buckets] == [3200, 140, 272]
     assert sum(len(b) for b in wg.plan_buckets(t.items())) == len(t) and len(wg.plan_buckets(t.items())) == 1
     with pytest.raises(ValueError, match="max_bytes"):
         wg.plan_buckets(t.items(), max_bytes=0)
+
+
+def test_a_tight_bucket_has_no_padding_and_every_offset_a_multiple_of_its_element_size():
+    # SGLang's FlattenedTensorBucket layout: tensors back to back, larger elements first
+    t = {"model.layers.0.a": torch.randn(3).half(),     # 6 bytes
+         "model.layers.0.b": torch.randn(3),            # 12 bytes, 4-byte elements
+         "model.layers.0.c": torch.randn(5).bfloat16(),  # 10 bytes
+         "model.layers.0.d": torch.randn(1).double()}   # 8 bytes, 8-byte elements
+    [bucket] = wg.plan_buckets(t.items(), tight=True)
+    # by element size 8, 4, 2, 2 (a before c: the order among equals is kept): 0, 8, 20, 26
+    assert [(s.name[-1], s.offset) for s in bucket] == [("d", 0), ("b", 8), ("a", 20), ("c", 26)]
+    assert wg.bucket_bytes(bucket) == 36 == sum(x.numel() * x.element_size() for x in t.values())
+    got = dict(wg.unpack(bucket, wg.pack(bucket, t, torch.device("cpu"))))
+    assert all(torch.equal(got[k], t[k]) for k in t)
+    # the same tensors padded: each at a 16-byte boundary, in the given order
+    assert [s.offset for s in wg.plan_buckets(t.items())[0]] == [0, 16, 32, 48]
 
 
 def test_pack_and_unpack_round_trip_mixed_dtypes_through_the_json_layout():
@@ -90,3 +108,60 @@ def test_a_receiver_that_never_joins_ends_the_rendezvous_with_an_error():
         group.connect()
     assert time.monotonic() - start < 60  # bounded by the timeout, not a hang
     group.close()
+
+
+def _sglang_receive(port: int, rank_offset: int, world_size: int, name: str, bodies: list, out: "mp.Queue") -> None:
+    """An SGLang scheduler's side, through SGLang's own code (0.5.23): the group as
+    ``WeightUpdater.init_weights_update_group`` forms it (``init_custom_process_group`` at
+    ``rank_offset + tp_rank``, tp_rank 0 here), each bucket as
+    ``_receive_bucketed_weights_from_distributed`` takes it (``FlattenedTensorBucket.empty`` from the
+    request's names/dtypes/shapes, a broadcast from rank 0, ``reconstruct_tensors``)."""
+    from sglang.srt.utils.common import init_custom_process_group
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world_size,
+                                   rank=rank_offset, group_name=name)
+    got = {}
+    for body in bodies:
+        assert body["load_format"] == "flattened_bucket" and body["group_name"] == name
+        bucket = FlattenedTensorBucket.empty(body["names"], body["dtypes"], body["shapes"], "cpu")
+        torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
+        got.update((k, v.clone()) for k, v in bucket.reconstruct_tensors())
+    buf = io.BytesIO()
+    torch.save(got, buf)
+    out.put(buf.getvalue())
+
+
+@pytest.mark.vllm  # runs in `make test-vllm`, whose venv holds SGLang's package without its dependencies
+def test_sglang_receivers_built_by_sglangs_own_code_get_every_tensor_from_the_trainers_group():
+    pytest.importorskip("sglang.srt.utils.common", reason="SGLang's package is not installed (make setup-vllm adds it)")
+    from plainrl.rollout.engines.sglang import distributed_body, sglang_prefixes
+
+    t = _tensors()
+    buckets = wg.plan_buckets(t.items(), max_bytes=400, tight=True)
+    name = "plainrl-test-weights-1"
+    bodies = [distributed_body(b, name, flush_cache=k == len(buckets) - 1) for k, b in enumerate(buckets)]
+    assert [b["flush_cache"] for b in bodies] == [False] * (len(bodies) - 1) + [True]
+    group = wg.WeightGroup("127.0.0.1", 3, "gloo", timeout_s=60, prefixes=sglang_prefixes(name, "gloo"),
+                           sequence=True)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_sglang_receive, args=(group.port, r, 3, name, bodies, out)) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        group.connect()
+        for b in buckets:
+            wg.broadcast(group.group, wg.pack(b, t, torch.device("cpu")), 60)
+        for _ in procs:
+            got = torch.load(io.BytesIO(out.get(timeout=120)))
+            assert got.keys() == t.keys()
+            for k in t:
+                assert got[k].dtype == t[k].dtype and torch.equal(got[k], t[k]), k
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        group.close()
+    assert all(p.exitcode == 0 for p in procs)

@@ -58,9 +58,10 @@ class RemoteConfig(_Section):
     """Seconds to connect to a server."""
     weights_via: Literal["auto", "group", "http", "path"] = "auto"
     """Full-weight sync: `group` broadcasts buckets of whole layers over a process group the trainer and every server
-    worker join (gloo on CPU, NCCL on CUDA; `plainrl serve` servers), `http` sends the tensors in the request, `path`
-    writes them to `shared_dir` and sends the path; `auto`: `group` where one forms, else http up to 1 GiB, else
-    path (the log says which)."""
+    worker join (gloo on CPU, NCCL on CUDA; `plainrl serve` servers, and SGLang 0.5.6 or later through its
+    `/init_weights_update_group`), `http` sends the tensors in the request (vLLM only), `path` writes them to
+    `shared_dir` and sends the path; `auto`: `group` where one forms, else http up to 1 GiB (vLLM), else path (the
+    log says which)."""
     group_timeout_s: float = Field(60.0, gt=0)
     """`weights_via: group`: seconds for the trainer and the servers to form the group, and for each bucket's
     broadcast; a server that misses it ends the group (`auto` then falls back to http or path)."""
@@ -79,12 +80,9 @@ class RemoteConfig(_Section):
     @model_validator(mode="after")
     def _backend_settings(self) -> "RemoteConfig":
         if self.backend == "sglang" and self.weights_via == "http":
-            raise ValueError("rollout.remote.weights_via=http: SGLang loads full weights from disk "
-                             "(/update_weights_from_disk), so use weights_via=path (or auto) with a "
-                             "rollout.remote.shared_dir every server can read")
-        if self.backend == "sglang" and self.weights_via == "group":
-            raise ValueError("rollout.remote.weights_via=group broadcasts to `plainrl serve` (vLLM) servers; SGLang "
-                             "servers load full weights from disk: use weights_via=path (or auto)")
+            raise ValueError("rollout.remote.weights_via=http: SGLang takes full weights over a process group "
+                             "or from disk (/update_weights_from_disk), so use weights_via=group or auto, or path "
+                             "with a rollout.remote.shared_dir every server can read")
         if self.backend == "sglang" and self.model is not None:
             raise ValueError("rollout.remote.model: an SGLang server's /generate serves its one model (it takes no "
                              "model name); leave rollout.remote.model unset with backend=sglang")

@@ -102,11 +102,9 @@ def _remote_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTra
                   model=rc.model, api_key=api_key(rc.api_key_env))
     if rc.backend == "openai":
         return OpenAICompatEngine(rc.urls, tokenizer, **common)
-    sync = _sync(cfg.rollout.sync, model)
-    if rc.backend == "sglang":
-        return SGLangEngine(rc.urls, tokenizer, sync=sync, shared_dir=rc.shared_dir, **common)
-    return RemoteEngine(rc.urls, tokenizer, sync=sync, weights_via=rc.weights_via, group_timeout_s=rc.group_timeout_s,
-                        shared_dir=rc.shared_dir, **common)
+    engine = SGLangEngine if rc.backend == "sglang" else RemoteEngine
+    return engine(rc.urls, tokenizer, sync=_sync(cfg.rollout.sync, model), weights_via=rc.weights_via,
+                  group_timeout_s=rc.group_timeout_s, shared_dir=rc.shared_dir, **common)
 
 
 def api_key(env_name: str | None) -> str | None:

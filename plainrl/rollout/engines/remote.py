@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -32,29 +31,22 @@ from typing import Any, Callable, Iterator
 import httpx
 import torch
 
+from plainrl.rollout.engines.group_sync import GroupSync
 from plainrl.rollout.engines.requests import EngineError, Request, finish_reason, sampling_kwargs
-from plainrl.rollout.engines.served import ServedEngine
-from plainrl.rollout.engines.servers import ServerDown
-from plainrl.rollout.engines.sync import SyncMode, policy_weights, to_safetensors
-from plainrl.rollout.engines.weight_group import WeightGroup, layout_json, plan_buckets, route_address
+from plainrl.rollout.engines.sync import policy_weights, to_safetensors
+from plainrl.rollout.engines.weight_group import WeightGroup, layout_json, plan_buckets
 from plainrl.types import Generation, SamplingParams
-
-log = logging.getLogger(__name__)
 
 HTTP_WEIGHTS_LIMIT = 1 << 30  # weights_via=auto: larger full-weight payloads go by path
 START_HINT = "start one with `plainrl serve CONFIG.yaml --port PORT` (it needs the same config's model)"
 
 
-class RemoteEngine(ServedEngine):
+class RemoteEngine(GroupSync):
     """The :class:`~plainrl.rollout.engines.base.Engine` protocol over vLLM servers started
-    by ``plainrl serve``. Arguments as :class:`~plainrl.rollout.engines.served.ServedEngine`'s, and
-
-    Args:
-        weights_via: full sync as ``group`` (a broadcast over a process group of the trainer
-            and every server worker), ``http`` (safetensors bytes in the request), ``path`` (a
-            file in ``shared_dir``) or ``auto`` (``group`` where one forms, else http up to
-            1 GiB, else path).
-        group_timeout_s: forming the group, and each bucket's broadcast (seconds).
+    by ``plainrl serve``. Arguments as :class:`~plainrl.rollout.engines.group_sync.GroupSync`'s,
+    with ``weights_via``: ``group``, ``http`` (safetensors bytes in the request), ``path`` (a
+    file in ``shared_dir``) or ``auto`` (``group`` where one forms, else http up to 1 GiB,
+    else path).
 
     Raises:
         EngineError: a server is unreachable, serves another tokenizer or a shorter context,
@@ -64,15 +56,6 @@ class RemoteEngine(ServedEngine):
     backend = "vllm"
     start_hint = START_HINT
     lora_endpoints = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-
-    def __init__(self, urls: list[str], tokenizer, *, sync: SyncMode, weights_via: str = "auto",
-                 group_timeout_s: float = 60.0, **kwargs):
-        self.weights_via = weights_via
-        self.group_timeout_s = group_timeout_s
-        self._group: WeightGroup | None = None
-        self._group_members: tuple[int, ...] = ()
-        self._group_failed = False  # weights_via=auto: a group failed once; the rest of the run uses HTTP/disk
-        super().__init__(urls, tokenizer, sync=sync, **kwargs)
 
     def _check_backend(self, url: str) -> None:
         # asked directly, not through _call: the answer's status tells what the server lacks
@@ -104,90 +87,31 @@ class RemoteEngine(ServedEngine):
                                   finish_reason=finish_reason(c["finish_reason"], c.get("stop_reason"), url)))
         return out
 
-    def load_weights(self, model: torch.nn.Module) -> None:
-        """As :meth:`ServedEngine.load_weights`; a full sync goes over the weight group where
-        ``weights_via`` allows it (see the class).
+    # -- the weight group (GroupSync's hooks) --------------------------------------------
+    def _group_ranks(self, server: int) -> int:
+        return len(self._call("POST", self.urls[server], "/collective_rpc", json={"method": "plainrl_ping"}).json()["results"])
 
-        Raises:
-            EngineError: no server holds the new weights, or ``weights_via=group`` and the
-                group could not be formed or a broadcast failed.
-        """
-        if self.sync == "full" and (self.weights_via == "group" or (self.weights_via == "auto" and not self._group_failed)):
-            try:
-                return self._group_push(model)
-            except (EngineError, RuntimeError) as e:
-                self._close_group()
-                if self.weights_via == "group":
-                    raise EngineError(f"rollout.remote.weights_via=group: {e}; use weights_via=auto to fall back "
-                                      f"to HTTP or a shared directory") from e
-                self._group_failed = True
-                log.warning("full weights go over HTTP or a shared file from now on: the weight group failed (%s)", e)
-        super().load_weights(model)
+    def _group_join(self, server: int, group: WeightGroup, name: str, offset: int) -> None:
+        self._call("POST", self.urls[server], "/collective_rpc", retries=0, json={
+            "method": "plainrl_join_weight_group",
+            "args": [group.host, group.port, group.world_size, offset, group.backend, self.group_timeout_s]})
 
-    def _group_push(self, model: torch.nn.Module) -> None:
-        """One full sync over the group (formed first, or again when the live servers changed):
-        each server is told by RPC to receive the buckets' layout, the trainer broadcasts, then
-        every prefix cache is reset."""
-        members = tuple(self._push_targets())
-        if not members:
-            raise self.pool.none_left()
-        if self._group is None or members != self._group_members:
-            self._form_group(members)
-        assert self._group is not None
-        device = next(model.parameters()).device if self._group.backend == "nccl" else torch.device("cpu")
+    def _group_send(self, group: WeightGroup, members: tuple[int, ...], model: torch.nn.Module) -> None:
+        """Each server is told by one RPC to receive the buckets' layout (sent once the first
+        bucket is packed: :meth:`WeightGroup.send`), the trainer broadcasts, then every prefix
+        cache is reset."""
+        device = next(model.parameters()).device if group.backend == "nccl" else torch.device("cpu")
         tensors = policy_weights(model, device)
         buckets = plan_buckets(tensors.items())
         body = {"method": "plainrl_receive_weights", "args": [layout_json(buckets)]}
         with ThreadPoolExecutor(max_workers=len(members)) as pool:
             futures = []
-            self._group.send(tensors, buckets, device, start=lambda: futures.extend(
+            group.send(tensors, buckets, device, start=lambda: futures.extend(
                 pool.submit(self._call, "POST", self.urls[i], "/collective_rpc", json=body, retries=0) for i in members))
             for f in futures:
                 f.result()
         for i in members:
             self._call("POST", self.urls[i], "/reset_prefix_cache")
-            self.pool.revive(i)
-
-    def _form_group(self, members: tuple[int, ...]) -> None:
-        """The trainer's store and rank 0, every worker of ``members`` joined (ranks in server
-        order, a tensor-parallel server's workers at consecutive ranks from its offset)."""
-        self._close_group()
-        urls = [self.urls[i] for i in members]
-        workers = [len(self._call("POST", u, "/collective_rpc", json={"method": "plainrl_ping"}).json()["results"])
-                   for u in urls]
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        peer = httpx.URL(urls[0])
-        group = WeightGroup(route_address(peer.host, peer.port or 80), 1 + sum(workers), backend, self.group_timeout_s)
-        offsets = [1 + sum(workers[:k]) for k in range(len(urls))]
-        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-            futures = [pool.submit(self._call, "POST", u, "/collective_rpc", retries=0, json={
-                "method": "plainrl_join_weight_group",
-                "args": [group.host, group.port, group.world_size, off, backend, self.group_timeout_s]})
-                for u, off in zip(urls, offsets)]
-            try:
-                group.connect()
-            except BaseException:
-                group.close()
-                raise
-            finally:
-                errors = [f.exception() for f in futures]
-        error = next((e for e in errors if e is not None), None)
-        if error is not None:
-            group.close()
-            raise error if isinstance(error, (EngineError, ServerDown)) else EngineError(str(error))
-        self._group, self._group_members = group, members
-        log.info("full weights go over a %s process group of %d ranks at %s:%d", backend, group.world_size,
-                 group.host, group.port)
-
-    def _close_group(self) -> None:
-        if self._group is not None:
-            self._group.close()
-        self._group, self._group_members = None, ()
-
-    def close(self) -> None:
-        """As :meth:`ServedEngine.close`, and the weight group's store is stopped."""
-        self._close_group()
-        super().close()
 
     @contextmanager
     def _full_push(self, model: torch.nn.Module) -> Iterator[Callable[[str], None]]:

@@ -17,30 +17,43 @@ log softmax(z)), plainrl's convention with top-k/top-p off, unless the server ru
 
 Weight sync: LoRA adapters through ``/load_lora_adapter`` under a new name per update
 (requests name it as ``lora_path``; the previous one is unloaded with
-``/unload_lora_adapter``); full weights as a Hugging Face directory in ``shared_dir``
-loaded by ``/update_weights_from_disk``, then ``/flush_cache`` drops the radix cache.
-SGLang's ``/update_weights_from_tensor`` (CUDA IPC handles: same machine only) and
-``/update_weights_from_distributed`` (an NCCL group) are not wired: both need CUDA, which
-this project's machines lack.
+``/unload_lora_adapter``). Full weights (``weights_via``): ``group`` over a process group
+(:mod:`~plainrl.rollout.engines.group_sync`): each server joins through
+``/init_weights_update_group`` (its tensor-parallel workers at ``rank_offset + tp_rank``,
+NCCL on CUDA, gloo on CPU), and each bucket of whole layers goes as one
+``/update_weights_from_distributed`` request with ``load_format: flattened_bucket`` while the
+trainer broadcasts the bucket (SGLang 0.5.6 or later; the last bucket's request flushes the
+radix cache). ``path``: a Hugging Face directory in ``shared_dir`` loaded by
+``/update_weights_from_disk``, then ``/flush_cache``. ``auto``: the group where one forms,
+else the directory. SGLang's ``/update_weights_from_tensor`` (CUDA IPC handles: same machine
+only) is not wired.
 
 Source: SGLang's ``python/sglang/srt/entrypoints/http_server.py`` (the endpoints),
 ``managers/io_struct.py`` (``GenerateReqInput``, ``UpdateWeightFromDiskReqInput``,
-``LoadLoRAAdapterReqInput``), ``sampling/sampling_params.py`` and
-``managers/tokenizer_manager.py`` (the response), read at SGLang 0.5.x.
+``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+``LoadLoRAAdapterReqInput``), ``sampling/sampling_params.py``,
+``managers/tokenizer_manager.py`` (the response), ``utils/common.py``
+(``init_custom_process_group``), ``weight_sync/tensor_bucket.py`` (``FlattenedTensorBucket``)
+and ``model_executor/model_runner_components/weight_updater.py``, read at SGLang 0.5.23
+(the flattened bucket over a group since 0.5.6, sglang#13824).
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import httpx
 import torch
 
+from plainrl.rollout.engines.group_sync import GroupSync
 from plainrl.rollout.engines.requests import EngineError, Request, finish_reason
-from plainrl.rollout.engines.served import ServedEngine
-from plainrl.rollout.engines.sync import SyncMode, save_hf_weights
+from plainrl.rollout.engines.sync import SyncMode, policy_weights, save_hf_weights
+from plainrl.rollout.engines.weight_group import WeightGroup, broadcast, pack, plan_buckets
 from plainrl.types import Generation, SamplingParams
 
 START_HINT = ("start one with `python -m sglang.launch_server --model-path MODEL_DIR --port PORT` "
@@ -95,9 +108,42 @@ def parse_generation(output: dict[str, Any], url: str) -> Generation:
                       finish_reason=finish_reason(reason.get("type"), reason.get("matched"), f"SGLang server {url}"))
 
 
-class SGLangEngine(ServedEngine):
+GROUP_MIN_VERSION = (0, 5, 6)  # the first SGLang whose /update_weights_from_distributed takes a flattened bucket
+
+
+def sglang_prefixes(name: str, backend: str) -> tuple[str, ...]:
+    """The store prefixes SGLang's ``init_custom_process_group`` puts before group ``name``'s
+    keys, outermost first: its own ``PrefixStore(group_name)``, then torch's
+    ``_new_process_group_helper``'s ``"{group_name}/"`` and ``"{device}/"`` (``cuda`` for NCCL,
+    ``cpu`` for gloo). The trainer's rank 0 must use the same to meet the receivers."""
+    return (name, f"{name}/", "cuda/" if backend == "nccl" else "cpu/")
+
+
+def distributed_body(bucket, name: str, *, flush_cache: bool) -> dict[str, Any]:
+    """``/update_weights_from_distributed``'s request (SGLang's
+    ``UpdateWeightsFromDistributedReqInput``) for one tight bucket
+    (:func:`~plainrl.rollout.engines.weight_group.plan_buckets` with ``tight``) broadcast as
+    one flat ``uint8`` tensor into SGLang's ``FlattenedTensorBucket``."""
+    return {"names": [s.name for s in bucket], "dtypes": [s.dtype for s in bucket],
+            "shapes": [list(s.shape) for s in bucket], "group_name": name, "load_format": "flattened_bucket",
+            "flush_cache": flush_cache}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"0.5.10rc0"`` -> ``(0, 5, 10)``: the leading digits of up to three parts."""
+    parts = []
+    for p in str(text).split(".")[:3]:
+        m = re.match(r"\d+", p)
+        if m is None:
+            break
+        parts.append(int(m.group()))
+    return tuple(parts)
+
+
+class SGLangEngine(GroupSync):
     """The :class:`~plainrl.rollout.engines.base.Engine` protocol over SGLang servers.
-    Arguments as :class:`~plainrl.rollout.engines.served.ServedEngine`'s.
+    Arguments as :class:`~plainrl.rollout.engines.group_sync.GroupSync`'s, with
+    ``weights_via``: ``group``, ``path`` (a directory in ``shared_dir``) or ``auto``.
 
     Raises:
         EngineError: a server is unreachable, serves another tokenizer or a shorter context,
@@ -108,9 +154,12 @@ class SGLangEngine(ServedEngine):
     backend = "sglang"
     start_hint = START_HINT
     lora_endpoints = ("/load_lora_adapter", "/unload_lora_adapter")
+    _fallback_route = "through a directory in rollout.remote.shared_dir (/update_weights_from_disk)"
+    _group_sequence = True  # SGLang's groups come from torch's _new_process_group_helper
 
     def __init__(self, urls: list[str], tokenizer, *, sync: SyncMode, **kwargs):
         self._seeded: dict[str, bool] = {}  # url -> runs with --enable-deterministic-inference
+        self._server_info: dict[str, dict] = {}  # url -> /get_server_info
         super().__init__(urls, tokenizer, sync=sync, **kwargs)
 
     def _check_backend(self, url: str) -> None:
@@ -127,15 +176,64 @@ class SGLangEngine(ServedEngine):
                               f"with --enable-lora --max-lora-rank R --lora-target-modules all (R >= model.lora.r), "
                               f"or push merged weights with rollout.sync=full")
         self._seeded[url] = bool(args.get("enable_deterministic_inference"))
+        self._server_info[url] = args
 
-    def _complete(self, server: int, req: Request, params: SamplingParams) -> list[Generation]:
+    # -- the weight group (GroupSync's hooks) --------------------------------------------
+    def _group_ranks(self, server: int) -> int:
+        """A server's tensor-parallel size; SGLang 0.5.6+ with one data-parallel replica and
+        one pipeline stage (its workers would otherwise share ranks in the group).
+
+        Raises:
+            EngineError: an older SGLang, or data or pipeline parallelism.
+        """
         url = self.urls[server]
-        body = generate_body(req.prompt_ids, params, n=len(req.rows), seed=req.seed,
-                             seeded=self._seeded.get(url, False), lora=self._lora)
-        outputs = self._call("POST", url, "/generate", json=body).json()
-        if not isinstance(outputs, list):
-            raise EngineError(f"SGLang server {url}: /generate answered a batch of {len(req.rows)} with {outputs!r:.300}")
-        return [parse_generation(o, url) for o in outputs]
+        info = self._server_info.get(url) or {}
+        version = _version(info.get("version", ""))
+        if version < GROUP_MIN_VERSION:
+            raise EngineError(f"SGLang server {url} is version {info.get('version')!r}: a weight group needs SGLang "
+                              f">= 0.5.6 (/update_weights_from_distributed with load_format=flattened_bucket)")
+        for key in ("dp_size", "pp_size"):
+            if int(info.get(key) or 1) != 1:
+                raise EngineError(f"SGLang server {url} runs with {key}={info[key]}: a weight group reaches servers of "
+                                  f"one data-parallel replica and one pipeline stage; start one server per replica")
+        return int(info.get("tp_size") or 1)
+
+    def _group_prefixes(self, name: str, backend: str) -> tuple[str, ...]:
+        return sglang_prefixes(name, backend)
+
+    def _group_join(self, server: int, group: WeightGroup, name: str, offset: int) -> None:
+        self._call("POST", self.urls[server], "/init_weights_update_group", retries=0, json={
+            "master_address": group.host, "master_port": group.port, "rank_offset": offset,
+            "world_size": group.world_size, "group_name": name, "backend": group.backend})
+
+    def _group_leave(self, server: int, name: str) -> None:
+        try:
+            self.client.post(self.urls[server] + "/destroy_weights_update_group", json={"group_name": name},
+                             timeout=self._probe_timeout)
+        except httpx.HTTPError:  # best effort: a dead server has no group to drop
+            pass
+
+    def _group_send(self, group: WeightGroup, members: tuple[int, ...], model: torch.nn.Module) -> None:
+        """Bucket by bucket: every server is sent the bucket's request (it allocates the
+        bucket and joins the broadcast), the trainer broadcasts it, and the requests return
+        once each server has loaded it. One bucket at a time: a server takes its requests in
+        order, and a second one sent early could overtake the first."""
+        device = next(model.parameters()).device if group.backend == "nccl" else torch.device("cpu")
+        tensors = policy_weights(model, device)
+        buckets = plan_buckets(tensors.items(), tight=True)
+        assert group.group is not None
+        pool = ThreadPoolExecutor(max_workers=len(members))
+        try:
+            for k, bucket in enumerate(buckets):
+                flat = pack(bucket, tensors, device)
+                body = distributed_body(bucket, self._group_name, flush_cache=k == len(buckets) - 1)
+                futures = [pool.submit(self._call, "POST", self.urls[i], "/update_weights_from_distributed",
+                                       json=body, retries=0) for i in members]
+                broadcast(group.group, flat, group.timeout_s)
+                for f in futures:
+                    f.result()
+        finally:  # after a failed broadcast, the servers' requests are not waited for (they end on their own)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     @contextmanager
     def _full_push(self, model: torch.nn.Module) -> Iterator[Callable[[str], None]]:

@@ -7,11 +7,13 @@ tensor-parallel rank``) form a private process group over their own ``TCPStore``
 and NCCL on CUDA, built straight from the store (``ProcessGroupGloo`` / ``ProcessGroupNCCL``),
 so neither side's default group (torchrun's, vLLM's own) is touched. This is how TRL's and
 verl's vLLM weight sync and SGLang's ``/init_weights_update_group`` work, with torch's own
-process groups instead of vLLM's ``PyNcclCommunicator``.
+process groups instead of vLLM's ``PyNcclCommunicator``. SGLang's servers build their side
+with their own code, so the trainer's rank 0 takes their store prefixes and sequence number
+(:class:`WeightGroup`'s ``prefixes`` and ``sequence``) and their bucket layout (``tight``).
 
 Weights go as buckets of whole decoder layers, at most :data:`BUCKET_BYTES` each (a layer
 larger than that is a bucket of its own): a bucket is one flat ``uint8`` tensor holding its
-tensors at 16-byte aligned offsets, so any mix of dtypes travels in one broadcast, and the
+tensors at 16-byte aligned offsets (SGLang's: back to back), so any mix of dtypes travels in one broadcast, and the
 receiver loads each bucket as it arrives (vLLM's layerwise reload processes a layer once all
 its tensors are in), holding at most a bucket or two beyond the model itself. Nothing is
 pickled: the layout (names, dtypes, shapes, offsets) goes as JSON over the RPC that starts
@@ -56,12 +58,20 @@ def _layer_key(name: str) -> str:
     return m.group(1) if m else name
 
 
-def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int = BUCKET_BYTES) -> list[list[Slot]]:
+def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int = BUCKET_BYTES, *,
+                 tight: bool = False) -> list[list[Slot]]:
     """Group named tensors, in order, into buckets of whole layers of at most ``max_bytes``.
 
     Consecutive tensors of one decoder layer (``model.layers.3.*``) stay in one bucket (vLLM
     reloads fused projections only when all their parts arrive together); a unit larger than
     ``max_bytes`` becomes a bucket of its own.
+
+    Args:
+        tight: SGLang's layout (``FlattenedTensorBucket``, ``load_format: flattened_bucket``):
+            no padding between tensors, so each bucket's tensors are ordered by element size,
+            largest first, which keeps every offset a multiple of its tensor's element size
+            (the receiver refuses an unaligned one). Otherwise every tensor starts at a
+            16-byte boundary, in the given order.
 
     Returns:
         buckets, each a list of :class:`Slot` with offsets within its bucket.
@@ -71,33 +81,44 @@ def plan_buckets(tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int = B
     """
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+    align = 1 if tight else _ALIGN
     units: list[list[tuple[str, torch.Tensor]]] = []
     for name, t in tensors:
         if units and _layer_key(units[-1][-1][0]) == _layer_key(name):
             units[-1].append((name, t))
         else:
             units.append([(name, t)])
-    buckets: list[list[Slot]] = []
+    grouped: list[list[tuple[str, torch.Tensor]]] = []
     size = 0
     for unit in units:
-        unit_bytes = sum(_aligned(t.numel() * t.element_size()) for _, t in unit)
-        if not buckets or (size and size + unit_bytes > max_bytes):
-            buckets.append([])
+        unit_bytes = sum(_aligned(t.numel() * t.element_size(), align) for _, t in unit)
+        if not grouped or (size and size + unit_bytes > max_bytes):
+            grouped.append([])
             size = 0
-        for name, t in unit:
-            buckets[-1].append(Slot(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), size))
-            size += _aligned(t.numel() * t.element_size())
+        grouped[-1] += unit
+        size += unit_bytes
+    buckets = []
+    for members in grouped:
+        if tight:  # stable: tensors of one element size keep their order
+            members = sorted(members, key=lambda nt: -nt[1].element_size())
+        slots, offset = [], 0
+        for name, t in members:
+            slots.append(Slot(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+            offset += _aligned(t.numel() * t.element_size(), align)
+        buckets.append(slots)
     return buckets
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _aligned(n: int, align: int = _ALIGN) -> int:
+    return (n + align - 1) // align * align
 
 
 def bucket_bytes(bucket: list[Slot]) -> int:
-    """The flat buffer's length in bytes (the last slot's end, aligned)."""
+    """The flat buffer's length in bytes: where the last slot ends (what SGLang's
+    ``FlattenedTensorBucket`` allocates for a tight bucket; both sides of a plainrl group
+    compute it from the same layout)."""
     last = bucket[-1]
-    return last.offset + _aligned(last.nbytes)
+    return last.offset + last.nbytes
 
 
 def pack(bucket: list[Slot], tensors: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -125,10 +146,16 @@ def layout_from_json(text: str) -> list[list[Slot]]:
     return [[Slot(n, d, tuple(shape), off) for n, d, shape, off in b] for b in json.loads(text)]
 
 
-def make_group(backend: Backend, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+def make_group(backend: Backend, store: dist.Store, rank: int, world_size: int, timeout_s: float, *,
+               sequence: bool = False) -> dist.ProcessGroup:
     """A process group of ``world_size`` ranks over ``store``, apart from any default group.
 
     Blocks until every rank has joined (or ``timeout_s`` passes).
+
+    Args:
+        sequence: write (rank 0) or read (the others) the group's sequence number in the
+            store, as groups made by torch's ``_new_process_group_helper`` do (SGLang's
+            ``init_custom_process_group``): a receiver that reads it waits for rank 0's.
 
     Raises:
         ValueError: an unknown backend.
@@ -136,13 +163,24 @@ def make_group(backend: Backend, store: dist.Store, rank: int, world_size: int, 
     """
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
+        group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         # NCCL connects lazily, at the first broadcast, on the device of its tensors
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
+        group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    else:
+        raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
+    if sequence:
+        group._set_sequence_number_for_group()
+    return group
+
+
+def prefixed(store: dist.Store, prefixes: tuple[str, ...]) -> dist.Store:
+    """``store`` under ``prefixes``, outermost first (each a ``PrefixStore``)."""
+    for p in prefixes:
+        store = dist.PrefixStore(p, store)
+    return store
 
 
 def start_broadcast(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float) -> dist.Work:
@@ -163,11 +201,14 @@ def broadcast(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float) ->
     start_broadcast(group, flat, timeout_s).wait(timedelta(seconds=timeout_s))
 
 
+PLAINRL_PREFIXES = ("plainrl-weights",)  # plainrl's receivers (the vLLM worker extension)
+
+
 def join_group(host: str, port: int, world_size: int, rank: int, backend: Backend,
                timeout_s: float) -> dist.ProcessGroup:
     """A receiver's side: connect to the trainer's store at ``host:port`` and join as ``rank``."""
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-    return make_group(backend, dist.PrefixStore("plainrl-weights", store), rank, world_size, timeout_s)
+    return make_group(backend, prefixed(store, PLAINRL_PREFIXES), rank, world_size, timeout_s)
 
 
 def receive(group: dist.ProcessGroup, buckets: list[list[Slot]], device: torch.device,
@@ -206,10 +247,15 @@ class WeightGroup:
         world_size: 1 + the number of receiving workers.
         backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
         timeout_s: the rendezvous's and every broadcast's timeout.
+        prefixes / sequence: how the receivers build their side (the store's key prefixes,
+            outermost first, and :func:`make_group`'s ``sequence``): plainrl's worker
+            extension by default; SGLang's in :mod:`plainrl.rollout.engines.sglang`.
     """
 
-    def __init__(self, host: str, world_size: int, backend: Backend, timeout_s: float):
+    def __init__(self, host: str, world_size: int, backend: Backend, timeout_s: float, *,
+                 prefixes: tuple[str, ...] = PLAINRL_PREFIXES, sequence: bool = False):
         self.host, self.world_size, self.backend, self.timeout_s = host, world_size, backend, timeout_s
+        self.prefixes, self.sequence = prefixes, sequence
         self.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         self.port = self.store.port
@@ -217,8 +263,8 @@ class WeightGroup:
 
     def connect(self) -> None:
         """Join as rank 0; returns once every receiver has joined (they are told to by RPC)."""
-        self.group = make_group(self.backend, dist.PrefixStore("plainrl-weights", self.store), 0, self.world_size,
-                                self.timeout_s)
+        self.group = make_group(self.backend, prefixed(self.store, self.prefixes), 0, self.world_size,
+                                self.timeout_s, sequence=self.sequence)
 
     def send(self, tensors: dict[str, torch.Tensor], buckets: list[list[Slot]], device: torch.device,
              start: Callable[[], None] | None = None) -> int:
