@@ -57,10 +57,36 @@ class ModelCall(torch.nn.Module):
         return fn(self.model, *args, **kwargs)
 
 
-def _sum_hook(group, bucket):
-    """DDP communication hook: all-reduce SUM (the default one divides by the world size)."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+def _sum_hook(pending: list, bucket):
+    """DDP communication hook: all-reduce SUM (the default one divides by the world size).
+
+    On CPU (gloo) no Python callback is put on a gloo future: gloo runs ``then`` callbacks on
+    its worker thread and drops them there, taking the GIL; a worker late doing so (a loaded
+    machine) when its rank has already begun to exit meets a finalizing interpreter, which
+    ends the thread inside that destructor, and the rank aborts ("terminate called without an
+    active exception", tests/test_gloo_exit.py). So each bucket's all-reduce starts here and
+    the hook returns a plain future, which this thread completes (``set_result``) when the
+    last bucket's hook waits for every reduction of the backward: the all-reduces still
+    overlap the rest of the backward, and DDP waits on the futures only after that call.
+    NCCL completes its future as the kernel is queued, so ``then`` runs on this thread (and
+    keeps the CUDA stream order).
+
+    Args:
+        pending: the state registered with the hook: this backward's (work, buffer, future).
+    """
+    buffer = bucket.buffer()
+    if buffer.device.type != "cpu":
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+    done = torch.futures.Future()
+    pending.append((dist.all_reduce(buffer, async_op=True), buffer, done))
+    if bucket.is_last():
+        try:
+            for work, reduced, fut in pending:
+                work.wait()  # the group's timeout (train.collective_timeout_s) bounds it
+                fut.set_result(reduced)
+        finally:
+            pending.clear()
+    return done
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -235,7 +261,7 @@ class Parallel:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ddp = DDP(call, device_ids=None, broadcast_buffers=False)
-            ddp.register_comm_hook(None, _sum_hook)
+            ddp.register_comm_hook([], _sum_hook)
             return ddp
         return self._fully_shard(call, model)
 
