@@ -77,21 +77,19 @@ def _receive(port: int, rank: int, layout: str, out: "mp.Queue") -> None:
     out.put(buf.getvalue())
 
 
-def test_two_processes_receive_every_tensor_over_gloo():
-    t = _tensors()
-    buckets = wg.plan_buckets(t.items(), max_bytes=400)
-    group = wg.WeightGroup("127.0.0.1", 3, "gloo", timeout_s=60)
+def _with_receivers(group: wg.WeightGroup, target, args: tuple, send) -> list[dict[str, torch.Tensor]]:
+    """Ranks 1.. of ``group`` as spawned processes running ``target(port, rank, *args, out)``;
+    this process joins as rank 0 and calls ``send()``. Returns what each receiver got, once
+    every receiver has exited 0."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_receive, args=(group.port, r, wg.layout_json(buckets), out)) for r in (1, 2)]
+    procs = [ctx.Process(target=target, args=(group.port, r, *args, out)) for r in range(1, group.world_size)]
     for p in procs:
         p.start()
     try:
         group.connect()
-        assert group.send(t, buckets, torch.device("cpu")) == sum(wg.bucket_bytes(b) for b in buckets)
-        for _ in procs:
-            got = torch.load(io.BytesIO(out.get(timeout=120)))
-            assert got.keys() == t.keys() and all(torch.equal(got[k], t[k]) for k in t)
+        send()
+        received = [torch.load(io.BytesIO(out.get(timeout=120))) for _ in procs]
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -99,6 +97,19 @@ def test_two_processes_receive_every_tensor_over_gloo():
                 p.kill()
         group.close()
     assert all(p.exitcode == 0 for p in procs)
+    return received
+
+
+def test_two_processes_receive_every_tensor_over_gloo():
+    t = _tensors()
+    buckets = wg.plan_buckets(t.items(), max_bytes=400)
+    group = wg.WeightGroup("127.0.0.1", 3, "gloo", timeout_s=60)
+
+    def send():
+        assert group.send(t, buckets, torch.device("cpu")) == sum(wg.bucket_bytes(b) for b in buckets)
+
+    for got in _with_receivers(group, _receive, (wg.layout_json(buckets),), send):
+        assert got.keys() == t.keys() and all(torch.equal(got[k], t[k]) for k in t)
 
 
 def test_a_receiver_that_never_joins_ends_the_rendezvous_with_an_error():
@@ -144,24 +155,12 @@ def test_sglang_receivers_built_by_sglangs_own_code_get_every_tensor_from_the_tr
     assert [b["flush_cache"] for b in bodies] == [False] * (len(bodies) - 1) + [True]
     group = wg.WeightGroup("127.0.0.1", 3, "gloo", timeout_s=60, prefixes=sglang_prefixes(name, "gloo"),
                            sequence=True)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_sglang_receive, args=(group.port, r, 3, name, bodies, out)) for r in (1, 2)]
-    for p in procs:
-        p.start()
-    try:
-        group.connect()
+
+    def send():
         for b in buckets:
             wg.broadcast(group.group, wg.pack(b, t, torch.device("cpu")), 60)
-        for _ in procs:
-            got = torch.load(io.BytesIO(out.get(timeout=120)))
-            assert got.keys() == t.keys()
-            for k in t:
-                assert got[k].dtype == t[k].dtype and torch.equal(got[k], t[k]), k
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-        group.close()
-    assert all(p.exitcode == 0 for p in procs)
+
+    for got in _with_receivers(group, _sglang_receive, (3, name, bodies), send):
+        assert got.keys() == t.keys()
+        for k in t:
+            assert got[k].dtype == t[k].dtype and torch.equal(got[k], t[k]), k

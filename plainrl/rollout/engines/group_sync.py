@@ -24,6 +24,7 @@ import torch
 from plainrl.rollout.engines.requests import EngineError
 from plainrl.rollout.engines.served import ServedEngine
 from plainrl.rollout.engines.servers import ServerDown
+from plainrl.rollout.engines.sync import policy_weights
 from plainrl.rollout.engines.weight_group import PLAINRL_PREFIXES, WeightGroup, route_address
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,11 @@ class GroupSync(ServedEngine):
     def _group_leave(self, server: int, name: str) -> None:
         """Tell a server to drop group ``name`` (best effort; default nothing)."""
 
-    def _group_send(self, group: WeightGroup, members: tuple[int, ...], model: torch.nn.Module) -> None:
-        """One full sync of ``model`` over ``group`` to the servers ``members``, the servers'
-        caches of the old weights dropped."""
+    def _group_send(self, group: WeightGroup, members: tuple[int, ...], tensors: dict[str, torch.Tensor],
+                    device: torch.device) -> None:
+        """One full sync over ``group`` to the servers ``members``: ``tensors`` (the policy's
+        whole merged state, :func:`~plainrl.rollout.engines.sync.policy_weights`, on ``device``),
+        the servers' caches of the old weights dropped."""
         raise NotImplementedError
 
     # -- the shared flow ---------------------------------------------------------------
@@ -118,7 +121,9 @@ class GroupSync(ServedEngine):
         if self._group is None or members != self._group_members:
             self._form_group(members)
         assert self._group is not None
-        self._group_send(self._group, members, model)
+        # NCCL sends from GPU memory; gloo from host memory
+        device = next(model.parameters()).device if self._group.backend == "nccl" else torch.device("cpu")
+        self._group_send(self._group, members, policy_weights(model, device), device)
         for i in members:
             self.pool.revive(i)
 

@@ -96,12 +96,11 @@ class RemoteEngine(GroupSync):
             "method": "plainrl_join_weight_group",
             "args": [group.host, group.port, group.world_size, offset, group.backend, self.group_timeout_s]})
 
-    def _group_send(self, group: WeightGroup, members: tuple[int, ...], model: torch.nn.Module) -> None:
+    def _group_send(self, group: WeightGroup, members: tuple[int, ...], tensors: dict[str, torch.Tensor],
+                    device: torch.device) -> None:
         """Each server is told by one RPC to receive the buckets' layout (sent once the first
         bucket is packed: :meth:`WeightGroup.send`), the trainer broadcasts, then every prefix
         cache is reset."""
-        device = next(model.parameters()).device if group.backend == "nccl" else torch.device("cpu")
-        tensors = policy_weights(model, device)
         buckets = plan_buckets(tensors.items())
         body = {"method": "plainrl_receive_weights", "args": [layout_json(buckets)]}
         with ThreadPoolExecutor(max_workers=len(members)) as pool:

@@ -40,7 +40,6 @@ and ``model_executor/model_runner_components/weight_updater.py``, read at SGLang
 
 from __future__ import annotations
 
-import re
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +51,7 @@ import torch
 
 from plainrl.rollout.engines.group_sync import GroupSync
 from plainrl.rollout.engines.requests import EngineError, Request, finish_reason
-from plainrl.rollout.engines.sync import SyncMode, policy_weights, save_hf_weights
+from plainrl.rollout.engines.sync import SyncMode, save_hf_weights
 from plainrl.rollout.engines.weight_group import WeightGroup, broadcast, pack, plan_buckets
 from plainrl.types import Generation, SamplingParams
 
@@ -130,14 +129,13 @@ def distributed_body(bucket, name: str, *, flush_cache: bool) -> dict[str, Any]:
 
 
 def _version(text: str) -> tuple[int, ...]:
-    """``"0.5.10rc0"`` -> ``(0, 5, 10)``: the leading digits of up to three parts."""
-    parts = []
-    for p in str(text).split(".")[:3]:
-        m = re.match(r"\d+", p)
-        if m is None:
-            break
-        parts.append(int(m.group()))
-    return tuple(parts)
+    """``"0.5.10rc0"`` -> ``(0, 5, 10)`` (the release numbers); ``()`` for no version."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(str(text)).release
+    except InvalidVersion:
+        return ()
 
 
 class SGLangEngine(GroupSync):
@@ -213,13 +211,12 @@ class SGLangEngine(GroupSync):
         except httpx.HTTPError:  # best effort: a dead server has no group to drop
             pass
 
-    def _group_send(self, group: WeightGroup, members: tuple[int, ...], model: torch.nn.Module) -> None:
+    def _group_send(self, group: WeightGroup, members: tuple[int, ...], tensors: dict[str, torch.Tensor],
+                    device: torch.device) -> None:
         """Bucket by bucket: every server is sent the bucket's request (it allocates the
         bucket and joins the broadcast), the trainer broadcasts it, and the requests return
         once each server has loaded it. One bucket at a time: a server takes its requests in
         order, and a second one sent early could overtake the first."""
-        device = next(model.parameters()).device if group.backend == "nccl" else torch.device("cpu")
-        tensors = policy_weights(model, device)
         buckets = plan_buckets(tensors.items(), tight=True)
         assert group.group is not None
         pool = ThreadPoolExecutor(max_workers=len(members))
