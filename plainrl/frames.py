@@ -187,6 +187,7 @@ def make_micro_batches(
     returns: torch.Tensor | None = None,
     packing: bool = False,
     share_prompts: bool = False,
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[MicroBatch]:
     """Group episodes into padded micro-batches of at most ``token_budget`` padded tokens,
     or, with ``packing``, of at most ``token_budget`` real tokens (:func:`pack_by_tokens`).
@@ -202,6 +203,8 @@ def make_micro_batches(
         old_logps: [N, L] logprobs to use as pi_old instead of the engine's.
         old_values, returns: [N, L] critic values at rollout time and critic targets (GAE).
             (All [N, L] tensors are in the completion frame of :func:`completion_tensor`.)
+        teacher_topk: ``(ids, logps)``, [N, L, k] each: a distillation teacher's top-k tokens
+            (``algorithm.distill_loss: gkd_topk``).
         packing: budget by real tokens (the packed forward's cost), not padded ones.
         share_prompts: with ``packing``, a prompt shared by several episodes counts once.
     Returns:
@@ -212,7 +215,9 @@ def make_micro_batches(
                                 token_budget, share_prompts=share_prompts)
     else:
         groups = pack_by_length([_len(e) for e in episodes], token_budget)
-    frames = {"advantages": advantages, "old_logps": old_logps, "old_values": old_values, "returns": returns}
+    frames = {"advantages": advantages, "old_logps": old_logps, "old_values": old_values, "returns": returns,
+              "teacher_ids": None if teacher_topk is None else teacher_topk[0],
+              "teacher_logps": None if teacher_topk is None else teacher_topk[1]}
     return [_collate(episodes, g, pad_id, {k: v for k, v in frames.items() if v is not None}) for g in groups]
 
 
@@ -243,11 +248,14 @@ def _collate(episodes: list[Episode], index: list[int], pad_id: int, frames: dic
         if name == "advantages" and frame.dim() == 1:
             fields[name] = frame[idx].float()  # [B], broadcast over tokens by the loss
             continue
-        rows = frame[idx].float()  # [B, L]
+        rows = frame[idx] if name == "teacher_ids" else frame[idx].float()  # [B, L] (or [B, L, k])
+        extra = rows.shape[2:]
         if rows.shape[1] == 0:  # every completion empty
-            fields[name] = torch.zeros(pos.shape)
+            fields[name] = torch.zeros(*pos.shape, *extra, dtype=rows.dtype)
             continue
-        fields[name] = torch.where(pos >= 0, rows.gather(1, pos.clamp(0, rows.shape[1] - 1)), 0.0)
+        at = pos.clamp(0, rows.shape[1] - 1).view(*pos.shape, *([1] * len(extra))).expand(*pos.shape, *extra)
+        picked = rows.gather(1, at)  # [B, T-1] (or [B, T-1, k])
+        fields[name] = torch.where((pos >= 0).view(*pos.shape, *([1] * len(extra))), picked, torch.zeros_like(picked))
     fields.setdefault("old_logps", old)
     fields["engine_logps"] = old
     prompt_lens = torch.tensor([len(e.prompt_ids) for e in eps])
@@ -256,8 +264,8 @@ def _collate(episodes: list[Episode], index: list[int], pad_id: int, frames: dic
 
 
 def to_completion_frame(x: torch.Tensor, mb: MicroBatch, out: torch.Tensor) -> None:
-    """Write a micro-batch's [B, T-1] per-target values into ``out`` [N, L] (the
-    completion frame), at each row's episode index."""
+    """Write a micro-batch's [B, T-1] (or [B, T-1, k]) per-target values into ``out`` [N, L]
+    (or [N, L, k]: the completion frame), at each row's episode index, in ``out``'s dtype."""
     sel = mb.completion_pos >= 0  # [B, T-1]
     rows = mb.index.to(x.device)[:, None].expand_as(sel)[sel]
-    out[rows.cpu(), mb.completion_pos[sel].cpu()] = x[sel.to(x.device)].detach().float().cpu()
+    out[rows.cpu(), mb.completion_pos[sel].cpu()] = x[sel.to(x.device)].detach().to(out.dtype).cpu()

@@ -177,6 +177,8 @@ def rollout_record(step: int, ep: Episode, tokenizer) -> dict[str, Any]:
         "finish_reason": ep.finish_reason, "answer": ep.row.get("answer"), "tokens": len(ep.completion_ids),
         "trained": any(ep.loss_mask), "env": env,
     }
+    if ep.teacher_logprob is not None:  # on-policy distillation: the teacher's summed logprob of the completion
+        rec["teacher_logprob"] = ep.teacher_logprob
     if ep.earlier:
         rec["earlier_segments"] = [
             {"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion_text, "reward": s.reward,

@@ -85,6 +85,8 @@ class Episode:
                     them; None: every segment takes the episode's ``reward``.
     segment, segments: a training sample's segment index in its episode, and the episode's
                     number of segments (0 and 1 for an episode of one segment).
+    teacher_logprob: on-policy distillation: the completion's summed teacher logprob over its
+                    loss tokens (None without a teacher).
     """
 
     sample_id: str
@@ -107,6 +109,7 @@ class Episode:
     segment_rewards: list[float] | None = None
     segment: int = 0
     segments: int = 1
+    teacher_logprob: float | None = None
 
     def columns(self) -> dict[str, Any]:
         """The columns reward functions receive as keyword arguments: the data row, plus
@@ -171,6 +174,9 @@ class MicroBatch:
                     computation in :func:`plainrl.models.sequence_logps`).
     engine_logps:   [B, T-1] the engine's logprobs of the targets, whatever ``old_logps``
                     holds (truncated importance sampling, ``algorithm.tis_cap``).
+    teacher_ids:    [B, T-1, k] a distillation teacher's top-k token ids at each target
+                    (``algorithm.distill_loss: gkd_topk``), 0 off the completion.
+    teacher_logps:  [B, T-1, k] the teacher's logprobs of those tokens.
     """
 
     input_ids: torch.Tensor
@@ -184,3 +190,5 @@ class MicroBatch:
     returns: torch.Tensor | None = None
     prompt_lens: torch.Tensor | None = None
     engine_logps: torch.Tensor | None = None
+    teacher_ids: torch.Tensor | None = None
+    teacher_logps: torch.Tensor | None = None

@@ -22,6 +22,7 @@ from plainrl.algorithms.advantages import (
     token_rewards,
     whiten_advantages,
 )
+from plainrl.algorithms.distill import mix_advantages, reverse_kl_advantages
 from plainrl.algorithms.kl import KLEstimator, kl_estimate
 from plainrl.algorithms.segments import episode_weighted_advantages
 from plainrl.frames import CompletionFrame
@@ -189,3 +190,28 @@ def compute_advantages(
     for e, value in zip(episodes, per_episode.tolist()):
         e.advantage = value
     return Advantages(adv, returns)
+
+
+def with_teacher(adv: Advantages, episodes: list[Episode], frame: CompletionFrame, teacher_logps: torch.Tensor, *,
+                 distill_loss: str, distill_coef: float, reward_coef: float) -> Advantages:
+    """The step's advantages with a distillation teacher (:mod:`plainrl.algorithms.distill`):
+    under ``reverse_kl``, ``distill_coef * (log pi_T - log pi_old) + reward_coef * A^reward``
+    per token; under ``gkd_topk`` (the teacher enters the loss instead), ``reward_coef * A^reward``.
+    Updates each ``Episode.advantage`` (the mean over its loss tokens).
+
+    Args:
+        adv: the task reward's advantages (:func:`compute_advantages`), [N] or [N, L].
+        frame: the step's loss mask and engine (behaviour) logprobs, [N, L] each.
+        teacher_logps: [N, L] the teacher's logprobs of the sampled tokens.
+    Returns:
+        :class:`Advantages` with [N, L] advantages (reverse_kl) or the scaled reward ones (gkd_topk).
+    """
+    if distill_loss == "gkd_topk":
+        out = adv.advantages * reward_coef
+    else:
+        out = mix_advantages(reverse_kl_advantages(teacher_logps, frame.logprobs, frame.mask), adv.advantages,
+                             frame.mask, distill_coef=distill_coef, reward_coef=reward_coef)
+    per_episode = out if out.dim() == 1 else (out * frame.mask).sum(1) / frame.mask.sum(1).clamp(min=1)
+    for e, value in zip(episodes, per_episode.tolist()):
+        e.advantage = value
+    return Advantages(out, adv.returns)

@@ -9,9 +9,10 @@ from pydantic import Field, field_validator, model_validator
 
 from plainrl.config.base import _Section
 
-AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "sft", "dpo", "rm"]
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "opd", "sft", "dpo", "rm"]
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
 KLPlacement = Literal["loss", "reward"]
+DistillLoss = Literal["reverse_kl", "gkd_topk"]
 
 # Trained on rows from data.path by plainrl.run.offline, not by the RL loop.
 OFFLINE_ALGORITHMS = ("sft", "dpo", "rm")
@@ -40,10 +41,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         "kl_coef": 0.01, "kl_estimator": "k1", "kl_placement": "reward", "ppo_epochs": 2,
         "whiten_advantages": True,
     },
+    # on-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): the teacher's per-token
+    # reverse KL is the whole signal; a task reward only when reward_coef is raised
+    "opd": {"advantage": "grpo", "loss_agg": "token-mean", "distill_coef": 1.0, "reward_coef": 0.0},
     "sft": {"loss_agg": "token-mean"},
     "dpo": {"beta": 0.1},
     "rm": {},
 }
+
+
+class TeacherConfig(_Section):
+    """The teacher of on-policy distillation, loaded as ``model.name`` is (in the policy's dtype)."""
+
+    name: str
+    """The teacher model: `smollm2-135m-instruct` (the embedded model), a local transformers directory, a `.gguf`
+    file or a hub id; its tokenizer must be the policy's."""
+    adapter: str | None = None
+    """A peft LoRA adapter on `name` (e.g. a plainrl run's `final/`); with a LoRA policy on the same base the teacher
+    shares the policy's frozen base weights (one copy in memory)."""
 
 
 class AlgorithmConfig(_Section):
@@ -126,6 +141,27 @@ class AlgorithmConfig(_Section):
     """The largest overlong length penalty."""
     overlong_filter: bool = False
     """Truncated completions get loss mask 0."""
+    # distillation (docs/algorithms.md, "On-policy distillation")
+    teacher: TeacherConfig | Literal["self"] | None = None
+    """The teacher that scores every sampled completion token: `{name: ..., adapter: ...}` (`name` as `model.name`
+    takes it: the embedded model, a local directory, a `.gguf` file or a hub id; `adapter`: a peft adapter on it), or
+    `self`: the policy as the run starts (as the KL reference is); null: no teacher."""
+    teacher_context: str | None = None
+    """Self-distillation: a template over the row's columns (e.g. `"Reference solution: {solution}"`) appended to the
+    teacher's prompt only; the student never sees it. Null: the teacher sees the student's prompt."""
+    distill_coef: float = Field(0.0, ge=0.0)
+    """Weight of the teacher's signal (`reverse_kl`: the per-token advantage log pi_teacher - log pi_old; `gkd_topk`:
+    the divergence term in the loss); `opd` sets 1."""
+    reward_coef: float = Field(1.0, ge=0.0)
+    """Weight of the task reward's advantage beside the teacher's signal; `opd` sets 0, and then the run needs no
+    `rewards:`."""
+    distill_loss: DistillLoss = "reverse_kl"
+    """`reverse_kl`: the teacher's logprob of each sampled token as a per-token advantage through the policy loss;
+    `gkd_topk`: GKD's generalised JSD over the teacher's top `distill_topk` tokens (plus the rest) as a loss term."""
+    distill_topk: int = Field(20, gt=0, le=1024)
+    """`gkd_topk`: the teacher's tokens per position the divergence is computed over."""
+    distill_beta: float = Field(0.0, ge=0.0, le=1.0)
+    """`gkd_topk`: the generalised JSD's beta (0: forward KL(teacher || student), 1: reverse KL, between: JSD)."""
     # DPO
     beta: float = Field(0.1, gt=0.0)
     """DPO's beta."""
@@ -152,6 +188,30 @@ class AlgorithmConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _teacher_when_distilling(self) -> "AlgorithmConfig":
+        if self.distill_coef > 0 and self.teacher is None:
+            raise ValueError(
+                f"algorithm.distill_coef={self.distill_coef} (the preset {self.name!r} may set it) needs a teacher; set "
+                "algorithm.teacher: {name: <model>} (a hub id, local directory or .gguf; adapter: optional) or "
+                "algorithm.teacher: self"
+            )
+        if self.teacher is not None and self.distill_coef == 0:
+            raise ValueError(f"algorithm.teacher is set but algorithm.distill_coef=0 gives it no weight; set "
+                             f"algorithm.distill_coef > 0 (algorithm.name: opd sets 1) or remove the teacher")
+        if self.teacher_context is not None and self.teacher is None:
+            raise ValueError("algorithm.teacher_context extends the teacher's prompt, but no algorithm.teacher is "
+                             "set; add algorithm.teacher: self for self-distillation")
+        if self.distill_coef == 0 and self.reward_coef == 0:
+            raise ValueError("algorithm.reward_coef=0 and algorithm.distill_coef=0 leave nothing to learn from; "
+                             "raise one of them")
+        return self
+
+    @property
+    def distilling(self) -> bool:
+        """A teacher scores the sampled tokens (``distill_coef > 0``)."""
+        return self.distill_coef > 0
+
     @property
     def reward_kl(self) -> tuple[float, str]:
         """``(coefficient, estimator)`` of the KL subtracted from the reward: ``kl_reward_*``, or
@@ -169,6 +229,11 @@ class AlgorithmConfig(_Section):
     def uses_reference(self) -> bool:
         """A KL to the reference policy is computed (in the loss, the reward, or both)."""
         return self.kl_coef > 0 or self.kl_reward_coef > 0
+
+    @property
+    def needs_reference(self) -> bool:
+        """The policy as the run starts is computed: a KL to it, or it is the teacher (``teacher: self``)."""
+        return self.uses_reference or self.teacher == "self"
 
     @property
     def offline(self) -> bool:

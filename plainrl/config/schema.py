@@ -333,13 +333,16 @@ class Config(_Section):
                 "rollout.max_total_tokens applies to multi-turn rollouts only; set rollout.env or "
                 "rollout.agent, or remove it"
             )
-        if not self.rewards and self.rollout.agent is None:  # an agent's own reward needs no function
+        # an agent's own reward needs no function; nor does distillation with no weight on a reward
+        if not self.rewards and self.rollout.agent is None and a.reward_coef > 0:
             raise ValueError(
                 "rewards: no reward function given; add at least one, e.g. "
                 "rewards: [{fn: plainrl.rewards.builtins:correctness, weight: 1.0}] (or set rollout.agent: "
-                "the reward your agent returns scores its episodes)"
+                "the reward your agent returns scores its episodes; or distil a teacher with "
+                "algorithm.name: opd, whose reward_coef is 0)"
             )
-        if self.rollout.group_size < 2 and (a.advantage in ("grpo", "rloo") or a.dynamic_sampling):
+        group_relative = a.advantage in ("grpo", "rloo") and a.reward_coef > 0  # (distillation alone: per token)
+        if self.rollout.group_size < 2 and (group_relative or a.dynamic_sampling):
             why = "dynamic sampling keeps groups" if a.dynamic_sampling else "group-relative advantages need"
             raise ValueError(
                 f"rollout.group_size={self.rollout.group_size}: {why} at least 2 samples per prompt "

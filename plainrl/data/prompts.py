@@ -10,7 +10,7 @@ from typing import Any
 
 from plainrl.data.rows import DataError, DropReport, InvalidRow, OnInvalid, handle_invalid
 
-__all__ = ["as_id_list", "build_prompt_ids", "check_prompt_lengths", "render_prompt"]
+__all__ = ["as_id_list", "build_prompt_ids", "check_prompt_lengths", "render_prompt", "teacher_prompt_ids"]
 
 
 def render_prompt(row: Mapping[str, Any], prompt_template: str = "{prompt}") -> str:
@@ -110,6 +110,39 @@ def build_prompt_ids(
     else:
         text = "\n\n".join(m["content"] for m in messages)
     return as_id_list(tokenizer(text, add_special_tokens=True))
+
+
+def teacher_prompt_ids(row: Mapping[str, Any], tokenizer: Any, *, context: str, system_prompt: str | None,
+                       prompt_template: str, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """The teacher's prompt under self-distillation: the row's prompt as the student sees it
+    (:func:`plainrl.data.prompts.build_prompt_ids`) with ``context`` filled from the row's columns
+    appended to the last user message, after a blank line.
+
+    Args:
+        row: the episode's data row (``prompt`` or ``messages`` and the other columns).
+        context: ``algorithm.teacher_context``, a ``str.format`` template over the row's columns.
+    Returns:
+        The prompt's token ids.
+    Raises:
+        DataError: a placeholder that is not a column of the row (the message names
+            ``algorithm.teacher_context``), or a ``messages`` row without a user message.
+    """
+    try:
+        extra = render_prompt(row, context)
+    except DataError as e:
+        raise DataError(str(e).replace("data.prompt_template", "algorithm.teacher_context")) from None
+    if row.get("messages") is not None:
+        messages = [dict(m) for m in row["messages"]]
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if not users:
+            raise DataError("algorithm.teacher_context: the row's messages have no user message to extend")
+        messages[users[-1]]["content"] = f"{messages[users[-1]]['content']}\n\n{extra}"
+        row = {**row, "messages": messages}
+    else:
+        row = {**row, "prompt": f"{render_prompt(row, prompt_template)}\n\n{extra}"}
+        prompt_template = "{prompt}"
+    return build_prompt_ids(row, tokenizer, system_prompt=system_prompt, prompt_template=prompt_template,
+                            chat_template_kwargs=chat_template_kwargs)
 
 
 def check_prompt_lengths(

@@ -30,7 +30,9 @@ def _target_logps(
     logits = lm_head(hidden).float()  # [c, V] float32, one chunk only
     if temperature != 1.0:
         logits = logits / temperature
-    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [c]
+    # targets [c]: the chosen tokens; [c, m]: the chosen token and m - 1 more per position (distillation)
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None] if targets.dim() == 1 else targets)
+    logps = logps.squeeze(-1) if targets.dim() == 1 else logps  # [c] or [c, m]
     return (logps, entropy_from_logits(logits)) if with_entropy else logps
 
 
@@ -164,7 +166,8 @@ def sequence_logps(
     with_entropy: bool = False,
     prompt_lens: torch.Tensor | None = None,
     packing: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    extra_targets: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """log pi_T(x_{t+1} | x_{<=t}) for every position, in float32, where
     pi_T = softmax(logits / temperature) is the policy the engine sampled from;
     optionally also the entropy of pi_T at each position.
@@ -186,9 +189,13 @@ def sequence_logps(
             their prompt once (:func:`shared_prompt_hidden`, or within a packed row).
         packing: run the decoder on the episodes packed end to end without padding
             (:func:`plainrl.models.packing.packed_hidden`); the result is the same.
+        extra_targets: optional [B, T-1, k] more token ids per position (a teacher's top-k,
+            :mod:`plainrl.algorithms.distill`) whose logprobs are returned too; their chunks are
+            checkpointed (the fused frozen-head gradient covers the chosen token only).
     Returns:
         [B, T-1] float32 logprobs of ``input_ids[:, 1:]`` (0 where ``positions`` is False);
-        with ``with_entropy``, ``(logps, entropy)``, both [B, T-1].
+        with ``with_entropy``, ``(logps, entropy)``, both [B, T-1]; with ``extra_targets``
+        their [B, T-1, k] logprobs come last.
     """
     base = unwrap(model)
     hidden = _hidden(model, input_ids, attention_mask, prompt_lens, packing)  # [B, T, H]
@@ -197,13 +204,15 @@ def sequence_logps(
     # F.linear fall back to a batched matmul that copies the whole LM head per row
     hidden = hidden[:, :-1].reshape(b * (t - 1), -1)  # [B*(T-1), H]
     targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
+    if extra_targets is not None:  # [B*(T-1), 1 + k]: the chosen token first
+        targets = torch.cat([targets[:, None], extra_targets.reshape(b * (t - 1), -1).to(targets.device)], dim=1)
     index = None
     if positions is not None:
         index = positions.reshape(-1).nonzero().squeeze(-1)  # [K]
         hidden, targets = hidden[index], targets[index]
     lm_head = base.get_output_embeddings()
     chunk = max(1, LOGIT_BLOCK_ELEMENTS // lm_head.weight.shape[0])
-    fused = torch.is_grad_enabled() and hidden.requires_grad and _frozen_head(lm_head)
+    fused = torch.is_grad_enabled() and hidden.requires_grad and _frozen_head(lm_head) and extra_targets is None
     outs = []
     for s in range(0, hidden.shape[0], chunk):
         h, y = hidden[s : s + chunk], targets[s : s + chunk]
@@ -218,11 +227,62 @@ def sequence_logps(
 
     def unflatten(flat: torch.Tensor) -> torch.Tensor:
         if index is None:
-            return flat.view(b, t - 1)
-        return torch.zeros(b * (t - 1), dtype=flat.dtype, device=flat.device).index_put((index,), flat).view(b, t - 1)
+            return flat.view(b, t - 1, *flat.shape[1:])
+        full = torch.zeros(b * (t - 1), *flat.shape[1:], dtype=flat.dtype, device=flat.device)
+        return full.index_put((index,), flat).view(b, t - 1, *flat.shape[1:])
 
     results = [unflatten(c) for c in columns]
-    return tuple(results) if with_entropy else results[0]
+    if extra_targets is not None:  # split the chosen token's column from the extra ones
+        results = [results[0][..., 0], *results[1:], results[0][..., 1:]]
+    return tuple(results) if len(results) > 1 else results[0]
+
+
+@torch.no_grad()
+def sequence_topk(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, k: int,
+    temperature: float = 1.0, positions: torch.Tensor | None = None, prompt_lens: torch.Tensor | None = None,
+    packing: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A teacher's view of every position, without gradient: the logprob of the next token and
+    the ``k`` most likely tokens with their logprobs, of pi_T = softmax(logits / temperature).
+
+    Args:
+        input_ids, attention_mask, temperature, positions, prompt_lens, packing: as
+            :func:`sequence_logps`.
+        k: tokens per position (>= 1).
+    Returns:
+        ``(logps [B, T-1], topk_ids [B, T-1, k] int64, topk_logps [B, T-1, k])`` float32 logprobs,
+        0 (ids 0) where ``positions`` is False.
+    """
+    base = unwrap(model)
+    hidden = _hidden(model, input_ids, attention_mask, prompt_lens, packing)
+    b, t = input_ids.shape
+    hidden = hidden[:, :-1].reshape(b * (t - 1), -1)
+    targets = input_ids[:, 1:].reshape(-1)
+    index = None if positions is None else positions.reshape(-1).nonzero().squeeze(-1)
+    if index is not None:
+        hidden, targets = hidden[index], targets[index]
+    lm_head = base.get_output_embeddings()
+    chunk = max(1, LOGIT_BLOCK_ELEMENTS // lm_head.weight.shape[0])
+    chosen, top_v, top_i = [], [], []
+    for s in range(0, hidden.shape[0], chunk):
+        logits = lm_head(hidden[s: s + chunk]).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)  # [c, V]
+        chosen.append(logp.gather(-1, targets[s: s + chunk, None]).squeeze(-1))
+        v, i = logp.topk(k, dim=-1)
+        top_v.append(v)
+        top_i.append(i)
+    dev = input_ids.device
+    flat = [torch.cat(x) if x else torch.zeros(0, *shape, dtype=dt, device=dev)
+            for x, shape, dt in ((chosen, (), torch.float32), (top_i, (k,), torch.long), (top_v, (k,), torch.float32))]
+    out = []
+    for f in flat:
+        full = torch.zeros(b * (t - 1), *f.shape[1:], dtype=f.dtype, device=f.device)
+        full = f if index is None else full.index_put((index,), f)
+        out.append(full.view(b, t - 1, *f.shape[1:]))
+    return out[0], out[1], out[2]
 
 
 def _hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -298,32 +298,62 @@ def load_adapter(model, adapter: str | Path, *, lora_enabled: bool = True, refer
 
 
 @contextlib.contextmanager
-def reference_policy(model: torch.nn.Module):
-    """Within this context ``model`` computes the reference policy of a LoRA run: with a
-    :data:`REFERENCE_ADAPTER` loaded (a run from ``model.adapter``), that adapter instead of
-    the trained one; otherwise the base model (adapters disabled). A model without adapters
-    is left as it is (full fine-tuning keeps a frozen copy instead).
+def adapter_policy(model: torch.nn.Module, adapter: str | None):
+    """Within this context the LoRA ``model`` computes with its frozen adapter ``adapter``
+    instead of the trained one, or with none (``adapter=None``: the base, adapters disabled).
 
     The switch sets the active adapter of each LoRA layer directly: peft's ``set_adapter``
     would also flip ``requires_grad`` of the trained adapter, which DDP and FSDP2 registered.
+
+    Raises:
+        KeyError: ``adapter`` is not loaded on ``model``.
     """
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):
-        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-        saved = [m._active_adapter for m in layers]
-        try:
-            for m in layers:
-                m._active_adapter = [REFERENCE_ADAPTER]
-            yield
-        finally:
-            for m, active in zip(layers, saved):
-                m._active_adapter = active
-    elif hasattr(model, "disable_adapter"):
+    if adapter is None:
         with model.disable_adapter():
             yield
-    else:
+        return
+    if adapter not in getattr(model, "peft_config", {}):
+        raise KeyError(f"no adapter {adapter!r} on the model (loaded: {sorted(getattr(model, 'peft_config', {}))})")
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    saved = [m._active_adapter for m in layers]
+    try:
+        for m in layers:
+            m._active_adapter = [adapter]
         yield
+    finally:
+        for m, active in zip(layers, saved):
+            m._active_adapter = active
+
+
+def reference_policy(model: torch.nn.Module):
+    """A context within which ``model`` computes the reference policy of a LoRA run: with a
+    :data:`REFERENCE_ADAPTER` loaded (a run from ``model.adapter``), that adapter instead of
+    the trained one; otherwise the base model (adapters disabled). A model without adapters
+    is left as it is (full fine-tuning keeps a frozen copy instead). See :func:`adapter_policy`."""
+    if REFERENCE_ADAPTER in getattr(model, "peft_config", {}):
+        return adapter_policy(model, REFERENCE_ADAPTER)
+    if hasattr(model, "disable_adapter"):
+        return adapter_policy(model, None)
+    return contextlib.nullcontext()
+
+
+def load_frozen_adapter(model: torch.nn.Module, adapter: str | Path, name: str) -> None:
+    """Load the peft adapter directory ``adapter`` onto the LoRA ``model`` as a second, frozen
+    adapter called ``name`` (a distillation teacher on the policy's base: one copy of the base
+    weights), used through :func:`adapter_policy`.
+
+    Raises:
+        ModelLoadError: ``model`` has no LoRA adapters, or the directory holds no adapter.
+    """
+    path = Path(adapter)
+    if not hasattr(model, "load_adapter"):
+        raise ModelLoadError(f"cannot add the adapter {str(adapter)!r} to a model without LoRA; enable model.lora")
+    if not (path / "adapter_config.json").is_file():
+        raise ModelLoadError(f"{str(adapter)!r}: no adapter_config.json there; give a peft adapter directory "
+                             "such as a LoRA run's RUN_DIR/final")
+    model.load_adapter(str(path), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
 
 
 def load_policy(cfg: ModelConfig, device: torch.device, *, reference_adapter: bool = False, meta: bool = False):

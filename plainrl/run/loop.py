@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from plainrl.algorithms.estimators import Advantages, compute_advantages, reward_kl
+from plainrl.algorithms.estimators import Advantages, compute_advantages, reward_kl, with_teacher
 from plainrl.config import Config
 from plainrl.frames import CompletionFrame, completion_frame
 from plainrl.metrics import StepTimer
@@ -22,6 +22,7 @@ from plainrl.run.overlap import Rollouts
 from plainrl.run.setup import Run, setup
 from plainrl.samples import training_samples
 from plainrl.train import UpdateStats
+from plainrl.train.teacher import TeacherScores, distill_metrics
 from plainrl.types import Episode, RewardOutput
 
 
@@ -127,10 +128,11 @@ def resource_metrics(run: Run, episodes: list[Episode], times: dict[str, float])
     return out
 
 
-def estimate(run: Run, episodes: list[Episode], frame: CompletionFrame
+def estimate(run: Run, episodes: list[Episode], frame: CompletionFrame, teacher: TeacherScores | None = None
              ) -> tuple[Advantages, torch.Tensor | None, dict[str, float]]:
     """Advantages per ``algorithm.advantage``, with what the estimator needs: the KL to
-    the reference when it goes into the reward, the critic's values for GAE.
+    the reference when it goes into the reward, the critic's values for GAE; with a
+    distillation teacher's scores, mixed with its per-token signal (:func:`with_teacher`).
 
     Returns:
         ``(advantages and the critic's returns, critic values [N, L] or None, metrics)``.
@@ -144,6 +146,9 @@ def estimate(run: Run, episodes: list[Episode], frame: CompletionFrame
         metrics["kl_reward" if a.kl_reward_coef > 0 else "kl"] = float(kl.sum()) / max(1.0, float(frame.mask.sum()))
     values = run.critic.values(episodes) if run.critic is not None else None
     out = compute_advantages(episodes, frame.mask, run.advantages, kl=kl, values=values)
+    if teacher is not None:
+        out = with_teacher(out, episodes, frame, teacher.logprobs, distill_loss=a.distill_loss,
+                           distill_coef=a.distill_coef, reward_coef=a.reward_coef)
     return out, values, metrics
 
 
@@ -199,15 +204,21 @@ def _train(run: Run) -> Path:
                 # vLLM's sleep mode on CUDA: the learner gets its GPU memory for every forward from here
                 # on (the reference's and the critic's in the estimate, then the update)
                 run.engine.offload()
+                teacher = None
+                if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+                    with timer("teacher"):
+                        teacher = run.teacher.score(samples)
+                    extra.update(distill_metrics(samples, teacher, frame.logprobs, frame.mask))
                 with timer("reward"):
-                    adv, values, kl_metrics = estimate(run, samples, frame)  # per algorithm.advantage
+                    adv, values, kl_metrics = estimate(run, samples, frame, teacher)  # per algorithm.advantage
                 extra.update(kl_metrics)
                 with timer("update"):
                     if run.critic is not None:
                         extra.update(run.critic.update(samples, adv.returns, values, frame.mask))
                     # during PPO's critic warm-up the policy waits until the values mean something
                     warm = step >= cfg.critic.warmup_steps
-                    stats = run.learner.update(samples, adv.advantages) if warm else run.learner.skip()
+                    topk = teacher.topk if teacher is not None else None  # gkd_topk: the teacher's top-k
+                    stats = run.learner.update(samples, adv.advantages, topk) if warm else run.learner.skip()
                 rollouts.sync(run.model, step, timer)  # async: after the next batch finished sampling
                 extra.update(run.engine.take_metrics())
                 times = dict(batch.times)  # the batch's sampling and scoring, then this step's phases

@@ -16,10 +16,11 @@ from transformers import PreTrainedTokenizerBase
 from plainrl.algorithms.estimators import AdvantageParams
 from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint, save_checkpoint, step_dir_name
 from plainrl.checkpoint.ranked import load_ranked, save_ranked
-from plainrl.config import Config, ConfigError, RewardSpec, dump_config
+from plainrl.config import AlgorithmConfig, Config, ConfigError, RewardSpec, dump_config
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.metrics import MetricsLogger
 from plainrl.models import (
+    load_frozen_adapter,
     load_policy,
     load_tokenizer,
     load_value_model,
@@ -46,6 +47,8 @@ from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
 from plainrl.run.overlap import IN_FLIGHT
 from plainrl.train import Critic, Learner
+from plainrl.train.teacher import TEACHER_ADAPTER, Teacher
+from plainrl.run.teacher import check_teacher, load_teacher, placement
 from plainrl.train.distributed import Parallel
 from plainrl.types import SamplingParams
 
@@ -105,6 +108,7 @@ def prepare(cfg: Config) -> Prepared:
             raise ConfigError(f"critic.model={cfg.critic.model!r} has another tokenizer than model.name="
                               f"{cfg.model.name!r}; use a critic of the same model family (or leave critic.model unset)")
     _check_env_args(cfg, data)
+    check_teacher(cfg, tokenizer, data)
     workers = None
     if cfg.rollout.reward_timeout_s is not None and reward_fns:
         workers = RewardWorkers(reward_fns, cfg.rollout.reward_workers)  # forked later, by Prepared.prestart
@@ -190,6 +194,7 @@ class Run:
     flops: FlopCounter | None = None  # perf/mfu: the update's model FLOPs
     peak_flops: float | None = None  # perf/mfu's denominator (None: not logged)
     parallel: Parallel = field(default_factory=Parallel)  # under torchrun: this rank
+    teacher: Teacher | None = None  # algorithm.teacher: on-policy distillation
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy. Under torchrun every rank runs it with its own engine (nobody
@@ -299,14 +304,15 @@ def _algorithm(cfg: Config, model: torch.nn.Module):
     return cfg.algorithm.model_copy(update={"tis_cap": cap}), why
 
 
-def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Parallel | None = None) -> Learner:
+def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Parallel | None = None, *,
+                 algorithm: AlgorithmConfig | None = None) -> Learner:
     """The policy learner for ``model`` with the config's algorithm (``tis_cap: auto`` resolved by
-    :func:`resolve_tis_cap`), optimiser and sampling temperature; the KL reference is a frozen copy
-    only for full fine-tuning with a KL. ``parallel``: under torchrun, the model is wrapped for
-    ``train.strategy``."""
-    return Learner(model, _algorithm(cfg, model)[0], cfg.train, pad_id=pad_id, temperature=cfg.rollout.temperature,
-                   completion_budget=cfg.rollout.completion_budget,
-                   copy_reference=cfg.algorithm.uses_reference and not cfg.model.lora.enabled, parallel=parallel)
+    :func:`resolve_tis_cap`, or ``algorithm`` already resolved), optimiser and sampling temperature;
+    the reference (a KL, or ``teacher: self``) is a frozen copy only for full fine-tuning.
+    ``parallel``: under torchrun, the model is wrapped for ``train.strategy``."""
+    return Learner(model, algorithm or _algorithm(cfg, model)[0], cfg.train, pad_id=pad_id,
+                   temperature=cfg.rollout.temperature, completion_budget=cfg.rollout.completion_budget,
+                   copy_reference=cfg.algorithm.needs_reference and not cfg.model.lora.enabled, parallel=parallel)
 
 
 def load_critic(cfg: Config, policy: torch.nn.Module, device: torch.device, pad_id: int,
@@ -358,6 +364,35 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
            parallel: Parallel) -> Run:
     device = parallel.device if parallel.active else resolve_device(cfg.device)
     logger = make_logger(cfg, run_dir, parallel)
+    _announce(cfg, prep, logger, run_dir, device, parallel, resume_warnings)
+    prep.prestart()
+    model, engine = _policy_and_engine(cfg, prep, logger, device, parallel)
+    algorithm, why = _algorithm(cfg, model)
+    logger.print(f"algorithm.tis_cap: {algorithm.tis_cap} ({why})")
+    pad_id = pad_token_id(prep.tokenizer)
+    run = Run(
+        cfg=cfg, run_dir=run_dir, prep=prep, logger=logger, model=model, engine=engine,
+        learner=make_learner(cfg, model, pad_id, parallel, algorithm=algorithm),
+        sampler=PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),
+        generator=torch.Generator(device=device).manual_seed(rank_seed(cfg.seed, parallel)),
+        params=sampling_params(cfg.rollout), advantages=advantage_params(cfg), start=0, parallel=parallel,
+    )
+    run.monitor, run.flops = SystemMonitor(device), FlopCounter(model, passes=cfg.algorithm.ppo_epochs)
+    run.peak_flops = peak_flops(device, model_dtype(cfg.model.dtype, device), cfg.train.peak_flops)
+    _attach_scorers(run, device)
+    if resume_from is not None:
+        _resume(run, resume_from)
+    if cfg.rollout.engine != "hf" or isinstance(engine, RankEngine):
+        with logger.phase(f"pushing the policy's weights to the {cfg.rollout.engine} engine"):
+            engine.load_weights(model)
+    if resume_from is None and cfg.eval.before and prep.data.eval:  # (on resume it ran already: the RNG would shift)
+        logger.log_eval(0, run.evaluate())
+    return run
+
+
+def _announce(cfg: Config, prep: Prepared, logger: MetricsLogger, run_dir: Path, device: torch.device,
+              parallel: Parallel, resume_warnings: list[str]) -> None:
+    """The run's opening lines: ranks, the config, dtype, quantization, resume changes, data notes."""
     if parallel.active:
         logger.print(f"distributed: {parallel.world_size} ranks, train.strategy={parallel.strategy}, {device.type}")
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
@@ -373,44 +408,47 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     if cfg.train.epochs is not None:
         logger.print(f"train.epochs={cfg.train.epochs}: {cfg.train.total_steps} steps of {cfg.rollout.prompts_per_step} "
                      f"prompts over {len(prep.data.train)} training prompts")
-    prep.prestart()
+
+
+def _policy_and_engine(cfg: Config, prep: Prepared, logger: MetricsLogger, device: torch.device,
+                       parallel: Parallel) -> tuple[torch.nn.Module, Engine]:
+    """The policy (with a teacher's frozen adapter beside the trained one, when the teacher is the
+    same base plus an adapter: loaded before the learner wraps the model) and its engine."""
+    a = cfg.algorithm
     # under FSDP2 only rank 0 reads the weights; the other ranks build on the meta device
-    model = load_policy(cfg.model, device, reference_adapter=cfg.algorithm.uses_reference, meta=parallel.on_meta)
+    model = load_policy(cfg.model, device, reference_adapter=a.needs_reference, meta=parallel.on_meta)
+    if a.distilling and placement(cfg) == "adapter":
+        load_frozen_adapter(model, a.teacher.adapter, TEACHER_ADAPTER)
     # vLLM's start (loading, compiling) or the servers' checks take a while: not in silence
     hf = cfg.rollout.engine == "hf"
     with nullcontext() if hf else logger.phase(f"starting the {cfg.rollout.engine} engine"):
         # under FSDP2 the embedded engine samples with a full replica made here, before the learner shards
         engine, _ = rank_engine(cfg, model, parallel, lambda m: make_engine(cfg, m, prep.tokenizer, device))
-    run = Run(
-        cfg, run_dir, prep, logger, model, engine, make_learner(cfg, model, pad_token_id(prep.tokenizer), parallel),
-        PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),
-        torch.Generator(device=device).manual_seed(rank_seed(cfg.seed, parallel)), sampling_params(cfg.rollout),
-        advantage_params(cfg), start=0, parallel=parallel,
-    )
-    logger.print(f"algorithm.tis_cap: {run.learner.algorithm.tis_cap} ({_algorithm(cfg, model)[1]})")
-    run.monitor, run.flops = SystemMonitor(device), FlopCounter(model, passes=cfg.algorithm.ppo_epochs)
-    run.peak_flops = peak_flops(device, model_dtype(cfg.model.dtype, device), cfg.train.peak_flops)
+    return model, engine
+
+
+def _attach_scorers(run: Run, device: torch.device) -> None:
+    """What scores a step beside the policy: PPO's critic, reward models, a distillation teacher."""
+    cfg, parallel, tok = run.cfg, run.parallel, run.prep.tokenizer
     if cfg.algorithm.advantage == "gae":
-        run.critic = load_critic(cfg, model, device, pad_token_id(prep.tokenizer), parallel)
-    share = model if cfg.model.lora.enabled and not _sharded(parallel) else None
-    run.reward_models = [RewardModel.load(spec, cfg.model, prep.tokenizer, device, share_with=share)
+        run.critic = load_critic(cfg, run.model, device, pad_token_id(tok), parallel)
+    share = run.model if cfg.model.lora.enabled and not _sharded(parallel) else None
+    run.reward_models = [RewardModel.load(spec, cfg.model, tok, device, share_with=share)
                          for spec in cfg.rewards if spec.model is not None]
-    if resume_from is not None:
-        state = run.load(resume_from, model, run.learner.optimizer, run.learner.scheduler, run.generator)
-        run.sampler.load_state_dict(state.sampler_state)
-        run.start = state.step
-        run.in_flight = state.blobs.get(IN_FLIGHT)
-        if run.critic is not None:
-            critic_ckpt = resume_from.parent.parent / "critic" / CHECKPOINTS_DIR / step_dir_name(state.step)
-            if not critic_ckpt.is_dir():
-                raise CheckpointError(f"cannot resume the critic: {critic_ckpt} is missing")
-            run.load(critic_ckpt, run.critic.model, run.critic.optimizer, run.critic.scheduler, None,
-                     restore_rng=False)
-        logger.resume_at(run.start)
-        logger.print(f"resumed from {resume_from} at step {run.start}")
-    if cfg.rollout.engine != "hf" or isinstance(engine, RankEngine):
-        with logger.phase(f"pushing the policy's weights to the {cfg.rollout.engine} engine"):
-            engine.load_weights(model)
-    if resume_from is None and cfg.eval.before and prep.data.eval:  # (on resume it ran already: the RNG would shift)
-        logger.log_eval(0, run.evaluate())
-    return run
+    if cfg.algorithm.distilling:
+        run.teacher = load_teacher(cfg, run.learner, run.model, tok, device, parallel, run.logger)
+
+
+def _resume(run: Run, resume_from: Path) -> None:
+    """Restore the policy, optimiser, sampler, RNG, an in-flight batch and the critic from a checkpoint."""
+    state = run.load(resume_from, run.model, run.learner.optimizer, run.learner.scheduler, run.generator)
+    run.sampler.load_state_dict(state.sampler_state)
+    run.start = state.step
+    run.in_flight = state.blobs.get(IN_FLIGHT)
+    if run.critic is not None:
+        critic_ckpt = resume_from.parent.parent / "critic" / CHECKPOINTS_DIR / step_dir_name(state.step)
+        if not critic_ckpt.is_dir():
+            raise CheckpointError(f"cannot resume the critic: {critic_ckpt} is missing")
+        run.load(critic_ckpt, run.critic.model, run.critic.optimizer, run.critic.scheduler, None, restore_rng=False)
+    run.logger.resume_at(run.start)
+    run.logger.print(f"resumed from {resume_from} at step {run.start}")

@@ -10,13 +10,21 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from plainrl.algorithms import aggregate_loss, kl_estimate, policy_loss, truncated_is_weights
+from plainrl.algorithms.distill import topk_generalized_jsd
 from plainrl.config import AlgorithmConfig, TrainConfig
 from plainrl.frames import completion_frame, make_micro_batches, to_completion_frame
-from plainrl.models import enable_gradient_checkpointing, reference_policy, sequence_logps, trainable_parameters
+from plainrl.models import (
+    enable_gradient_checkpointing,
+    reference_policy,
+    sequence_logps,
+    sequence_topk,
+    trainable_parameters,
+)
 from plainrl.train.distributed import Parallel, connected_positions
 from plainrl.train.optim import MasterAdamW
 from plainrl.types import Episode, MicroBatch
@@ -125,30 +133,36 @@ class Learner:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _ref_context(self):
+    def reference_context(self) -> contextlib.AbstractContextManager:
+        """A context within which ``self.ref_call or self.call`` computes the reference policy."""
         return reference_policy(self.model) if self.ref_model is None else contextlib.nullcontext()
 
     def _prompt_lens(self, mb: MicroBatch) -> torch.Tensor | None:
         return mb.prompt_lens if self.train.share_prompts else None
 
-    def _micro_batches(self, episodes: list[Episode], advantages: torch.Tensor,
-                       old_logps: torch.Tensor | None = None) -> list[MicroBatch]:
+    def _micro_batches(self, episodes: list[Episode], advantages: torch.Tensor, old_logps: torch.Tensor | None = None,
+                       teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[MicroBatch]:
         t = self.train
         return make_micro_batches(episodes, advantages, pad_id=self.pad_id, token_budget=t.micro_batch_tokens,
-                                  old_logps=old_logps, packing=t.packing, share_prompts=t.share_prompts)
+                                  old_logps=old_logps, packing=t.packing, share_prompts=t.share_prompts,
+                                  teacher_topk=teacher_topk)
 
-    def _logps(self, call: torch.nn.Module, mb: MicroBatch, positions: torch.Tensor, with_entropy: bool = False):
+    def _logps(self, call: torch.nn.Module, mb: MicroBatch, positions: torch.Tensor, with_entropy: bool = False,
+               temperature: float | None = None, extra_targets: torch.Tensor | None = None):
         dev = self.device
-        return call(sequence_logps, mb.input_ids.to(dev), mb.attention_mask.to(dev), temperature=self.temperature,
+        return call(sequence_logps, mb.input_ids.to(dev), mb.attention_mask.to(dev),
+                    temperature=self.temperature if temperature is None else temperature,
                     positions=connected_positions(positions.to(dev), self.parallel), with_entropy=with_entropy,
-                    prompt_lens=self._prompt_lens(mb), packing=self.train.packing)
+                    prompt_lens=self._prompt_lens(mb), packing=self.train.packing,
+                    extra_targets=None if extra_targets is None else extra_targets.to(dev))
 
     @torch.no_grad()
     def _ref_logps(self, mb: MicroBatch) -> torch.Tensor:
-        with self._ref_context():
+        with self.reference_context():
             return self._logps(self.ref_call or self.call, mb, mb.loss_mask > 0)
 
-    def _padding(self, episodes: list[Episode], count: int, old_logps: torch.Tensor | None = None) -> list[MicroBatch]:
+    def _padding(self, episodes: list[Episode], count: int, old_logps: torch.Tensor | None = None,
+                 teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[MicroBatch]:
         """``count`` micro-batches that add nothing (this rank's first episode with its loss
         mask zeroed), so every rank runs as many as the busiest (:meth:`Parallel.even_out`)."""
         if not count:
@@ -156,7 +170,8 @@ class Learner:
         first = self.parallel.shard(len(episodes)).start
         ep = dataclasses.replace(episodes[first], loss_mask=[0] * len(episodes[first].loss_mask))
         old = None if old_logps is None else old_logps[first: first + 1]
-        return self._micro_batches([ep], torch.zeros(1), old) * count
+        topk = None if teacher_topk is None else tuple(t[first: first + 1] for t in teacher_topk)
+        return self._micro_batches([ep], torch.zeros(1), old, topk) * count
 
     @torch.no_grad()
     def completion_logps(self, episodes: list[Episode], *, reference: bool = False) -> torch.Tensor:
@@ -167,24 +182,59 @@ class Learner:
         Returns:
             [N, L] float32 in the completion frame (:mod:`plainrl.frames`), 0 off the loss mask.
         """
-        out = torch.zeros(len(episodes), max((len(e.completion_ids) for e in episodes), default=0))
-        rows = self._share(episodes, torch.arange(len(episodes)))
+        if reference:
+            return self.scored_logps(episodes, self.ref_call or self.call, self.reference_context)[0]
+        return self.scored_logps(episodes, self.call, contextlib.nullcontext)[0]
+
+    @torch.no_grad()
+    def scored_logps(self, episodes: list[Episode], call: torch.nn.Module,
+                     context: Callable[[], contextlib.AbstractContextManager], *, topk: int = 0,
+                     temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The episodes' loss tokens scored by ``call`` (this learner's model, its reference, or a
+        distillation teacher: :mod:`plainrl.train.teacher`) within ``context``, without gradient,
+        micro-batched and sharded as the update is (under torchrun each rank scores its share and
+        every rank gets the whole result).
+
+        Args:
+            call: a :class:`~plainrl.train.distributed.ModelCall` (wrapped for the strategy).
+            context: entered around each forward (e.g. :func:`plainrl.models.reference_policy`).
+            topk: also the ``topk`` most likely tokens at each loss position and their logprobs.
+            temperature: of the scored distribution; None: the sampling temperature.
+        Returns:
+            ``(logps [N, L], topk_ids [N, L, k] or None, topk_logps [N, L, k] or None)``, float32
+            (ids int64) in the completion frame, 0 off the loss mask.
+        """
+        n, width = len(episodes), max((len(e.completion_ids) for e in episodes), default=0)
+        out = [torch.zeros(n, width)] + ([torch.zeros(n, width, topk, dtype=torch.long), torch.zeros(n, width, topk)]
+                                         if topk else [])
+        rows = self._share(episodes, torch.arange(n))
         mine = [episodes[i] for i in rows]
         mbs = self._micro_batches(mine, torch.zeros(len(mine))) if mine else []
         real = len(mbs)
         mbs += self._padding(episodes, self.parallel.even_out(real))
-        local = torch.zeros(len(mine), out.shape[1])
+        local = [torch.zeros(len(mine), *o.shape[1:], dtype=o.dtype) for o in out]
+        temperature = self.temperature if temperature is None else temperature
         for i, mb in enumerate(mbs):
-            lp = self._ref_logps(mb) if reference else self._logps(self.call, mb, mb.loss_mask > 0)
+            with context():
+                if topk:
+                    dev = self.device
+                    got = call(sequence_topk, mb.input_ids.to(dev), mb.attention_mask.to(dev), k=topk,
+                               temperature=temperature, positions=(mb.loss_mask > 0).to(dev),
+                               prompt_lens=self._prompt_lens(mb), packing=self.train.packing)
+                else:
+                    got = (self._logps(call, mb, mb.loss_mask > 0, temperature=temperature),)
             if i < real:
-                to_completion_frame(lp, mb, local)
-        out[rows] = local
-        return self.parallel.sum_tensor(out)
+                for x, frame in zip(got, local):
+                    to_completion_frame(x, mb, frame)
+        for o, frame in zip(out, local):
+            o[rows] = frame.to(o.dtype)
+        return tuple(self.parallel.sum_tensor(o) for o in out) + (None, None)[: 3 - len(out)]
 
     def _share(self, episodes: list[Episode], indices: torch.Tensor) -> torch.Tensor:
         return self.parallel.share(episodes, indices, share_prompts=self.train.share_prompts)
 
-    def update(self, episodes: list[Episode], advantages: torch.Tensor) -> UpdateStats:
+    def update(self, episodes: list[Episode], advantages: torch.Tensor,
+               teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> UpdateStats:
         """Optimise the policy on one rollout batch; steps the LR schedule once.
 
         One pass over one mini-batch (the default) is on-policy: old logprobs are the
@@ -196,6 +246,9 @@ class Learner:
         Args:
             episodes: N episodes of this step.
             advantages: [N] per-episode advantages, or [N, L] per completion token.
+            teacher_topk: ``(ids, logps)`` [N, L, k] each, a teacher's top-k tokens at each
+                completion token (:class:`plainrl.train.teacher.TeacherScores`): the loss gains
+                ``algorithm.distill_coef`` times GKD's divergence (``distill_loss: gkd_topk``).
         """
         a = self.algorithm
         old = self.completion_logps(episodes) if a.multi_pass else None  # [N, L]
@@ -203,7 +256,7 @@ class Learner:
         # one plan for all ranks (rank 0's draw), over the whole batch as in one process
         plan = self.parallel.broadcast(mini_batch_indices(len(episodes), a.ppo_epochs, a.mini_batches))
         for idx in plan:
-            steps.append(self._step(episodes, idx, advantages, old))
+            steps.append(self._step(episodes, idx, advantages, old, teacher_topk))
         self.scheduler.step()
         stats = UpdateStats.merge(steps)
         if old is not None:
@@ -221,15 +274,17 @@ class Learner:
                            skipped=False, optimizer_steps=0)
 
     def _step(self, episodes: list[Episode], idx: torch.Tensor, advantages: torch.Tensor,
-              old_logps: torch.Tensor | None) -> UpdateStats:
+              old_logps: torch.Tensor | None, teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> UpdateStats:
         """One optimiser step on the mini-batch ``idx`` (indices into the whole batch), its
         loss normalised over the whole mini-batch (all ranks' shares of it)."""
         a, dev, par = self.algorithm, self.device, self.parallel
         mine = self._share(episodes, idx)
+        topk = None if teacher_topk is None else (teacher_topk[0][mine], teacher_topk[1][mine])
         mbs = self._micro_batches([episodes[i] for i in mine], advantages[mine],
-                                  None if old_logps is None else old_logps[mine]) if len(mine) else []
+                                  None if old_logps is None else old_logps[mine], topk) if len(mine) else []
         real = len(mbs)
-        mbs += self._padding(episodes, par.even_out(real), old_logps)
+        mbs += self._padding(episodes, par.even_out(real), old_logps, teacher_topk)
         num_tokens = int(par.sum([sum(mb.loss_mask.sum().item() for mb in mbs)])[0])
         agg = dict(num_tokens=num_tokens, num_seqs=len(idx), normalizer=self.completion_budget)
         sums = torch.zeros(7, dtype=torch.float64)  # loss, kl, entropy, clip, approx_kl, |logp diff|, tis
@@ -254,8 +309,10 @@ class Learner:
         engine logprob| (on-policy only) and truncated importance weights."""
         a, dev = self.algorithm, self.device
         mask, adv = mb.loss_mask.to(dev), mb.advantages.to(dev)
-        out = self._logps(self.call, mb, mask > 0, with_entropy=a.entropy_coef > 0)
-        logps, entropy = out if a.entropy_coef > 0 else (out, None)  # [B, T-1]
+        out = self._logps(self.call, mb, mask > 0, with_entropy=a.entropy_coef > 0, extra_targets=mb.teacher_ids)
+        out = out if isinstance(out, tuple) else (out,)
+        logps, entropy = out[0], out[1] if a.entropy_coef > 0 else None  # [B, T-1]
+        student_topk = out[-1] if mb.teacher_ids is not None else None  # [B, T-1, k]
         engine = mb.engine_logps.to(dev)
         diff = float(((logps.detach() - engine).abs() * mask).sum()) if on_policy else 0.0
         # pi_old is always the learner's own (detached, or recomputed before several passes), never
@@ -275,6 +332,9 @@ class Learner:
             kl_loss = aggregate_loss(kl, mask, a.loss_agg, **agg)
             loss = loss + a.loss_kl_coef * kl_loss
             kl_value = kl_loss.item()
+        if student_topk is not None:  # GKD: the divergence to the teacher's top-k as a loss term
+            jsd = topk_generalized_jsd(student_topk, mb.teacher_logps.to(dev), a.distill_beta)  # [B, T-1]
+            loss = loss + a.distill_coef * aggregate_loss(jsd, mask, a.loss_agg, **agg)
         if entropy is not None:
             ent = aggregate_loss(entropy, mask, a.loss_agg, **agg)
             loss = loss - a.entropy_coef * ent  # a bonus: higher entropy lowers the loss

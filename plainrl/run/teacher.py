@@ -1,0 +1,75 @@
+"""The distillation teacher of a run (``algorithm.teacher``): the checks before any model loads
+and the :class:`~plainrl.train.teacher.Teacher` built from the config (docs/algorithms.md,
+"On-policy distillation")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from plainrl.config import Config, ConfigError
+from plainrl.data import PromptData
+from plainrl.data.prompts import teacher_prompt_ids
+from plainrl.metrics import MetricsLogger
+from plainrl.models import load_tokenizer
+from plainrl.train import Learner
+from plainrl.train.distributed import Parallel
+from plainrl.train.teacher import Placement, Teacher, load_teacher_model, make_teacher, teacher_placement
+
+
+def check_teacher(cfg: Config, tokenizer: PreTrainedTokenizerBase, data: PromptData) -> None:
+    """A distillation teacher must mean the same tokens as the policy (it scores the policy's
+    token ids), and its context template must fill from the rows; checked before any model loads."""
+    a = cfg.algorithm
+    if a.teacher is not None and a.teacher != "self":
+        theirs = load_tokenizer(a.teacher.name, cfg.model.cache_dir)
+        if theirs.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(
+                f"algorithm.teacher.name={a.teacher.name!r} has another tokenizer than model.name={cfg.model.name!r} "
+                f"({len(theirs.get_vocab())} vs {len(tokenizer.get_vocab())} tokens, or the same size with other ids); "
+                "the teacher scores the policy's token ids, so use a teacher of the same model family")
+    if a.teacher_context is not None:
+        if cfg.rollout.agent is not None:
+            raise ConfigError("algorithm.teacher_context extends the prompt, and an agent's samples have prompts of "
+                              "their own making (rollout.agent); use it with single-turn or rollout.env runs")
+        teacher_prompt_ids(data.train[0].row, tokenizer, **teacher_prompt_args(cfg))  # a bad placeholder fails here
+
+
+def teacher_prompt_args(cfg: Config) -> dict[str, Any]:
+    d = cfg.data
+    return dict(context=cfg.algorithm.teacher_context, system_prompt=d.system_prompt,
+                prompt_template=d.prompt_template, chat_template_kwargs=d.chat_template_kwargs)
+
+
+def placement(cfg: Config) -> Placement:
+    """Where ``algorithm.teacher`` lives (:func:`plainrl.train.teacher.teacher_placement`)."""
+    return teacher_placement(cfg.algorithm.teacher, policy_name=cfg.model.name, lora=cfg.model.lora.enabled)
+
+
+def load_teacher(cfg: Config, learner: Learner, model: torch.nn.Module, tok: PreTrainedTokenizerBase,
+                 device: torch.device, parallel: Parallel, logger: MetricsLogger) -> Teacher:
+    """The run's teacher (the policy's learner and model already built; the ``adapter`` placement's
+    adapter loaded on the model before the learner wrapped it); prints where it lives."""
+    a = cfg.algorithm
+    where = placement(cfg)
+    teacher_model = None
+    if where == "model":
+        with logger.phase(f"loading the teacher {a.teacher.name}"):
+            teacher_model = load_teacher_model(a.teacher, cfg.model, device, meta=parallel.on_meta)
+    prompt_ids = None
+    if a.teacher_context is not None:
+        args = teacher_prompt_args(cfg)
+        prompt_ids = lambda e: teacher_prompt_ids(e.row, tok, **args)  # noqa: E731
+    teacher = make_teacher(learner, model, where, teacher_model=teacher_model,
+                           topk=a.distill_topk if a.distill_loss == "gkd_topk" else 0, prompt_ids=prompt_ids)
+    name = "self" if a.teacher == "self" else a.teacher.name
+    logger.print(f"teacher: {name} ({_WHERE[where]}); algorithm.distill_loss={a.distill_loss}"
+                 + (", with algorithm.teacher_context" if prompt_ids else ""))
+    return teacher
+
+
+_WHERE = {"reference": "the policy as the run starts, as the KL reference is",
+          "adapter": "its adapter beside the policy's, on the shared base weights",
+          "base": "the policy's base weights with adapters off", "model": "a separate frozen model"}

@@ -1,0 +1,168 @@
+"""The teacher of on-policy distillation (``algorithm.teacher``): scores every token the student
+sampled, beside the reference scoring of the learner (:meth:`Learner.scored_logps`).
+
+Where the teacher lives (:func:`teacher_placement`), cheapest first:
+
+- ``reference``: ``teacher: self``, the policy as the run starts: the learner's KL reference (the
+  base with adapters disabled, the frozen ``model.adapter``, or the frozen copy of full fine-tuning).
+- ``adapter``: a LoRA student whose teacher is the same base plus another adapter: that adapter
+  is loaded frozen beside the trained one and switched in for the teacher's forward, so the base
+  weights exist once (:func:`plainrl.models.load_frozen_adapter`, :func:`plainrl.models.adapter_policy`).
+- ``base``: a LoRA student whose teacher is its own base model without adapters.
+- ``model``: any other model (another size, a full fine-tune): loaded frozen beside the policy,
+  its adapter, if any, merged into its weights.
+
+Self-distillation (``algorithm.teacher_context``) gives the teacher a prompt the student never
+sees: the row's prompt with a template over its columns appended
+(:func:`plainrl.data.prompts.teacher_prompt_ids`);
+the completion ids it scores are the student's, unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+
+from plainrl.train.learner import Learner
+from plainrl.types import Episode
+
+TEACHER_ADAPTER = "teacher"  # the frozen teacher adapter on a LoRA student (placement "adapter")
+
+Placement = Literal["reference", "adapter", "base", "model"]
+
+
+@dataclass
+class TeacherScores:
+    """The teacher's view of one step's samples (N samples, L the longest completion).
+
+    logprobs: [N, L] float32 log pi_T of each sampled completion token (completion frame), 0 off the loss mask.
+    topk:     ``(ids, logps)``, [N, L, k] each: the teacher's k most likely tokens at each completion
+              position and their logprobs (``distill_loss: gkd_topk``); None otherwise.
+    """
+
+    logprobs: torch.Tensor
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def teacher_placement(teacher: Any, *, policy_name: str, lora: bool) -> Placement:
+    """Where the teacher of ``algorithm.teacher`` lives (the module docstring's list).
+
+    Args:
+        teacher: ``"self"`` or a :class:`~plainrl.config.algorithm.TeacherConfig` (``name``, ``adapter``).
+        policy_name: ``model.name``.
+        lora: ``model.lora.enabled``.
+    """
+    if teacher == "self":
+        return "reference"
+    if lora and teacher.name == policy_name:
+        return "adapter" if teacher.adapter is not None else "base"
+    return "model"
+
+
+class Teacher:
+    """Scores the student's sampled tokens with the teacher (:class:`TeacherScores`).
+
+    Args:
+        learner: the policy's learner, whose micro-batching and sharding the scoring shares
+            (:meth:`Learner.scored_logps`; under torchrun each rank scores its share).
+        call: the teacher's forward: the learner's own ``call`` (placements ``adapter``, ``base``),
+            its reference call, or a separate frozen model's (``model``).
+        context: entered around each forward (switches the adapter for ``adapter`` / ``base``).
+        topk: the teacher's tokens per position to return (``gkd_topk``), 0 for none.
+        prompt_ids: the teacher's prompt of an episode (self-distillation), None: the student's.
+        placement: for the run's log.
+    """
+
+    def __init__(self, learner: Learner, call: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager],
+                 *, topk: int = 0, prompt_ids: Callable[[Episode], list[int]] | None = None,
+                 placement: Placement = "model"):
+        self.learner, self.call, self.context = learner, call, context
+        self.topk, self.prompt_ids, self.placement = topk, prompt_ids, placement
+
+    def score(self, samples: list[Episode]) -> TeacherScores:
+        """The teacher's logprobs of every sample's completion tokens (and its top-k), at the
+        sampling temperature (so ``teacher: self`` at step 0 is exactly the student).
+
+        Args:
+            samples: N training samples (episodes or agent segments).
+        Returns:
+            :class:`TeacherScores` in the completion frame of ``samples``.
+        """
+        if self.prompt_ids is not None:
+            samples = [dataclasses.replace(e, prompt_ids=self.prompt_ids(e)) for e in samples]
+        logps, ids, top = self.learner.scored_logps(samples, self.call, self.context, topk=self.topk)
+        return TeacherScores(logps, None if ids is None else (ids, top))
+
+
+def distill_metrics(samples: list[Episode], teacher: TeacherScores, behaviour: torch.Tensor,
+                    mask: torch.Tensor) -> dict[str, float]:
+    """``distill/reverse_kl`` (the mean over loss tokens of log pi_old - log pi_T, the one-sample
+    estimate of KL(student || teacher) per token) and ``distill/teacher_logprob`` (the mean of
+    log pi_T); stores each sample's summed teacher logprob in ``Episode.teacher_logprob``.
+
+    Args:
+        teacher: the step's :class:`TeacherScores`.
+        behaviour: [N, L] the sampling policy's logprobs (the engine's).
+        mask: [N, L] loss mask.
+    """
+    m = mask > 0
+    tokens = max(1, int(m.sum()))
+    zero = torch.zeros_like(teacher.logprobs)
+    t = torch.where(m, teacher.logprobs, zero)
+    for e, total in zip(samples, t.sum(1).tolist()):
+        e.teacher_logprob = total
+    return {"distill/reverse_kl": float(torch.where(m, behaviour - teacher.logprobs, zero).sum()) / tokens,
+            "distill/teacher_logprob": float(t.sum()) / tokens}
+
+
+def load_teacher_model(spec: Any, model_cfg: Any, device: torch.device, *, meta: bool = False) -> torch.nn.Module:
+    """A separate frozen teacher (placement ``model``): ``spec.name`` loaded as ``model.name`` would
+    be, in the policy's dtype, with ``spec.adapter`` merged into its weights; eval mode, no gradients.
+
+    Args:
+        spec: the :class:`~plainrl.config.algorithm.TeacherConfig`.
+        model_cfg: the policy's ``model`` section (dtype, cache, attention; its LoRA, adapter and
+            quantization are not used).
+        meta: built on the meta device (a rank other than 0 under FSDP2, which receives its shards).
+    Raises:
+        ModelLoadError: as :func:`plainrl.models.load_policy`.
+    """
+    from plainrl.models import load_policy
+
+    lora = model_cfg.lora.model_copy(update={"enabled": spec.adapter is not None})
+    cfg = model_cfg.model_copy(update={"name": spec.name, "adapter": spec.adapter, "lora": lora,
+                                       "quantization": "none"})
+    model = load_policy(cfg, device, meta=meta)
+    if hasattr(model, "merge_and_unload"):  # the adapter folded into the weights: a plain forward
+        model = model.merge_and_unload()
+    return model.eval().requires_grad_(False)
+
+
+def make_teacher(learner: Learner, model: torch.nn.Module, placement: Placement, *, teacher_model=None,
+                 topk: int = 0, prompt_ids: Callable[[Episode], list[int]] | None = None) -> Teacher:
+    """The :class:`Teacher` for ``placement`` (:func:`teacher_placement`).
+
+    Args:
+        learner: the policy's learner (its ``call``, reference and micro-batching).
+        model: the policy (for ``adapter`` / ``base``: a LoRA model, the ``adapter`` placement's
+            :data:`TEACHER_ADAPTER` loaded on it by :func:`plainrl.models.load_frozen_adapter`).
+        teacher_model: the separate teacher of placement ``model`` (:func:`load_teacher_model`).
+        topk, prompt_ids: as :class:`Teacher`.
+    Raises:
+        ValueError: placement ``model`` without ``teacher_model``.
+    """
+    from plainrl.models import adapter_policy
+
+    kw = dict(topk=topk, prompt_ids=prompt_ids, placement=placement)
+    if placement == "reference":
+        return Teacher(learner, learner.ref_call or learner.call, learner.reference_context, **kw)
+    if placement in ("adapter", "base"):
+        name = TEACHER_ADAPTER if placement == "adapter" else None
+        return Teacher(learner, learner.call, lambda: adapter_policy(model, name), **kw)
+    if teacher_model is None:
+        raise ValueError("the teacher placement 'model' needs the loaded teacher model (load_teacher_model)")
+    return Teacher(learner, learner.parallel.wrap(teacher_model, trainable=False), contextlib.nullcontext, **kw)
