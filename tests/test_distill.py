@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from conftest import REPO, Preempted, preempt_after_checkpoint, tiny_overrides
 from plainrl.algorithms.distill import mix_advantages, reverse_kl_advantages, topk_generalized_jsd, with_tail
@@ -244,26 +245,31 @@ def test_self_teacher_is_the_student_at_step_zero(tiny_model_dir, tmp_path):
 
 
 def _fixed_teacher_cfg(tiny_model_dir, tmp_path, run_dir, *extra):
-    """A LoRA student on the tiny base; its teacher the same base + a fixed random adapter."""
-    from peft import LoraConfig, get_peft_model
+    """The tiny student; its teacher the same model with the final norm scaled (sharper logits, the
+    same preferences: a distribution the student can reach in a few steps), a separate model."""
     from transformers import AutoModelForCausalLM
 
-    adapter = tmp_path / "teacher-adapter"
-    if not adapter.exists():
-        torch.manual_seed(3)
-        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        get_peft_model(base, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"],
-                                        init_lora_weights=False)).save_pretrained(adapter)
+    teacher = tmp_path / "sharp-teacher"
+    if not teacher.exists():
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            model.model.norm.weight.mul_(TEACHER_SHARPNESS)
+        model.save_pretrained(teacher)
+        AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(teacher)
     return load_config(EXAMPLE, tiny_overrides(tiny_model_dir, run_dir) + [
-        "algorithm.name=opd", f"algorithm.teacher={{name: {tiny_model_dir}, adapter: {adapter}}}", "rewards=[]",
-        "train.lr=2e-2", "rollout.group_size=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8",
+        "algorithm.name=opd", f"algorithm.teacher={{name: {teacher}}}", "rewards=[]",
+        "train.lr=1e-2", "rollout.group_size=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8",
         "eval.before=false", "eval.after=false", *extra])
+
+
+TEACHER_SHARPNESS = 4.0
 
 
 def test_reverse_kl_to_a_fixed_teacher_falls(tiny_model_dir, tmp_path):
     from plainrl.run.loop import train
 
-    run_dir = train(_fixed_teacher_cfg(tiny_model_dir, tmp_path, tmp_path / "r", "train.steps=8"))
+    run_dir = train(_fixed_teacher_cfg(tiny_model_dir, tmp_path, tmp_path / "r", "train.steps=8",
+                                       "model.lora.enabled=false"))
     kl = [r["distill/reverse_kl"] for r in _rows(run_dir) if "distill/reverse_kl" in r]
     assert len(kl) == 8 and kl[0] > 0.05
     assert sum(kl[-3:]) / 3 < 0.7 * sum(kl[:3]) / 3, kl

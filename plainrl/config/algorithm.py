@@ -71,7 +71,8 @@ class AlgorithmConfig(_Section):
 
     name: AlgorithmName = "grpo"
     """The preset: sets defaults of the other `algorithm.*` knobs that are not given (`grpo`, `dr_grpo`, `dapo`,
-    `rloo`, `reinforce_pp`, `gspo`, `ppo`; `sft`, `dpo`, `rm` train on rows instead)."""
+    `rloo`, `reinforce_pp`, `gspo`, `ppo`; `opd`: on-policy distillation from `algorithm.teacher`; `sft`, `dpo`,
+    `rm` train on rows instead)."""
     # advantages
     advantage: AdvantageEstimator = "grpo"
     """Advantage estimator: `grpo` (group mean/std), `rloo` (leave-one-out), `reinforce_pp` (batch-normalised
@@ -161,7 +162,8 @@ class AlgorithmConfig(_Section):
     distill_topk: int = Field(20, gt=0, le=1024)
     """`gkd_topk`: the teacher's tokens per position the divergence is computed over."""
     distill_beta: float = Field(0.0, ge=0.0, le=1.0)
-    """`gkd_topk`: the generalised JSD's beta (0: forward KL(teacher || student), 1: reverse KL, between: JSD)."""
+    """`gkd_topk`: the generalised JSD's beta (0: the forward KL from teacher to student, 1: the reverse KL, between:
+    the JSD)."""
     # DPO
     beta: float = Field(0.1, gt=0.0)
     """DPO's beta."""
