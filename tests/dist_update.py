@@ -40,6 +40,10 @@ CASES = {
              "algorithm.loss_agg=token-mean"],
     "full": ["model.lora.enabled=false", "algorithm.ppo_epochs=2", "algorithm.kl_coef=0.05",
              "algorithm.entropy_coef=0.01", "algorithm.loss_agg=seq-mean-token-mean", "train.max_grad_norm=0.5"],
+    # on-policy distillation: the teacher (the policy as it starts, shown a prompt without its first
+    # token, so it differs from the student) scores each rank's share; GKD's top-k term in the loss
+    "gkd": ["model.lora.enabled=true", "algorithm.name=opd", "algorithm.teacher=self", "algorithm.reward_coef=1",
+            "algorithm.distill_loss=gkd_topk", "algorithm.distill_topk=4", "algorithm.distill_beta=0.5"],
 }
 
 
@@ -78,10 +82,18 @@ def run_case(model_dir: str, strategy: str | None, overrides: list[str]) -> dict
     initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
     learner = make_learner(cfg, model, pad_id=0, parallel=parallel)
     eps, adv = episodes(model.config.vocab_size if hasattr(model, "config") else 100)
+    topk, extra = None, {}
+    if cfg.algorithm.distilling:
+        from plainrl.train.teacher import make_teacher
+
+        teacher = make_teacher(learner, model, "reference", topk=cfg.algorithm.distill_topk,
+                               prompt_ids=lambda e: e.prompt_ids[1:])
+        scores = teacher.score(eps)
+        topk, extra = scores.topk, {"teacher_logps_sum": float(scores.logprobs.sum())}
     torch.manual_seed(1)  # the mini-batch shuffle
-    stats = learner.update([dataclasses.replace(e) for e in eps], adv)
+    stats = {**dataclasses.asdict(learner.update([dataclasses.replace(e) for e in eps], adv, topk)), **extra}
     weights = {n: full_tensor(p.detach()).cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return {"stats": dataclasses.asdict(stats), "weights": weights, "initial": initial,
+    return {"stats": stats, "weights": weights, "initial": initial,
             "offload": learner.opt.offload}
 
 
@@ -155,12 +167,14 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     strategies = os.environ.get("DIST_STRATEGIES", "ddp,fsdp2").split(",")
     results = {}
-    cases = {name: (lambda strategy, over=over: run_case(model_dir, strategy, over)) for name, over in CASES.items()}
+    cases = {name: (lambda strategy, over=over: run_case(model_dir, strategy, over)) for name, over in CASES.items()
+             if name != "gkd"}  # (tests/test_distill.py runs it: DIST_CASES=gkd)
     cases["critic"] = lambda strategy: critic_case(model_dir, strategy)
     for name in ("dpo", "sft"):
         cases[name] = lambda strategy, name=name: offline_case(model_dir, strategy, name)
     wanted = os.environ.get("DIST_CASES")
     if wanted:
+        cases["gkd"] = lambda strategy: run_case(model_dir, strategy, CASES["gkd"])
         cases = {k: v for k, v in cases.items() if k in wanted.split(",")}
     for name, case in cases.items():
         if rank == 0:

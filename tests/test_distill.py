@@ -294,3 +294,15 @@ def test_distillation_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch, los
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "system/", "perf/"))} for r in rows]
     assert strip(_rows(cut)) == strip(_rows(full))
     assert (cut / "rollouts.jsonl").read_text() == (full / "rollouts.jsonl").read_text()
+
+
+def test_two_rank_distillation_equals_one_process(tiny_model_dir, tmp_path):
+    """Under torchrun (gloo, DDP and FSDP2) each rank scores its share of the samples with the
+    teacher and the GKD term joins the loss: the update equals the one-process update."""
+    from test_distributed import assert_updates_equal, torchrun
+
+    out = tmp_path / "updates.pt"
+    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out), env={"DIST_CASES": "gkd"})
+    results = torch.load(out, weights_only=False)
+    assert results[("gkd", "single")]["stats"]["teacher_logps_sum"] < 0
+    assert_updates_equal(results, ("gkd",))
