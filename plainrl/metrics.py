@@ -16,6 +16,7 @@ from typing import Any, Iterator, Protocol
 
 from rich.console import Console
 
+from plainrl.durable import write_atomic
 from plainrl.types import Episode, SampleError
 
 
@@ -263,7 +264,7 @@ class MetricsLogger:
                 # an eval logged at the checkpoint's own step ran before the save
                 if row["step"] < step or (row["step"] == step and any(k.startswith("eval/") for k in row)):
                     keep.append(line)
-            path.write_text("".join(r + "\n" for r in keep))
+            write_atomic(path, "".join(r + "\n" for r in keep))  # in place, a kill mid-write would truncate the history
         self.metrics_f = open(self.run_dir / "metrics.jsonl", "a")
         self.rollouts_f = open(self.run_dir / "rollouts.jsonl", "a")
 

@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from plainrl.models.cache import (
-    CONVERSIONS, SOURCE_RECORD, cache_root, file_sha256, path_key, publish_dir, write_atomic,
-)
+from plainrl.durable import write_atomic
+from plainrl.models.cache import CONVERSIONS, SOURCE_RECORD, cache_root, file_sha256, path_key, publish_dir
 
 log = logging.getLogger(__name__)
 
