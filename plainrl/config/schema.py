@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from plainrl.config.base import ConfigError, _Section  # noqa: F401  (ConfigError is re-exported)
 from plainrl.config.algorithm import (  # noqa: F401  (re-exported)
@@ -20,6 +20,8 @@ from plainrl.config.algorithm import (  # noqa: F401  (re-exported)
 from plainrl.config.chat import ChatTemplateKwargs
 from plainrl.config.rollout import BUILTIN_ENVS, RemoteConfig, RolloutConfig, VLLMConfig  # noqa: F401
 from plainrl.config.train import TrainConfig, strategy_problem
+
+ENV_REWARD = "plainrl.rollout.envs:env_reward"  # Episode.env.reward: an environment's (or agent's) own reward
 
 
 class LoraConfig(_Section):
@@ -305,6 +307,13 @@ class Config(_Section):
     """TensorBoard, the progress line, rollouts written per step, the HTML report, Weights & Biases."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Resumable checkpoints under `run_dir/checkpoints`."""
+    _notes: list[str] = PrivateAttr(default_factory=list)  # what loading chose for the user; printed with the config
+
+    @property
+    def notes(self) -> list[str]:
+        """What loading decided that the config did not say (the environment's reward as the reward,
+        a warm-up shortened to a shortened run); the run prints them with the config."""
+        return self._notes
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
@@ -333,11 +342,19 @@ class Config(_Section):
                 "rollout.max_total_tokens applies to multi-turn rollouts only; set rollout.env or "
                 "rollout.agent, or remove it"
             )
+        if not self.rewards and self.rollout.env is not None and self.rollout.env not in BUILTIN_ENVS:
+            # as TRL does with an environment_factory: the environment's reward (get_reward, step rewards,
+            # final_reward) is the reward; written into the config so config.yaml and the printout show it
+            self.rewards = [RewardSpec(fn=ENV_REWARD)]
+            self._notes.append(f"rewards: none given, so the environment's reward scores the episodes "
+                               f"(rewards: [{{fn: {ENV_REWARD}}}]); an episode whose environment gives none "
+                               "is unscorable")
         if not self.rewards and self.rollout.agent is None:  # an agent's own reward needs no function
             raise ValueError(
                 "rewards: no reward function given; add at least one, e.g. "
                 "rewards: [{fn: plainrl.rewards.builtins:correctness, weight: 1.0}] (or set rollout.agent: "
-                "the reward your agent returns scores its episodes)"
+                "the reward your agent returns scores its episodes; or a rollout.env of your own: its reward "
+                "does; the built-in tool environments give none)"
             )
         if self.rollout.group_size < 2 and (a.advantage in ("grpo", "rloo") or a.dynamic_sampling):
             why = "dynamic sampling keeps groups" if a.dynamic_sampling else "group-relative advantages need"

@@ -361,6 +361,8 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     if parallel.active:
         logger.print(f"distributed: {parallel.world_size} ranks, train.strategy={parallel.strategy}, {device.type}")
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
+    for note in cfg.notes:
+        logger.print(f"config: {note}")
     logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
     if cfg.model.quantization != "none":
         logger.print(check_quantization(cfg.model.quantization, device, model_dtype(cfg.model.dtype, device)))
