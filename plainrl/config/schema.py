@@ -291,7 +291,9 @@ class Config(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Sampling: the engine, group size, budgets, multi-turn environments, agents and the worker processes."""
     rewards: list[RewardSpec] = Field(default_factory=list)
-    """A list of rewards `{fn, weight, name, kwargs}` or `{model, weight, name}`, summed with their weights."""
+    """A list of rewards `{fn, weight, name, kwargs}` or `{model, weight, name}`, summed with their weights. Empty
+    with a `rollout.env` of your own: the environment's reward (`plainrl.rollout.envs:env_reward`); with
+    `rollout.agent`: the reward the agent returns."""
     reward_combine: str | None = None
     """`module:fn` or `path/to/file.py:fn`, `fn(scores: {name: [N]}, **columns) -> [N]`, replacing the weighted sum
     of `rewards`; null: the weighted sum."""

@@ -39,7 +39,8 @@ class TrainConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: `constant` or `cosine` (to 0)."""
     warmup_steps: int | None = Field(0, ge=0)
-    """Linear warm-up steps; or give `train.warmup_ratio` instead (then this default does not apply)."""
+    """Linear warm-up steps; or give `train.warmup_ratio` instead (then this default does not apply). An override of
+    `train.steps` below a warm-up from the config file shortens the warm-up to the run (with a printed note)."""
     warmup_ratio: float | None = Field(None, ge=0.0, le=1.0)
     """Warm-up as a fraction of the run's steps (`ceil(ratio x steps)`, as transformers)."""
     weight_decay: float = Field(0.0, ge=0.0)
