@@ -42,3 +42,12 @@ def test_an_environment_without_rewards_is_scored_by_its_own_reward():
 def test_a_builtin_tool_environment_still_needs_a_reward():
     with pytest.raises(ConfigError, match="no reward function given"):
         load_config("trl_env_grpo", ["rewards=[]", "rollout.env=calculator"])
+
+
+def test_an_epoch_counted_run_from_an_override_shortens_its_warmup_once_its_steps_are_known():
+    cfg = load_config("arithmetic_grpo", ["train.epochs=1", "train.steps=null"])
+    assert cfg.resolve_steps(cfg.rollout.prompts_per_step) == 1  # one step's worth of rows
+    assert cfg.train.warmup_steps == 1 and any("train.epochs=1" in n for n in cfg.notes), cfg.notes
+    both = load_config("arithmetic_grpo", ["train.epochs=1", "train.steps=null", "train.warmup_steps=2"])
+    with pytest.raises(ConfigError, match="exceeds the 1 steps of train.epochs=1"):
+        both.resolve_steps(both.rollout.prompts_per_step)

@@ -191,6 +191,9 @@ def build_config(raw: Mapping[str, Any], overrides: list[str] | Mapping[str, Any
         raise ConfigError(_format_error(e, source)) from None
     if note:
         cfg.notes.insert(0, note)
+    train_over = over.get("train") if isinstance(over.get("train"), Mapping) else {}
+    # train.epochs from an override: its steps are known once the data is; resolve_epochs fits the warm-up then
+    cfg.train._fit_warmup = "epochs" in train_over and "warmup_steps" not in train_over
     return cfg
 
 

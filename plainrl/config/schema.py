@@ -417,6 +417,8 @@ class Config(_Section):
         """
         per_step = self.train.batch_size if self.algorithm.offline else self.rollout.prompts_per_step
         steps = self.train.resolve_epochs(rows, per_step)
+        if self.train._warmup_note and self.train._warmup_note not in self._notes:
+            self._notes.append(self.train._warmup_note)
         what = f"the {steps} steps of train.epochs={self.train.epochs}"
         if not self.algorithm.offline and self.algorithm.advantage == "gae" and \
                 (problem := self.critic_warmup_problem(steps, what)):
