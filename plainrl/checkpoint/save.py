@@ -22,7 +22,7 @@ from plainrl.checkpoint.layout import (
     SCHEDULER, STATE, TMP_PREFIX, WEIGHTS, CheckpointError, complete_checkpoints, read_pointer, step_dir_name,
 )
 from plainrl.checkpoint.rng import get_rng_state
-from plainrl.durable import remove_stale_siblings, write_atomic
+from plainrl.durable import remove_stale_siblings, replace_dir, write_atomic
 from plainrl.checkpoint.weights import check_finite, master_pairs, weights_to_save
 
 log = logging.getLogger(__name__)
@@ -188,14 +188,9 @@ def commit(tmp: Path, step: int, *, keep_last: int | None, started: float) -> Pa
     name = step_dir_name(step)
     final = root / name
     try:
-        fsync_path(tmp)
-        if final.exists():
-            # never committed (killed after rename) or saved twice at one step;
-            # moved aside (atomic) so `final` is free for a plain rename
+        if final.exists():  # never committed (killed after the rename) or saved twice at one step
             log.warning("replacing existing checkpoint directory %s", final)
-            remove_dir(final)
-        os.rename(tmp, final)
-        fsync_path(root)
+        replace_dir(tmp, final)  # fsynced, renamed (swapped in whole over an existing one), directory fsynced
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
