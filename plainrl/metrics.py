@@ -119,7 +119,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-T_BELOW = 30  # fewer values than this: Student's t; from here the normal quantile (within 2% of t's)
+T_BELOW = 30  # fewer values: Student's t; from here the normal quantile (1.960, t's is 2.045 at n = 30: 4% apart)
 
 
 def student_t_two_sided(t: float, df: int) -> float:
@@ -334,7 +334,8 @@ class MetricsLogger:
                 # an eval logged at the checkpoint's own step ran before the save
                 if row["step"] < step or (row["step"] == step and any(k.startswith("eval/") for k in row)):
                     keep.append(line)
-            write_atomic(path, "".join(r + "\n" for r in keep))  # in place, a kill mid-write would truncate the history
+            # replaced whole: rewritten in place, a kill mid-write would lose the run's history
+            write_atomic(path, "".join(r + "\n" for r in keep))
         self.metrics_f = open(self.run_dir / "metrics.jsonl", "a")
         self.rollouts_f = open(self.run_dir / "rollouts.jsonl", "a")
 

@@ -13,10 +13,10 @@ from typing import Any, Iterable
 
 import torch
 
-from plainrl.durable import fsync_path  # noqa: F401 - re-exported: checkpoint code imports it from here
 from plainrl.checkpoint.layout import (
     DCP_REQUIRED_FILES, FORMAT_VERSION, MANIFEST, OPTIMIZER, REQUIRED_FILES, TMP_PREFIX, CheckpointError,
 )
+from plainrl.durable import fsync_path  # noqa: F401 - re-exported: checkpoint code imports it from here
 
 
 def write_bytes(path: Path, data: bytes) -> None:

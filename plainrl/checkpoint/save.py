@@ -22,8 +22,8 @@ from plainrl.checkpoint.layout import (
     SCHEDULER, STATE, TMP_PREFIX, WEIGHTS, CheckpointError, complete_checkpoints, read_pointer, step_dir_name,
 )
 from plainrl.checkpoint.rng import get_rng_state
-from plainrl.durable import remove_stale_siblings, replace_dir, write_atomic
 from plainrl.checkpoint.weights import check_finite, master_pairs, weights_to_save
+from plainrl.durable import remove_stale_siblings, replace_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
