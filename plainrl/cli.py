@@ -37,7 +37,7 @@ def _cmd_eval(args) -> int:
     import torch
 
     from plainrl.run.engines import make_engine, read_only
-    from plainrl.run.evaluate import evaluate
+    from plainrl.run.evaluate import evaluate, interval_methods
     from plainrl.run.lifecycle import seed_everything
     from plainrl.rollout.reaper import Reaper
     from plainrl.run.setup import prepare
@@ -91,7 +91,7 @@ def _cmd_eval(args) -> int:
             prep.close()
             engine.close()
     label = f"{engine.models[0]} at {cfg.rollout.remote.urls[0]}" if model is None else str(final or cfg.model.name)
-    print(json.dumps({"model": label, **result}, indent=2))
+    print(json.dumps({"model": label, **result, "intervals": interval_methods(result)}, indent=2))
     return 0
 
 

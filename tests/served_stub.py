@@ -21,7 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class Faults:
     """What the server does to its next requests (a test changes these between calls).
 
-    fail_5xx:  the next N requests to ``fail_paths`` answer 503.
+    fail_5xx:  the next N requests to ``fail_paths`` answer ``fail_status`` (503; 429: rate limited),
+               with a ``Retry-After`` header when ``retry_after`` is set.
     fail_paths: the routes the 5xx faults apply to.
     hang:      while set, completions requests block until it is cleared (or the server stops).
     first_byte_s: seconds a completions request waits before its status line is sent.
@@ -30,6 +31,8 @@ class Faults:
     """
 
     fail_5xx: int = 0
+    fail_status: int = 503
+    retry_after: str | None = None
     fail_paths: tuple[str, ...] = ("/v1/completions",)
     hang: threading.Event = field(default_factory=threading.Event)
     first_byte_s: float = 0.0
@@ -39,7 +42,8 @@ class Faults:
 class StubServer:
     """One stub server on ``127.0.0.1:port`` (a free port unless given).
 
-    ``requests``: ``(method, path, json body or None)`` for every request received, in order.
+    ``requests``: ``(method, path, json body or None)`` for every request received, in order;
+    ``times``: when each arrived (``time.monotonic()``).
     ``adapters``: LoRA names loaded and not unloaded. ``entered``: set once a hung request
     has arrived (a test waits on it instead of sleeping).
     """
@@ -48,6 +52,7 @@ class StubServer:
         self.server_id, self.tokenizer = server_id, tokenizer
         self.faults = Faults()
         self.requests: list[tuple[str, str, dict | None]] = []
+        self.times: list[float] = []
         self.adapters: set[str] = set()
         self.entered = threading.Event()
         self._lock = threading.Lock()
@@ -134,6 +139,7 @@ class StubServer:
                 body = json.loads(self.rfile.read(size)) if size else None
                 with stub._lock:
                     stub.requests.append((method, self.path, body))
+                    stub.times.append(time.monotonic())
                     fail = stub.faults.fail_5xx > 0 and self.path in stub.faults.fail_paths
                     if fail:
                         stub.faults.fail_5xx -= 1
@@ -146,10 +152,13 @@ class StubServer:
                     time.sleep(stub.faults.first_byte_s)
                     if stub.faults.together is not None:
                         stub.faults.together.wait(timeout=60)
-                status, payload = (503, {"error": "overloaded"}) if fail else stub._answer(method, self.path, body)
+                status, payload = ((stub.faults.fail_status, {"error": "overloaded"}) if fail
+                                   else stub._answer(method, self.path, body))
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
+                if fail and stub.faults.retry_after is not None:
+                    self.send_header("Retry-After", stub.faults.retry_after)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

@@ -314,7 +314,7 @@ KILL_POINTS = {
     "optimizer": (save_mod, "torch_save", lambda obj, path: path.name == "scheduler.pt"),
     "manifest": (os, "rename", lambda src, dst: Path(src).name.startswith(".tmp-step-")),
     # "rename": the directory has its final name but `latest` still names the previous one
-    "rename": (save_mod, "write_bytes", lambda path, data: path.name == "latest.tmp"),
+    "rename": (save_mod, "write_atomic", lambda path, data: path.name == "latest"),
     "pointer": (os, "replace", lambda src, dst: Path(dst).name == "latest"),
     "retention": (save_mod, "_apply_retention", lambda *args: True),
 }
@@ -341,7 +341,8 @@ def on_disk_at(stage: str, root) -> bool:
     tmp = [p for p in root.iterdir() if p.name.startswith(".tmp-step-000002-")]
     has = {p.name for p in tmp[0].iterdir()} if len(tmp) == 1 else set()
     latest = (root / "latest").read_text().strip()
-    pointer = (root / "latest.tmp").read_text().strip() if (root / "latest.tmp").exists() else None
+    pointers = [p.read_text().strip() for p in root.glob(".tmp-latest-*")]  # write_atomic's temporary
+    pointer = pointers[0] if len(pointers) == 1 else None
     renamed = (root / "step-000002" / "manifest.json").is_file()
     return {
         "weights": "weights.safetensors" in has and "optimizer.pt" not in has,

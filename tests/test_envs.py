@@ -360,8 +360,8 @@ def test_tool_env_runs_and_reports_bad_calls():
     for bad, why in [('{"name": "mul", "arguments": {}}', "unknown tool"),
                      ('{"name": "add", "arguments": {"b": 1}}', "missing"),
                      ('{"name": "add", "arguments": {"a": 1, "c": 2}}', "unknown argument"),
-                     ('{"name": "add", "arguments": {"a": "two"}}', "must be of type integer"),
-                     ('{"name": "add", "arguments": {"a": true}}', "must be of type integer"),
+                     ('{"name": "add", "arguments": {"a": "two"}}', "argument $.a: 'two' is not of type 'integer'"),
+                     ('{"name": "add", "arguments": {"a": true}}', "argument $.a: True is not of type 'integer'"),
                      ("{not json", "not valid JSON")]:
         res = tool_step(env, f"<tool_call>{bad}</tool_call>")
         assert res.info["malformed_calls"] == 1 and res.info["tool_calls"] == 0, bad

@@ -1,8 +1,12 @@
 """Step timing and the evaluation's confidence intervals (plainrl.metrics)."""
 
+import math
+
 import pytest
 
-from plainrl.metrics import StepTimer, mean_interval, wilson_interval
+from plainrl.metrics import (
+    StepTimer, mean_interval, mean_interval_method, student_t_quantile, student_t_two_sided, wilson_interval,
+)
 
 
 @pytest.mark.parametrize("s, n, low, high", [
@@ -22,10 +26,38 @@ def test_wilson_interval_refuses_impossible_counts():
         wilson_interval(3, 2)
 
 
-def test_mean_interval_uses_the_sample_standard_deviation():
-    # mean 0.5, s^2 = (0.25 + 0.25 + 0 + 0) / 3, half = 1.96 * sqrt(s^2 / 4) = 0.400083
-    assert mean_interval([0.0, 1.0, 0.5, 0.5]) == pytest.approx((0.099917, 0.900083), abs=1e-6)
+def test_mean_interval_uses_student_t_below_30_values():
+    """Old code: the normal 1.96 at any n, (0.099917, 0.900083) here: an interval 38% too narrow."""
+    # mean 0.5, s^2 = (0.25 + 0.25 + 0 + 0) / 3, t_{0.975, 3} = 3.182446 (tables: 3.182),
+    # half = 3.182446 * sqrt(s^2 / 4) = 3.182446 * 0.204124 = 0.649614
+    assert mean_interval_method(4) == "student-t"
+    assert mean_interval([0.0, 1.0, 0.5, 0.5]) == pytest.approx((-0.149614, 1.149614), abs=1e-6)
     assert mean_interval([0.25]) == (0.25, 0.25)
+
+
+def test_mean_interval_is_normal_from_30_values():
+    values = [0.0, 1.0] * 15  # mean 0.5, s^2 = 30 * 0.25 / 29
+    half = 1.959964 * math.sqrt(30 * 0.25 / 29 / 30)
+    assert mean_interval_method(30) == "normal"
+    assert mean_interval(values) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-6)
+
+
+@pytest.mark.parametrize("df, confidence, table", [
+    # NIST/SEMATECH e-Handbook of Statistical Methods, 1.3.6.7.2 (upper critical values of t)
+    (1, 0.95, 12.706), (2, 0.95, 4.303), (5, 0.95, 2.571), (9, 0.95, 2.262), (10, 0.95, 2.228),
+    (29, 0.95, 2.045), (5, 0.99, 4.032), (12, 0.90, 1.782),
+])
+def test_student_t_quantile_matches_the_tables(df, confidence, table):
+    assert student_t_quantile(confidence, df) == pytest.approx(table, abs=6e-4)
+
+
+def test_student_t_cdf_closed_forms():
+    # df = 1 is the Cauchy distribution: P(|T| <= 1) = 2 atan(1) / pi = 0.5
+    assert student_t_two_sided(1.0, 1) == pytest.approx(0.5)
+    # df = 2: P(|T| <= t) = t / sqrt(2 + t^2)
+    assert student_t_two_sided(3.0, 2) == pytest.approx(3 / math.sqrt(11))
+    with pytest.raises(ValueError, match="df >= 1"):
+        student_t_quantile(0.95, 0)
 
 
 def test_step_timer_sums_phases_entered_twice():
@@ -57,3 +89,12 @@ def test_eta_is_the_mean_of_recent_step_times(tmp_path):
     assert logger.eta_s(1) == 3.0 * 8
     logger.close()
     logger.close()  # a second close does nothing
+
+
+def test_eval_names_each_interval_method():
+    from plainrl.run.evaluate import interval_methods
+
+    result = {"eval/pass@1": 0.5, "eval/pass@1_ci_low": 0.2, "eval/pass@1_ci_high": 0.8, "eval/n": 12,
+              "eval/mean@4": 0.5, "eval/mean@4_ci_low": 0.3, "eval/mean@4_ci_high": 0.7}
+    assert interval_methods(result) == {"pass@1": "wilson", "mean@4": "student-t"}
+    assert interval_methods({**result, "eval/n": 30})["mean@4"] == "normal"

@@ -309,3 +309,28 @@ def test_local_base_finds_the_exact_base_offline(converted, tmp_path):
     snap.mkdir(parents=True)
     assert describe_base(str(snap), str(snap)).hub_id == "org/model"
     assert describe_base(str(tmp_path), str(tmp_path)).portable_name == str(tmp_path)  # no hub id known
+
+
+def test_the_gguf_progress_bar_patch_has_its_target():
+    """The GGUF reader's per-tensor bar is silenced by patching ``tqdm`` in transformers' module: the
+    name must exist there and be what the reader calls, or the patch silently does nothing."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    assert hasattr(gguf_utils, "tqdm"), "transformers moved the GGUF reader's tqdm: update gguf._no_progress_bars"
+    assert "tqdm" in gguf_utils.load_gguf_checkpoint.__code__.co_names
+    real = gguf_utils.tqdm
+    with gguf_mod._no_progress_bars():
+        assert gguf_utils.tqdm is not real and list(gguf_utils.tqdm([1, 2], desc="x")) == [1, 2]
+    assert gguf_utils.tqdm is real
+
+
+def test_the_gguf_patch_creates_no_name_where_transformers_has_none(monkeypatch, caplog):
+    """Old code patched with ``create=True``: a renamed bar meant a patch of nothing, silently."""
+    import logging
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    monkeypatch.delattr(gguf_utils, "tqdm")
+    with caplog.at_level(logging.WARNING, logger="plainrl.models.gguf"), gguf_mod._no_progress_bars():
+        assert not hasattr(gguf_utils, "tqdm")
+    assert "has no tqdm" in caplog.text

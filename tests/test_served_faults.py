@@ -16,6 +16,7 @@ import torch
 
 from plainrl.rollout.engines.remote import RemoteEngine
 from plainrl.rollout.engines.requests import EngineError
+from plainrl.rollout.engines.served import RETRY_BASE_S, RETRY_CAP_S, retry_delay_s
 from plainrl.types import SamplingParams
 from served_stub import StubServer
 
@@ -74,6 +75,46 @@ def test_a_5xx_is_retried_once_on_the_same_server(servers, tokenizer, tmp_path):
         assert engine.take_metrics()["rollout/server_failures"] == 0.0 and engine.pool.live() == [0]
     finally:
         engine.close()
+
+
+def test_the_retry_after_a_5xx_waits_a_jittered_backoff(servers, tokenizer, tmp_path):
+    """Old code retried at once: the 503 and the retry arrived within milliseconds."""
+    engine = _engine(servers[:1], tokenizer, tmp_path)
+    try:
+        servers[0].faults.fail_5xx = 1
+        engine.generate([[1, 2]] * 2, PARAMS)
+        first, retry = [t for (_, p, _), t in zip(servers[0].requests, servers[0].times) if p == COMPLETIONS]
+        assert RETRY_BASE_S / 2 <= retry - first < RETRY_BASE_S + 0.5, retry - first
+    finally:
+        engine.close()
+
+
+def test_a_429_is_retried_after_its_retry_after(servers, tokenizer, tmp_path):
+    """A rate-limited server (a hosted one behind rollout.remote.backend: openai) answers 429, then 200.
+    Old code: a 429 was a 4xx, an EngineError at once."""
+    engine = _engine(servers[:1], tokenizer, tmp_path)
+    try:
+        servers[0].faults.fail_5xx, servers[0].faults.fail_status, servers[0].faults.retry_after = 1, 429, "1"
+        gens = engine.generate([[1, 2]] * 2, PARAMS)
+        assert _served_by(gens) == [0, 0] and engine.pool.live() == [0]
+        first, retry = [t for (_, p, _), t in zip(servers[0].requests, servers[0].times) if p == COMPLETIONS]
+        assert retry - first >= 1.0 - 0.05, retry - first
+    finally:
+        engine.close()
+
+
+def test_retry_delay_is_jittered_exponential_or_the_servers_retry_after():
+    import random
+
+    rng = random.Random(0)
+    delays = [retry_delay_s(a, rand=rng.random) for a in range(8) for _ in range(50)]
+    for a in range(8):
+        d = min(RETRY_CAP_S, RETRY_BASE_S * 2 ** a)
+        mine = delays[a * 50:(a + 1) * 50]
+        assert all(d / 2 <= x <= d for x in mine) and len(set(mine)) == 50  # jittered, never 0
+    assert retry_delay_s(0, "3") == 3.0 and retry_delay_s(0, "0") == 0.0
+    assert RETRY_BASE_S / 2 <= retry_delay_s(0, "Wed, 21 Oct 2015 07:28:00 GMT") <= RETRY_BASE_S  # a date: backoff
+    assert retry_delay_s(0, "3600") <= RETRY_BASE_S  # beyond the cap: backoff
 
 
 def test_a_server_failing_twice_is_marked_dead_and_its_requests_fail_over(servers, tokenizer, tmp_path):

@@ -16,16 +16,7 @@ import torch
 from plainrl.checkpoint.layout import (
     DCP_REQUIRED_FILES, FORMAT_VERSION, MANIFEST, OPTIMIZER, REQUIRED_FILES, TMP_PREFIX, CheckpointError,
 )
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory by path."""
-    # Opening read-only is enough for fsync on Linux, for files and directories alike.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from plainrl.durable import fsync_path  # noqa: F401 - re-exported: checkpoint code imports it from here
 
 
 def write_bytes(path: Path, data: bytes) -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from plainrl.checkpoint.files import fsync_path, manifest_files, remove_dir, torch_save, write_bytes
@@ -22,18 +23,9 @@ from plainrl.checkpoint.layout import (
 )
 from plainrl.checkpoint.rng import get_rng_state
 from plainrl.checkpoint.weights import check_finite, master_pairs, weights_to_save
+from plainrl.durable import remove_stale_siblings, replace_dir, write_atomic
 
 log = logging.getLogger(__name__)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _clean_stale_tmp(root: Path, started: float) -> None:
@@ -47,7 +39,7 @@ def _clean_stale_tmp(root: Path, started: float) -> None:
             continue
         m = re.search(r"-(\d+)-[0-9a-f]+$", p.name)
         pid = int(m.group(1)) if m else None
-        if pid is not None and pid != os.getpid() and _pid_alive(pid):
+        if pid is not None and pid != os.getpid() and psutil.pid_exists(pid):
             continue
         log.info("removing %s, left by an interrupted save", p)
         shutil.rmtree(p, ignore_errors=True)
@@ -196,23 +188,16 @@ def commit(tmp: Path, step: int, *, keep_last: int | None, started: float) -> Pa
     name = step_dir_name(step)
     final = root / name
     try:
-        fsync_path(tmp)
-        if final.exists():
-            # never committed (killed after rename) or saved twice at one step;
-            # moved aside (atomic) so `final` is free for a plain rename
+        if final.exists():  # never committed (killed after the rename) or saved twice at one step
             log.warning("replacing existing checkpoint directory %s", final)
-            remove_dir(final)
-        os.rename(tmp, final)
-        fsync_path(root)
+        replace_dir(tmp, final)  # fsynced, renamed (swapped in whole over an existing one), directory fsynced
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
             raise CheckpointError(f"could not write checkpoint {final}: {e}") from e
         raise
-    pointer_tmp = root / f"{LATEST}.tmp"
-    write_bytes(pointer_tmp, (name + "\n").encode())
-    os.replace(pointer_tmp, root / LATEST)
-    fsync_path(root)
+    remove_stale_siblings(root / LATEST)  # a pointer's temporary that a killed commit left
+    write_atomic(root / LATEST, name + "\n")  # the commit point
     _apply_retention(root, keep_last, final)
     _clean_stale_tmp(root, started)
     return final

@@ -175,17 +175,43 @@ def build_config(raw: Mapping[str, Any], overrides: list[str] | Mapping[str, Any
     if not isinstance(raw, Mapping):
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
     raw = dict(raw)
+    over: dict[str, Any] = {}
     if overrides:
         if isinstance(overrides, Mapping):
-            raw = _merge(raw, nest_overrides(overrides))
+            over = nest_overrides(overrides)
             source += " + overrides " + " ".join(f"{k}={v!r}" for k, v in overrides.items())
         else:
-            raw = _merge(raw, parse_overrides(list(overrides)))
+            over = parse_overrides(list(overrides))
             source += " + overrides " + " ".join(overrides)
+        raw = _merge(raw, over)
+    raw, note = _fit_warmup(raw, over)
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_error(e, source)) from None
+    if note:
+        cfg.notes.insert(0, note)
+    train_over = over.get("train") if isinstance(over.get("train"), Mapping) else {}
+    # train.epochs from an override: its steps are known once the data is; resolve_epochs fits the warm-up then
+    cfg.train._fit_warmup = "epochs" in train_over and "warmup_steps" not in train_over
+    return cfg
+
+
+def _fit_warmup(raw: dict[str, Any], over: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """``raw`` with ``train.warmup_steps`` lowered to ``train.steps`` when an override shortened the run
+    below the config's warm-up and did not set the warm-up too (a smoke test of an example:
+    ``train.steps=1``), and the note saying so; unchanged (the schema then refuses it) where the
+    same place set both."""
+    train, train_over = raw.get("train"), over.get("train")
+    if not isinstance(train, Mapping) or not isinstance(train_over, Mapping):
+        return raw, None
+    steps, warmup = train.get("steps"), train.get("warmup_steps")
+    if ("steps" not in train_over or "warmup_steps" in train_over
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in (steps, warmup)) or not 0 < steps < warmup):
+        return raw, None
+    note = (f"train.warmup_steps: {warmup} from the config is longer than train.steps={steps} from the "
+            f"overrides, so warm-up lasts the whole run of {steps} step{'s' if steps > 1 else ''} (set both to keep your own)")
+    return {**raw, "train": {**train, "warmup_steps": steps}}, note
 
 
 def dump_config(cfg: Config) -> str:

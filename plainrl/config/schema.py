@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from plainrl.config.base import ConfigError, _Section  # noqa: F401  (ConfigError is re-exported)
 from plainrl.config.algorithm import (  # noqa: F401  (re-exported)
@@ -20,6 +20,8 @@ from plainrl.config.algorithm import (  # noqa: F401  (re-exported)
 from plainrl.config.chat import ChatTemplateKwargs
 from plainrl.config.rollout import BUILTIN_ENVS, RemoteConfig, RolloutConfig, VLLMConfig  # noqa: F401
 from plainrl.config.train import TrainConfig, strategy_problem
+
+ENV_REWARD = "plainrl.rollout.envs:env_reward"  # Episode.env.reward: an environment's (or agent's) own reward
 
 
 class LoraConfig(_Section):
@@ -289,7 +291,9 @@ class Config(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Sampling: the engine, group size, budgets, multi-turn environments, agents and the worker processes."""
     rewards: list[RewardSpec] = Field(default_factory=list)
-    """A list of rewards `{fn, weight, name, kwargs}` or `{model, weight, name}`, summed with their weights."""
+    """A list of rewards `{fn, weight, name, kwargs}` or `{model, weight, name}`, summed with their weights. Empty
+    with a `rollout.env` of your own: the environment's reward (`plainrl.rollout.envs:env_reward`); with
+    `rollout.agent`: the reward the agent returns."""
     reward_combine: str | None = None
     """`module:fn` or `path/to/file.py:fn`, `fn(scores: {name: [N]}, **columns) -> [N]`, replacing the weighted sum
     of `rewards`; null: the weighted sum."""
@@ -305,6 +309,13 @@ class Config(_Section):
     """TensorBoard, the progress line, rollouts written per step, the HTML report, Weights & Biases."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Resumable checkpoints under `run_dir/checkpoints`."""
+    _notes: list[str] = PrivateAttr(default_factory=list)  # what loading chose for the user; printed with the config
+
+    @property
+    def notes(self) -> list[str]:
+        """What loading decided that the config did not say (the environment's reward as the reward,
+        a warm-up shortened to a shortened run); the run prints them with the config."""
+        return self._notes
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
@@ -333,13 +344,21 @@ class Config(_Section):
                 "rollout.max_total_tokens applies to multi-turn rollouts only; set rollout.env or "
                 "rollout.agent, or remove it"
             )
+        if not self.rewards and self.rollout.env is not None and self.rollout.env not in BUILTIN_ENVS:
+            # as TRL does with an environment_factory: the environment's reward (get_reward, step rewards,
+            # final_reward) is the reward; written into the config so config.yaml and the printout show it
+            self.rewards = [RewardSpec(fn=ENV_REWARD)]
+            self._notes.append(f"rewards: none given, so the environment's reward scores the episodes "
+                               f"(rewards: [{{fn: {ENV_REWARD}}}]); an episode whose environment gives none "
+                               "is unscorable")
         # an agent's own reward needs no function; nor does distillation with no weight on a reward
         if not self.rewards and self.rollout.agent is None and a.reward_coef > 0:
             raise ValueError(
                 "rewards: no reward function given; add at least one, e.g. "
                 "rewards: [{fn: plainrl.rewards.builtins:correctness, weight: 1.0}] (or set rollout.agent: "
-                "the reward your agent returns scores its episodes; or distil a teacher with "
-                "algorithm.name: opd, whose reward_coef is 0)"
+                "the reward your agent returns scores its episodes; or a rollout.env of your own: its reward "
+                "does; the built-in tool environments give none; or distil a teacher with algorithm.name: opd, "
+                "whose reward_coef is 0)"
             )
         group_relative = a.advantage in ("grpo", "rloo") and a.reward_coef > 0  # (distillation alone: per token)
         if self.rollout.group_size < 2 and (group_relative or a.dynamic_sampling):
@@ -401,6 +420,8 @@ class Config(_Section):
         """
         per_step = self.train.batch_size if self.algorithm.offline else self.rollout.prompts_per_step
         steps = self.train.resolve_epochs(rows, per_step)
+        if self.train._warmup_note and self.train._warmup_note not in self._notes:
+            self._notes.append(self.train._warmup_note)
         what = f"the {steps} steps of train.epochs={self.train.epochs}"
         if not self.algorithm.offline and self.algorithm.advantage == "gae" and \
                 (problem := self.critic_warmup_problem(steps, what)):

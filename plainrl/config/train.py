@@ -39,7 +39,9 @@ class TrainConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: `constant` or `cosine` (to 0)."""
     warmup_steps: int | None = Field(0, ge=0)
-    """Linear warm-up steps; or give `train.warmup_ratio` instead (then this default does not apply)."""
+    """Linear warm-up steps; or give `train.warmup_ratio` instead (then this default does not apply). An override of
+    `train.steps` or `train.epochs` giving fewer steps than a warm-up from the config file shortens the warm-up to
+    the run (with a printed note)."""
     warmup_ratio: float | None = Field(None, ge=0.0, le=1.0)
     """Warm-up as a fraction of the run's steps (`ceil(ratio x steps)`, as transformers)."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -81,6 +83,9 @@ class TrainConfig(_Section):
     collective_timeout_s: float = Field(600.0, gt=0)
     """Under torchrun: the longest wait of a collective; a dead or stuck rank ends the run after it."""
     _epoch_steps: int | None = PrivateAttr(None)  # train.epochs in steps, set by resolve_epochs
+    # warmup_steps came from the config file and train.epochs from an override: fitted to the run, not refused
+    _fit_warmup: bool = PrivateAttr(False)
+    _warmup_note: str | None = PrivateAttr(None)
 
     @model_validator(mode="before")
     @classmethod
@@ -109,13 +114,19 @@ class TrainConfig(_Section):
         (:func:`epoch_steps`); with ``train.steps`` this returns it unchanged.
 
         Raises:
-            ConfigError: no rows, or ``train.warmup_steps`` beyond the derived steps.
+            ConfigError: no rows, or ``train.warmup_steps`` beyond the derived steps (unless the
+                steps came from an override and the warm-up from the file: then it is shortened).
         """
         if self.epochs is None:
             return self.total_steps
         if rows < 1 or rows_per_step < 1:
             raise ConfigError(f"train.epochs={self.epochs}: {rows} training rows at {rows_per_step} a step")
         self._epoch_steps = epoch_steps(self.epochs, rows, rows_per_step)
+        if self._fit_warmup and self.warmup_steps is not None and self.warmup_steps > self._epoch_steps:
+            self._warmup_note = (f"train.warmup_steps: {self.warmup_steps} from the config is longer than the "
+                                 f"{self._epoch_steps} steps of train.epochs={self.epochs} from the overrides, so "
+                                 "warm-up lasts the whole run (set both to keep your own)")
+            self.warmup_steps = self._epoch_steps
         if self.warmup_steps is not None and self.warmup_steps > self._epoch_steps:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} exceeds the {self._epoch_steps} steps of "
                               f"train.epochs={self.epochs} ({rows} rows, {rows_per_step} a step); lower it")

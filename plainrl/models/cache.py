@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from plainrl.checkpoint.files import fsync_path, remove_dir, sha256
+from plainrl.durable import fsync_tree, write_atomic, writer_alive
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +79,6 @@ def file_sha256(path: Path, root: Path) -> str:
     return digest
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a small file so that readers see the old content or the new, never a part."""
-    tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def publish_dir(target: Path, build: Callable[[Path], None], *, marker: str,
                 lock_timeout: float | None = LOCK_TIMEOUT_S) -> bool:
     """Create directory ``target`` with ``build(tmp)``, safely against other processes doing the same.
@@ -123,9 +114,7 @@ def publish_dir(target: Path, build: Callable[[Path], None], *, marker: str,
             build(tmp)
             if not (tmp / marker).is_file():
                 raise OSError(f"building {target} left no {marker}")
-            for f in tmp.iterdir():
-                fsync_path(f)
-            fsync_path(tmp)
+            fsync_tree(tmp)
             try:
                 os.rename(tmp, target)  # fails if target exists (and is not empty): never replaces
             except OSError:
@@ -235,19 +224,6 @@ def find_conversion(root: Path, source_sha256: str) -> Path | None:
     return None
 
 
-def _pid_alive(name: str) -> bool:
-    m = re.search(r"-(\d+)-[0-9a-f]{8}$", name)
-    if not m:
-        return False
-    try:
-        os.kill(int(m.group(1)), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clear_entries(root: Path, names: list[str] | None = None, *, legacy_only: bool = False) -> list[CacheEntry]:
     """Remove conversions from ``root/gguf/``: those named, else every legacy one with
     ``legacy_only``, else all of them together with the remembered hashes. Each directory
@@ -270,7 +246,7 @@ def clear_entries(root: Path, names: list[str] | None = None, *, legacy_only: bo
     elif legacy_only:
         chosen = [e for e in entries if e.state == "legacy"]
     else:
-        chosen = [e for e in entries if not (e.state == "incomplete" and _pid_alive(e.name))]
+        chosen = [e for e in entries if not (e.state == "incomplete" and writer_alive(e.name))]
     for e in chosen:
         remove_dir(e.path)
         (e.path.parent / f".{e.name}{LOCK_SUFFIX}").unlink(missing_ok=True)

@@ -19,16 +19,15 @@ import shutil
 import struct
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from plainrl.models.cache import (
-    CONVERSIONS, SOURCE_RECORD, cache_root, file_sha256, path_key, publish_dir, write_atomic,
-)
+from plainrl.durable import write_atomic
+from plainrl.models.cache import CONVERSIONS, SOURCE_RECORD, cache_root, file_sha256, path_key, publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -246,10 +245,16 @@ def _no_progress_bars() -> Iterator[None]:
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
+    if hasattr(gguf_utils, "tqdm"):  # tests/test_model_cache.py checks the reader still calls it by this name
+        quiet = mock.patch.object(gguf_utils, "tqdm", lambda items, **_: items)
+    else:  # a transformers that reads GGUF without it: patching would only add an unused name
+        log.warning("transformers.modeling_gguf_pytorch_utils has no tqdm: its per-tensor progress bar "
+                    "may show while the GGUF file is dequantised")
+        quiet = nullcontext()
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        with mock.patch.object(gguf_utils, "tqdm", lambda items, **_: items, create=True):
+        with quiet:
             yield
     finally:
         if enabled:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
 from plainrl.config import LoraConfig, ModelConfig
+from plainrl.durable import remove_stale_siblings, replace_dir, temp_sibling
 from plainrl.models.errors import ModelLoadError
 from plainrl.models.gguf import EMBEDDED_MODELS, GGUFError, convert_gguf, embedded_gguf
 from plainrl.models.portable import BaseModelRef, record_base
@@ -448,7 +447,8 @@ def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef |
     """Save the policy in Hugging Face format: a peft adapter directory under LoRA
     (loadable with ``PeftModel.from_pretrained(base, dir)``), else full safetensors
     weights (``AutoModelForCausalLM.from_pretrained(dir)``). Written to a temporary
-    directory and renamed so a crash never leaves half a model.
+    directory and swapped in whole (:func:`plainrl.durable.replace_dir`), so a kill at any
+    moment leaves the old model or the new one in ``directory``, never half or none.
 
     Args:
         base: what the model was trained on; the adapter then names it portably (its hub
@@ -459,7 +459,9 @@ def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef |
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
+    remove_stale_siblings(directory)  # what a killed save left
+    tmp = temp_sibling(directory)
+    tmp.mkdir()
     try:
         kwargs = {} if state_dict is None else {"state_dict": state_dict}
         if hasattr(model, "peft_config"):  # the trained adapter, not the frozen reference copy
@@ -473,7 +475,8 @@ def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef |
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(tmp, directory)
-    return directory
+    try:
+        return replace_dir(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

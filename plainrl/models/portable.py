@@ -16,7 +16,8 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from plainrl.models.cache import SOURCE_RECORD, cache_root, find_conversion, write_atomic
+from plainrl.durable import write_atomic
+from plainrl.models.cache import SOURCE_RECORD, cache_root, find_conversion
 from plainrl.models.gguf import EMBEDDED_MODELS
 
 BASE_RECORD = "plainrl_base.json"

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from plainrl.durable import write_atomic
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _NATIVE_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 (two generations) and ARM's /proc/cpuinfo names
 _BENCH_N = 512  # matmul size: 0.27 GFLOP, ~0.3 s a run at emulated bf16 speed
@@ -150,9 +152,7 @@ def cached_matmul_speed() -> MatmulSpeed:
     cache[key] = {"float32": speed.float32, "bfloat16": speed.bfloat16}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(cache, indent=1))
     except OSError:
         pass  # a read-only home only costs the measurement next time
     return speed

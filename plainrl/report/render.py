@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
+from plainrl.durable import write_atomic
 from plainrl.report.data import RunData, config_diff, read_runs
 from plainrl.report.plots import eval_chart, eval_metric_names, training_charts
 
@@ -149,7 +150,5 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     path = Path(out) if out is not None else (runs[0].path / "report.html" if len(runs) == 1 else Path("report.html"))
     text = render_report(runs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_atomic(path, text)
     return path

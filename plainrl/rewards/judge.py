@@ -95,20 +95,26 @@ def _endpoint(url: str, api_key_env: str | None) -> tuple[str, dict[str, str]]:
     return url.rstrip("/").removesuffix("/v1"), headers
 
 
-def _ask_server(url: str, questions: list[str], *, max_new_tokens: int, timeout_s: float,
+def _ask_server(url: str, questions: list[str], *, max_new_tokens: int, timeout_s: float, max_retries: int,
                 served_model: str | None, api_key_env: str | None) -> list[str]:
-    import httpx
+    """The judge server's replies, through the ``openai`` client: a 408/409/429/5xx answer or a
+    connection error is retried up to ``max_retries`` times with exponential backoff and jitter,
+    waiting what the server's ``Retry-After`` asks (the client's own rule, up to 60 s), each request
+    limited to ``timeout_s``; a hosted judge's rate limit then slows a chunk down instead of
+    making it unscorable."""
+    import openai
 
-    base, headers = _endpoint(url, api_key_env)
-    with httpx.Client(timeout=timeout_s, headers=headers) as client:
+    base, _ = _endpoint(url, None)
+    # a server without keys ignores the header; the client refuses to start without one
+    key = os.environ[api_key_env] if api_key_env else "none"
+    with openai.OpenAI(base_url=base + "/v1", api_key=key, timeout=timeout_s, max_retries=max_retries) as client:
         if served_model is None:
-            served_model = client.get(base + "/v1/models").raise_for_status().json()["data"][0]["id"]
+            served_model = client.models.list().data[0].id
 
         def ask(q: str) -> str:
-            body = {"model": served_model, "messages": [{"role": "user", "content": q}], "temperature": 0.0,
-                    "max_tokens": max_new_tokens}
-            r = client.post(base + "/v1/chat/completions", json=body).raise_for_status()
-            return r.json()["choices"][0]["message"]["content"] or ""
+            r = client.chat.completions.create(model=served_model, messages=[{"role": "user", "content": q}],
+                                               temperature=0.0, max_tokens=max_new_tokens)
+            return r.choices[0].message.content or ""
 
         with ThreadPoolExecutor(max_workers=min(16, len(questions))) as pool:
             return list(pool.map(ask, questions))
@@ -118,7 +124,8 @@ def _ask_server(url: str, questions: list[str], *, max_new_tokens: int, timeout_
 def judge(completions: list[str], prompt: list[str | None], answer: list[Any] | None = None, *,
           model: str = POLICY_BASE, template: str = DEFAULT_TEMPLATE, pattern: str = r"(\d+(?:\.\d+)?)",
           min_score: float = 0.0, max_score: float = 10.0, max_new_tokens: int = 16, timeout_s: float = 60.0,
-          served_model: str | None = None, api_key_env: str | None = None) -> list[float | None]:
+          max_retries: int = 4, served_model: str | None = None,
+          api_key_env: str | None = None) -> list[float | None]:
     """LLM-as-judge scores in [0, 1], one per completion (None: the reply had no score).
 
     Args:
@@ -130,16 +137,18 @@ def judge(completions: list[str], prompt: list[str | None], answer: list[Any] | 
         pattern: a regular expression whose first match (first group) is the score.
         min_score, max_score: the scale the template asks for, mapped onto [0, 1].
         timeout_s: per request to a judge server (seconds).
+        max_retries: retries of a judge server's request after a 408/409/429/5xx or a connection
+            error, with the ``openai`` client's jittered exponential backoff, honouring ``Retry-After``.
     Raises:
-        httpx.HTTPError: a judge server failed (the runner records every sample of the
-            chunk as unscorable, naming the error; ``fail_fast`` stops the run).
+        openai.APIError: a judge server still failed after its retries (the runner records every
+            sample of the chunk as unscorable, naming the error; ``fail_fast`` stops the run).
     """
     answers = answer if answer is not None else [None] * len(completions)
     questions = [template.format(prompt=p or "", completion=c, answer="none" if a is None else a)
                  for c, p, a in zip(completions, prompt, answers)]
     if _is_url(model):
         replies = _ask_server(model, questions, max_new_tokens=max_new_tokens, timeout_s=timeout_s,
-                              served_model=served_model, api_key_env=api_key_env)
+                              max_retries=max_retries, served_model=served_model, api_key_env=api_key_env)
     else:
         replies = _ask_local(model, questions, max_new_tokens)
     return [parse_score(r, pattern, min_score, max_score) for r in replies]

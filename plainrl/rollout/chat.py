@@ -12,7 +12,13 @@ from plainrl.data import PromptRow, render_prompt
 from plainrl.rollout.envs.base import Environment
 from plainrl.rollout.envs.tools import hermes_tools_prompt
 
-__all__ = ["build_env_prompt", "prompt_messages", "render_chat_continuation", "render_with_tools"]
+__all__ = ["ChatTemplateError", "build_env_prompt", "prompt_messages", "render_chat_continuation", "render_with_tools"]
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template cannot render what a multi-turn episode needs (the closing of an
+    assistant message, or the messages that continue a conversation). plainrl never writes a chat
+    format of its own in that case: tokens the model never uses would be trained on."""
 
 
 _SENTINEL = "\x00PLAINRL-SENTINEL\x00"
@@ -139,16 +145,32 @@ def render_with_tools(tokenizer, messages: list[dict[str, Any]], tools: list[dic
 # ---------------------------------------------------------------------- observations
 
 
+def _model_name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+
+
 def _assistant_closing(tokenizer, chat_kwargs: Mapping[str, Any]) -> str:
-    """What the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``)."""
+    """What the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``).
+
+    Raises:
+        ChatTemplateError: the template fails on a user/assistant conversation or drops the
+            assistant's content.
+    """
+    probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
     try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False,
-            **chat_kwargs)
-    except Exception:
-        return "<|im_end|>\n"
+        text = tokenizer.apply_chat_template(probe, tokenize=False, **chat_kwargs)
+    except Exception as e:  # a template raises whatever its author chose
+        raise ChatTemplateError(
+            f"the chat template of {_model_name(tokenizer)} cannot render a user/assistant conversation "
+            f"({type(e).__name__}: {e}), so the end of an assistant turn is unknown; use a model whose chat template "
+            "(tokenizer_config.json) renders assistant messages, or single-turn rollouts") from e
     i = text.rfind(_SENTINEL)
-    return text[i + len(_SENTINEL):] if i >= 0 else "<|im_end|>\n"
+    if i < 0:
+        raise ChatTemplateError(
+            f"the chat template of {_model_name(tokenizer)} drops an assistant message's content, so the "
+            "end of an assistant turn is unknown; use a model whose chat template (tokenizer_config.json) "
+            "renders assistant messages, or single-turn rollouts")
+    return text[i + len(_SENTINEL):]
 
 
 def render_chat_continuation(
@@ -170,8 +192,7 @@ def render_chat_continuation(
     last assistant message differently from earlier ones fail that check). The
     bases tried, in order: ``history`` itself, a two-message user/assistant
     conversation, a lone user message. If none works (a template that rejects
-    the roles), ChatML is written by hand: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``
-    per message, then ``<|im_start|>assistant\\n``. Without a chat template:
+    the roles), :class:`ChatTemplateError` is raised: no chat format is guessed. Without a chat template:
     ``"\\n\\n{role}: {content}"`` per message, then ``"\\n\\nassistant:"``.
 
     Args:
@@ -185,6 +206,10 @@ def render_chat_continuation(
             empty ``<think>`` block, as the prompt's did).
     Returns:
         The continuation text, to be tokenised with ``add_special_tokens=False``.
+    Raises:
+        ChatTemplateError: the template cannot render an assistant turn's end, or renders none
+            of the bases followed by ``new_messages`` as an extension of the base alone; the
+            message names the model, the roles and what each try raised.
     """
     if not getattr(tokenizer, "chat_template", None):
         body = "".join(f"\n\n{m['role']}: {m.get('content', '')}" for m in new_messages)
@@ -192,19 +217,26 @@ def render_chat_continuation(
     kw = dict(chat_template_kwargs or {})
     closing = _assistant_closing(tokenizer, kw)
     suffix = None
-    for base in (history, _PROBE_BASE, _PROBE_BASE[:1]):
+    tries = []
+    for name, base in (("the conversation", history), ("user/assistant", _PROBE_BASE), ("user", _PROBE_BASE[:1])):
         try:
             a = tokenizer.apply_chat_template(base, tokenize=False, **kw)
             b = tokenizer.apply_chat_template(base + new_messages, tokenize=False, add_generation_prompt=True, **kw)
-        except Exception:  # templates that enforce role order raise for some bases
+        except Exception as e:  # templates that enforce role order raise for some bases
+            tries.append(f"after {name}: {type(e).__name__}: {e}")
             continue
         ends_assistant = bool(base) and base[-1].get("role") == "assistant"
         if b.startswith(a) and len(b) > len(a) and (not ends_assistant or a.endswith(closing)):
             suffix = b[len(a):]
             break
+        tries.append(f"after {name}: the rendering with the new messages does not extend the one without")
     if suffix is None:
-        suffix = "".join(f"<|im_start|>{m['role']}\n{m.get('content', '')}<|im_end|>\n" for m in new_messages)
-        suffix += "<|im_start|>assistant\n"
+        roles = ", ".join(repr(m.get("role")) for m in new_messages)
+        raise ChatTemplateError(
+            f"the chat template of {_model_name(tokenizer)} cannot render messages of role {roles} continuing "
+            f"a conversation ({'; '.join(tries)}); have the environment return messages of a role the "
+            "template accepts (most accept 'user' and 'tool'), return plain text (appended verbatim), or "
+            "use a model whose chat template (tokenizer_config.json) renders them")
     if eos_text and closing.startswith(eos_text):
         closing = closing[len(eos_text):]
     return closing + suffix

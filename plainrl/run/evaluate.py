@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plainrl.data import PromptRow
-from plainrl.metrics import format_duration, mean_interval, wilson_interval
+from plainrl.metrics import format_duration, mean_interval, mean_interval_method, wilson_interval
 from plainrl.rewards import correctness
 from plainrl.rollout import Engine, MultiTurn, env_metrics, rollout
 from plainrl.rollout.seeding import episode_seeds
@@ -140,7 +140,8 @@ def evaluate(
     Returns:
         ``{"eval/pass@1": greedy accuracy, "eval/pass@1_ci_low"/"_ci_high": its 95% Wilson
         interval, "eval/mean@k": mean accuracy of k samples per prompt at ``temperature``
-        and its 95% interval over prompts (only when k > 1), "eval/n": number of prompts}``;
+        and its 95% interval over prompts (only when k > 1; Student's t below 30 prompts, normal
+        from 30: :func:`plainrl.metrics.mean_interval`), "eval/n": number of prompts}``;
         with ``multi_turn``, also the greedy episodes' environment metrics as
         ``eval/env/...`` (e.g. ``eval/env/tool_calls`` per episode).
     """
@@ -174,5 +175,16 @@ def evaluate(
         low, high = mean_interval(per_prompt)
         out.update({f"eval/mean@{k}": statistics.fmean(per_prompt), f"eval/mean@{k}_ci_low": max(0.0, low),
                     f"eval/mean@{k}_ci_high": min(1.0, high)})
+    return out
+
+
+def interval_methods(result: dict[str, float]) -> dict[str, str]:
+    """How each interval of an :func:`evaluate` result was computed, by metric: ``"wilson"``
+    for pass@1, ``"student-t"`` or ``"normal"`` (by the number of prompts) for mean@k."""
+    out = {}
+    for key in result:
+        if key.endswith("_ci_low"):
+            metric = key[len("eval/"):-len("_ci_low")]
+            out[metric] = "wilson" if metric == "pass@1" else mean_interval_method(int(result["eval/n"]))
     return out
 

@@ -18,6 +18,7 @@ from plainrl.checkpoint import (
     FATAL_FIELDS, WARN_FIELDS, CheckpointError, check_compatible, find_latest, read_config, resolve_resume,
 )
 from plainrl.config import Config, dump_config
+from plainrl.durable import write_atomic
 from plainrl.metrics import MetricsLogger
 
 
@@ -107,7 +108,7 @@ def open_run(cfg: Config, *, write: bool = True) -> tuple[Path, Path | None, lis
     run_dir.mkdir(parents=True, exist_ok=True)
     resume_from, resume_warnings = check_resume(cfg, run_dir)
     if write:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        write_atomic(run_dir / "config.yaml", dump_config(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)

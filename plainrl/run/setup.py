@@ -396,6 +396,8 @@ def _announce(cfg: Config, prep: Prepared, logger: MetricsLogger, run_dir: Path,
     if parallel.active:
         logger.print(f"distributed: {parallel.world_size} ranks, train.strategy={parallel.strategy}, {device.type}")
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
+    for note in cfg.notes:
+        logger.print(f"config: {note}")
     logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
     if cfg.model.quantization != "none":
         logger.print(check_quantization(cfg.model.quantization, device, model_dtype(cfg.model.dtype, device)))

@@ -14,6 +14,8 @@ its server is marked dead and the request goes to another.
 
 from __future__ import annotations
 
+import random
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -30,6 +32,34 @@ from plainrl.types import Generation, SamplingParams
 
 # text whose tokenisation tells tokenizers apart (digits, spaces, code, non-ASCII, a chat marker)
 TOKENIZER_PROBE = "Hello, world! 12 + 345 = 357.\n  def f(x):\treturn x**2  # café 東京 <|im_start|>user"
+
+
+RETRY_BASE_S = 0.5  # the first retry waits 0.25-0.5 s: a restarting or overloaded server gets a moment
+RETRY_CAP_S = 8.0  # the longest backoff of a retry
+RETRY_AFTER_CAP_S = 60.0  # the longest Retry-After honoured (as the openai client: a longer one is ignored)
+
+
+def retry_delay_s(attempt: int, retry_after: str | None = None, *, rand: Callable[[], float] = random.random) -> float:
+    """Seconds to wait before retrying a call whose try number ``attempt`` (0-based) failed.
+
+    The server's ``Retry-After`` when it sends one in seconds (RFC 9110, 10.2.3; at most
+    :data:`RETRY_AFTER_CAP_S`); else exponential backoff with "equal jitter" (Brooker 2015,
+    "Exponential Backoff And Jitter", AWS Architecture Blog): with
+    d = min(RETRY_CAP_S, RETRY_BASE_S * 2**attempt), wait d/2 + U(0, d/2), so clients that failed
+    together do not come back together, and none comes back at once.
+
+    Args:
+        rand: a source of U(0, 1) draws (a seeded ``random.Random().random`` in tests).
+    """
+    if retry_after is not None:
+        try:
+            seconds = float(retry_after)
+        except ValueError:  # an HTTP-date: the backoff instead
+            seconds = -1.0
+        if 0.0 <= seconds <= RETRY_AFTER_CAP_S:
+            return seconds
+    d = min(RETRY_CAP_S, RETRY_BASE_S * 2 ** attempt)
+    return d / 2 + rand() * d / 2
 
 
 @dataclass(frozen=True)
@@ -123,18 +153,22 @@ class ServedEngine:
 
         Raises:
             ServerDown: no answer (connection error, timeout) or a 5xx, after ``retries`` more
-                tries for anything but a timeout.
-            EngineError: a 4xx answer (the request is wrong; retrying cannot help).
+                tries for anything but a timeout, each after :func:`retry_delay_s`.
+            EngineError: a 4xx answer (the request is wrong; retrying cannot help), or a 429
+                (rate limited) still after ``retries`` more tries.
         """
         for attempt in range(retries + 1):
             try:
                 response = self.client.request(method, url + path, **kwargs)
             except httpx.HTTPError as e:
                 if attempt < retries and not isinstance(e, httpx.TimeoutException):
+                    time.sleep(retry_delay_s(attempt))
                     continue
                 raise ServerDown(f"inference server {url}: {method} {path} failed after {attempt + 1} "
                                  f"attempt(s): {type(e).__name__}: {e}; is it running? {self.start_hint}") from e
-            if response.status_code >= 500 and attempt < retries:
+            if (response.status_code >= 500 or response.status_code == 429) and attempt < retries:
+                # an overloaded or restarting server: hammering it at once makes it worse
+                time.sleep(retry_delay_s(attempt, response.headers.get("retry-after")))
                 continue
             if response.status_code >= 500:
                 raise ServerDown(f"inference server {url}: {method} {path} answered {response.status_code}: "

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import jsonschema
+
 from plainrl.rollout.envs.base import EnvState, EnvTimeoutError, StepResult, call_with_timeout
 
 __all__ = [
@@ -212,28 +214,44 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
     return out
 
 
-_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "array": lambda v: isinstance(v, list),
-    "object": lambda v: isinstance(v, dict),
-    "null": lambda v: v is None,
-}
+def _with_nullable(schema: Any) -> Any:
+    """``schema`` with OpenAPI's ``"nullable": true`` (what transformers' ``get_json_schema`` writes for
+    ``Optional[...]``, which JSON Schema does not know) spelled as JSON Schema's ``"null"`` type."""
+    if isinstance(schema, list):
+        return [_with_nullable(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _with_nullable(v) for k, v in schema.items()}
+    if out.pop("nullable", False) and "type" in out:
+        types = [out["type"]] if isinstance(out["type"], str) else list(out["type"])
+        out["type"] = types + ["null"] if "null" not in types else types
+    return out
 
 
-def _check_value(name: str, value: Any, schema: dict[str, Any]) -> str | None:
-    types = schema.get("type")
-    if types is not None:
-        types = [types] if isinstance(types, str) else list(types)
-        if schema.get("nullable"):
-            types.append("null")
-        if not any(_JSON_TYPES.get(t, lambda v: True)(value) for t in types):
-            return f"argument {name!r} must be of type {' or '.join(types)}, got {json.dumps(value)}"
-    if "enum" in schema and value not in schema["enum"]:
-        return f"argument {name!r} must be one of {schema['enum']}, got {json.dumps(value)}"
-    return None
+def arguments_validator(name: str, parameters: dict[str, Any]) -> jsonschema.protocols.Validator:
+    """A ``jsonschema`` validator of a tool's ``parameters`` schema (the draft it names in
+    ``$schema``, else 2020-12), checking nested objects, arrays, required keys and enums.
+
+    Raises:
+        ValueError: the schema itself is not a valid JSON schema (names the tool and the path).
+    """
+    schema = _with_nullable(parameters)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise ValueError(f"tool {name!r}: its parameters are not a valid JSON schema at "
+                         f"{e.json_path}: {e.message}") from e
+    return cls(schema)
+
+
+def argument_problem(validator: jsonschema.protocols.Validator, arguments: dict[str, Any]) -> str | None:
+    """The most relevant schema violation of ``arguments`` (``jsonschema.exceptions.best_match``),
+    as the model will read it: ``argument $.query.filters[1].field: 7 is not of type 'string'``; None if valid."""
+    error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    if error is None:
+        return None
+    return f"argument {error.json_path}: {error.message}"
 
 
 def run_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -278,7 +296,8 @@ class ToolEnv:
             episode as an environment error) instead of being shown to the model: for tools
             that share an object's state, which is unknown while the call may still be running.
     Raises:
-        ValueError: a function has no usable schema, or two share a name.
+        ValueError: a function has no usable schema, a schema's parameters are not a valid JSON
+            schema, or two tools share a name.
     """
 
     stop: tuple[str, ...] = ("</tool_call>",)
@@ -295,6 +314,7 @@ class ToolEnv:
             raise ValueError(f"tool names must be unique, repeated: {sorted(dup)}")
         self.tools = dict(zip(names, tools))
         self._params = {s["function"]["name"]: s["function"].get("parameters", {}) for s in self.schemas}
+        self._validators = {n: arguments_validator(n, p) for n, p in self._params.items()}
         self.max_turns = max_turns
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
@@ -345,7 +365,9 @@ class ToolEnv:
         return StepResult(observation=msgs, info=info)
 
     def check_call(self, call: ToolCall) -> str | None:
-        """Why ``call`` cannot be run (unknown tool, missing/unknown/mistyped argument), or None."""
+        """Why ``call`` cannot be run, or None: an unknown tool, a missing or unknown argument, or any
+        violation of the tool's JSON schema at any depth (``jsonschema``: types, nested objects'
+        required keys, array items, enums), named by its path in the arguments (``$.filters[1].field``)."""
         if call.name not in self.tools:
             return f"unknown tool {call.name!r}; available: {', '.join(self.tools)}"
         params = self._params[call.name]
@@ -356,10 +378,9 @@ class ToolEnv:
         unknown = [a for a in call.arguments if a not in props]
         if unknown:
             return f"unknown argument(s) {unknown} for {call.name}; it takes {list(props)}"
-        for name, value in call.arguments.items():
-            problem = _check_value(name, value, props[name])
-            if problem is not None:
-                return problem
+        problem = argument_problem(self._validators[call.name], call.arguments)
+        if problem is not None:
+            return f"{problem} (calling {call.name})"
         try:
             inspect.signature(self.tools[call.name]).bind(**call.arguments)
         except TypeError as e:

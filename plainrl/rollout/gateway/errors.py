@@ -8,6 +8,8 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from plainrl.rollout.gateway.schema import TAG_MARK
+
 __all__ = ["GatewayError", "error_response", "validation_error"]
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -42,16 +44,13 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
 
 
 def _param(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as the request's field path (``messages[0].content[1].text``):
+    indices in brackets, the tags of the schema's tagged unions (:data:`~plainrl.rollout.gateway.schema.TAG_MARK`) left out."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("system", "developer", "user", "assistant", "tool") and out.endswith("]"):
-            continue  # the discriminated union's branch name, not a field
-        elif isinstance(part, str) and (part.startswith(("str", "list[", "int", "union[", "function-")) or
-                                        part in ("NamedToolChoice",) or part.startswith("literal[")):
-            continue  # a union member's name
-        else:
+        elif not str(part).startswith(TAG_MARK):
             out += f".{part}" if out else str(part)
     return out
 

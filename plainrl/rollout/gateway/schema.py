@@ -13,13 +13,50 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from openai.types.chat import ChatCompletionFunctionTool, ChatCompletionMessageFunctionToolCall
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 __all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "Message", "SamplingFields"]
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# Every union of a request is tagged: the member a value goes to is chosen by its JSON kind (or a
+# message's role), so a bad value is reported by that member alone, and the tag, which pydantic puts
+# into an error's location, starts with TAG_MARK so that errors.py drops it from the field's path.
+TAG_MARK = "="
+
+
+def _json_kind(value: Any) -> str | None:
+    """The tag of a value's JSON kind: ``=string``, ``=array`` or ``=object`` (None: another kind)."""
+    for kind, types in (("string", str), ("array", list), ("object", dict)):
+        if isinstance(value, types):
+            return TAG_MARK + kind
+    return None
+
+
+def _prompt_kind(value: Any) -> str | None:
+    """A completions prompt's tag: text, token ids, texts or lists of token ids (by the first element)."""
+    if isinstance(value, str):
+        return TAG_MARK + "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    return TAG_MARK + ("texts" if isinstance(first, str) else "id-lists" if isinstance(first, list) else "ids")
+
+
+def _role(value: Any) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    return TAG_MARK + role if isinstance(role, str) else None
+
+
+def _tagged(members: dict[str, Any], by: Any, expected: str) -> Any:
+    """A union of ``members`` (tag -> type) whose member ``by(value)`` picks; anything else is
+    refused with "must be {expected}"."""
+    return Annotated[Union[tuple(Annotated[t, Tag(TAG_MARK + tag)] for tag, t in members.items())],
+                     Discriminator(by, custom_error_type="invalid_union_member",
+                                   custom_error_message=f"must be {expected}")]
 
 
 class TextPart(_Model):
@@ -29,7 +66,8 @@ class TextPart(_Model):
     text: str
 
 
-Content = Union[str, list[TextPart]]
+Content = _tagged({"string": str, "array": list[TextPart]}, _json_kind,
+                  'a string or a list of text parts ({"type": "text", "text": ...})')
 
 
 class SystemMessage(_Model):
@@ -66,8 +104,9 @@ class ToolMessage(_Model):
     tool_call_id: str | None = None
 
 
-Message = Annotated[Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage],
-                    Field(discriminator="role")]
+Message = _tagged({"system": SystemMessage, "developer": DeveloperMessage, "user": UserMessage,
+                   "assistant": AssistantMessage, "tool": ToolMessage}, _role,
+                  "a message whose role is system, developer, user, assistant or tool")
 
 
 class NamedFunction(_Model):
@@ -95,7 +134,7 @@ class SamplingFields(_Model):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
+    stop: _tagged({"string": str, "array": list[str]}, _json_kind, "a string or a list of strings") | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     n: int | None = Field(None, ge=1)
@@ -108,7 +147,8 @@ class ChatRequest(SamplingFields):
     model: str
     messages: list[Message] = Field(min_length=1)
     tools: list[ChatCompletionFunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: _tagged({"string": Literal["none", "auto", "required"], "object": NamedToolChoice}, _json_kind,
+                         '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}') | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -121,7 +161,8 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt, text or token ids."""
 
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: _tagged({"text": str, "ids": list[int], "texts": list[str], "id-lists": list[list[int]]}, _prompt_kind,
+                    "a string, a list of token ids, a list of strings or a list of lists of token ids")
     logprobs: int | None = Field(None, ge=0, le=5)
     stream: bool | None = None
     echo: bool | None = None
