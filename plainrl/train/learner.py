@@ -148,10 +148,9 @@ class Learner:
                                   teacher_topk=teacher_topk)
 
     def _logps(self, call: torch.nn.Module, mb: MicroBatch, positions: torch.Tensor, with_entropy: bool = False,
-               temperature: float | None = None, extra_targets: torch.Tensor | None = None):
+               extra_targets: torch.Tensor | None = None):
         dev = self.device
-        return call(sequence_logps, mb.input_ids.to(dev), mb.attention_mask.to(dev),
-                    temperature=self.temperature if temperature is None else temperature,
+        return call(sequence_logps, mb.input_ids.to(dev), mb.attention_mask.to(dev), temperature=self.temperature,
                     positions=connected_positions(positions.to(dev), self.parallel), with_entropy=with_entropy,
                     prompt_lens=self._prompt_lens(mb), packing=self.train.packing,
                     extra_targets=None if extra_targets is None else extra_targets.to(dev))
@@ -188,18 +187,17 @@ class Learner:
 
     @torch.no_grad()
     def scored_logps(self, episodes: list[Episode], call: torch.nn.Module,
-                     context: Callable[[], contextlib.AbstractContextManager], *, topk: int = 0,
-                     temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                     context: Callable[[], contextlib.AbstractContextManager], *, topk: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The episodes' loss tokens scored by ``call`` (this learner's model, its reference, or a
         distillation teacher: :mod:`plainrl.train.teacher`) within ``context``, without gradient,
         micro-batched and sharded as the update is (under torchrun each rank scores its share and
-        every rank gets the whole result).
+        every rank gets the whole result), at the sampling temperature.
 
         Args:
             call: a :class:`~plainrl.train.distributed.ModelCall` (wrapped for the strategy).
             context: entered around each forward (e.g. :func:`plainrl.models.reference_policy`).
             topk: also the ``topk`` most likely tokens at each loss position and their logprobs.
-            temperature: of the scored distribution; None: the sampling temperature.
         Returns:
             ``(logps [N, L], topk_ids [N, L, k] or None, topk_logps [N, L, k] or None)``, float32
             (ids int64) in the completion frame, 0 off the loss mask.
@@ -213,22 +211,22 @@ class Learner:
         real = len(mbs)
         mbs += self._padding(episodes, self.parallel.even_out(real))
         local = [torch.zeros(len(mine), *o.shape[1:], dtype=o.dtype) for o in out]
-        temperature = self.temperature if temperature is None else temperature
         for i, mb in enumerate(mbs):
             with context():
                 if topk:
                     dev = self.device
                     got = call(sequence_topk, mb.input_ids.to(dev), mb.attention_mask.to(dev), k=topk,
-                               temperature=temperature, positions=(mb.loss_mask > 0).to(dev),
+                               temperature=self.temperature, positions=(mb.loss_mask > 0).to(dev),
                                prompt_lens=self._prompt_lens(mb), packing=self.train.packing)
                 else:
-                    got = (self._logps(call, mb, mb.loss_mask > 0, temperature=temperature),)
+                    got = (self._logps(call, mb, mb.loss_mask > 0),)
             if i < real:
                 for x, frame in zip(got, local):
                     to_completion_frame(x, mb, frame)
         for o, frame in zip(out, local):
-            o[rows] = frame.to(o.dtype)
-        return tuple(self.parallel.sum_tensor(o) for o in out) + (None, None)[: 3 - len(out)]
+            o[rows] = frame
+        logps, *top = [self.parallel.sum_tensor(o) for o in out]
+        return (logps, *top) if topk else (logps, None, None)
 
     def _share(self, episodes: list[Episode], indices: torch.Tensor) -> torch.Tensor:
         return self.parallel.share(episodes, indices, share_prompts=self.train.share_prompts)
