@@ -323,7 +323,9 @@ class MetricsLogger:
 
     def resume_at(self, step: int) -> None:
         """Drop rows of steps >= ``step`` (logged after the checkpoint, before a crash),
-        so a resumed run's files hold each step once."""
+        so a resumed run's files hold each step once. A last line without its newline (the
+        crashed process was killed while appending it) is dropped too: it was logged after
+        the checkpoint. Each file is replaced whole (:func:`plainrl.durable.write_atomic`)."""
         self.metrics_f.close()
         self.rollouts_f.close()
         for name in ("metrics.jsonl", "rollouts.jsonl", "errors.jsonl"):
@@ -331,7 +333,10 @@ class MetricsLogger:
             if not path.exists():
                 continue
             keep = []
-            for line in path.read_text().splitlines():
+            lines = path.read_text().split("\n")
+            for line in lines[:-1]:  # the last piece: "" after a final newline, else a torn row
+                if not line.strip():
+                    continue
                 row = json.loads(line)
                 # an eval logged at the checkpoint's own step ran before the save
                 if row["step"] < step or (row["step"] == step and any(k.startswith("eval/") for k in row)):

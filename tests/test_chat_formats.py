@@ -7,8 +7,7 @@ import copy
 
 import pytest
 
-from plainrl.rollout import render_chat_continuation
-from plainrl.rollout.chat import ChatTemplateError
+from plainrl.rollout import ChatTemplateError, render_chat_continuation
 
 # Gemma's turn markers; only the roles user and assistant (written "model"), as Gemma's own template
 TURNS = ("{% for message in messages %}"

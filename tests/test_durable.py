@@ -157,3 +157,19 @@ def test_a_checkpoint_temporary_of_pid_0_is_cleaned(tmp_path):
     os.utime(stale, (0, 0))
     _clean_stale_tmp(tmp_path, time.time())
     assert not stale.exists()
+
+
+def test_resume_at_drops_a_row_torn_by_the_kill(tmp_path):
+    """A process killed while appending leaves a last line without its newline (the writer's buffer
+    reached the file in part). Old code: ``json.JSONDecodeError`` on resume, so the run could not go on."""
+    from plainrl.metrics import MetricsLogger
+
+    rows = "".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(1, 5))
+    (tmp_path / "rollouts.jsonl").write_text(rows + '{"step": 5, "completion": "The answ')
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    logger = MetricsLogger(tmp_path, total_steps=8, tensorboard=False, progress=False)
+    logger.resume_at(3)
+    want = "".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2))
+    assert (tmp_path / "rollouts.jsonl").read_text() == want
+    assert (tmp_path / "metrics.jsonl").read_text() == want
+    logger.close()

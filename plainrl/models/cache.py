@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from plainrl.checkpoint.files import fsync_path, remove_dir, sha256
-from plainrl.durable import fsync_tree, write_atomic, writer_alive
+from plainrl.durable import fsync_tree, temp_sibling, write_atomic, writer_alive
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ def publish_dir(target: Path, build: Callable[[Path], None], *, marker: str,
         if target.exists():
             log.warning("replacing %s: it has no %s, so it is not a finished cache entry", target, marker)
             remove_dir(target)
-        tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = temp_sibling(target)
         tmp.mkdir()
         try:
             build(tmp)

@@ -20,7 +20,7 @@ from plainrl.rollout.episodes import (
     rollout,
     sampling_params,
 )
-from plainrl.rollout.chat import build_env_prompt, prompt_messages, render_chat_continuation
+from plainrl.rollout.chat import ChatTemplateError, build_env_prompt, prompt_messages, render_chat_continuation
 from plainrl.rollout.multiturn import env_metrics, multi_turn_rollout
 from plainrl.rollout.agents import AgentError, agent_rollout
 from plainrl.rollout.episode_loop import LoopSettings
@@ -30,6 +30,7 @@ __all__ = [
     "LLM",
     "AgentCancelled",
     "AgentError",
+    "ChatTemplateError",
     "Completion",
     "ContextLengthError",
     "Engine",
