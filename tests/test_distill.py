@@ -245,15 +245,15 @@ def test_self_teacher_is_the_student_at_step_zero(tiny_model_dir, tmp_path):
 
 
 def _fixed_teacher_cfg(tiny_model_dir, tmp_path, run_dir, *extra):
-    """The tiny student; its teacher the same model with the final norm scaled (sharper logits, the
-    same preferences: a distribution the student can reach in a few steps), a separate model."""
+    """The tiny student; its teacher the same model with the final norm scaled (another
+    distribution, the same preferences), a separate model."""
     from transformers import AutoModelForCausalLM
 
     teacher = tmp_path / "sharp-teacher"
     if not teacher.exists():
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         with torch.no_grad():
-            model.model.norm.weight.mul_(TEACHER_SHARPNESS)
+            model.model.norm.weight.mul_(4.0)
         model.save_pretrained(teacher)
         AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(teacher)
     return load_config(EXAMPLE, tiny_overrides(tiny_model_dir, run_dir) + [
@@ -262,17 +262,67 @@ def _fixed_teacher_cfg(tiny_model_dir, tmp_path, run_dir, *extra):
         "eval.before=false", "eval.after=false", *extra])
 
 
-TEACHER_SHARPNESS = 4.0
+def _exact_reverse_kl(student, teacher, student_ids, teacher_ids) -> float:
+    """KL(student || teacher) over the whole vocabulary at the next position."""
+    with torch.no_grad():
+        s = torch.log_softmax(student(torch.tensor([student_ids])).logits[0, -1].float(), -1)
+        t = torch.log_softmax(teacher(torch.tensor([teacher_ids])).logits[0, -1].float(), -1)
+    return float((s.exp() * (s - t)).sum())
 
 
-def test_reverse_kl_to_a_fixed_teacher_falls(tiny_model_dir, tmp_path):
-    from plainrl.run.loop import train
+@pytest.mark.parametrize("loss", ["reverse_kl", "gkd_topk"])
+def test_distillation_lowers_the_reverse_kl(loss, tokenizer):
+    """The real model: the student answers a question, the teacher is the model as it starts shown
+    an instruction the student never sees. 64 one-token completions sampled from the student per
+    update; after each update the exact reverse KL at that position (the whole vocabulary) is
+    lower. (On a tiny random model the per-token estimate's noise over a near-uniform 49k-token
+    vocabulary hides the signal; a real model's peaked distribution does not.)"""
+    from plainrl.algorithms.estimators import Advantages, with_teacher
+    from plainrl.config import AlgorithmConfig, ModelConfig, TrainConfig
+    from plainrl.frames import completion_frame
+    from plainrl.models import load_policy
+    from plainrl.train import Learner
+    from plainrl.train.teacher import make_teacher
+    from plainrl.types import Episode
 
-    run_dir = train(_fixed_teacher_cfg(tiny_model_dir, tmp_path, tmp_path / "r", "train.steps=8",
-                                       "model.lora.enabled=false"))
-    kl = [r["distill/reverse_kl"] for r in _rows(run_dir) if "distill/reverse_kl" in r]
-    assert len(kl) == 8 and kl[0] > 0.05
-    assert sum(kl[-3:]) / 3 < 0.7 * sum(kl[:3]) / 3, kl
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(dtype="float32", lora={"enabled": True, "r": 8, "alpha": 16}), torch.device("cpu"))
+    algo = AlgorithmConfig(name="opd", teacher="self", tis_cap=None, distill_loss=loss, distill_topk=64,
+                           distill_beta=1.0)
+    learner = Learner(model, algo, TrainConfig(lr=3e-4, warmup_steps=0, max_grad_norm=1.0), pad_id=0,
+                      temperature=1.0, completion_budget=1, copy_reference=False)
+    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
+                                                      add_generation_prompt=True, tokenize=True)["input_ids"]
+    question = "Name a fruit."
+    prompt, teacher_prompt = chat(question), chat(question + "\n\nAnswer with the single word: Banana.")
+    teacher = make_teacher(learner, model, "reference", topk=64 if loss == "gkd_topk" else 0,
+                           prompt_ids=lambda e: teacher_prompt)
+    g = torch.Generator().manual_seed(0)
+
+    def kl() -> float:
+        with learner.reference_context():
+            ref_logits = model(torch.tensor([teacher_prompt])).logits[0, -1].detach()
+        with torch.no_grad():
+            s = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        t = torch.log_softmax(ref_logits.float(), -1)
+        return float((s.exp() * (s - t)).sum())
+
+    kls = [kl()]
+    for _ in range(3):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        ys = torch.multinomial(logp.exp(), 64, replacement=True, generator=g).tolist()
+        eps = [Episode(sample_id=str(i), group=0, row={}, prompt_ids=prompt, completion_ids=[y],
+                       logprobs=[float(logp[y])], loss_mask=[1], finish_reason="length") for i, y in enumerate(ys)]
+        frame = completion_frame(eps)
+        scores = teacher.score(eps)
+        adv = with_teacher(Advantages(torch.zeros(len(eps)), None), eps, frame, scores.logprobs, distill_loss=loss,
+                           distill_coef=1.0, reward_coef=0.0)
+        learner.update(eps, adv.advantages, scores.topk)
+        kls.append(kl())
+    assert kls[0] > 0.5, kls  # the instruction moves the teacher: a real signal to learn
+    assert all(b < a for a, b in zip(kls, kls[1:])), kls
+    assert kls[-1] < 0.8 * kls[0], kls
 
 
 @pytest.mark.parametrize("loss", ["reverse_kl", "gkd_topk"])
