@@ -117,3 +117,73 @@ def test_the_tally_gives_the_mean_ratio_and_the_dropped_share_of_loss_tokens():
 def test_bad_methods_and_bounds_are_refused(methods, bounds, match):
     with pytest.raises(ValueError, match=match):
         correct(OLD, ENGINE, MASK, methods, bounds)
+
+
+# ----------------------------------------------------------------------------- auto, and in the learner
+
+from plainrl.config import load_config  # noqa: E402
+from plainrl.run.correction import TIS_CAP_AUTO, resolve_is_correction  # noqa: E402
+from plainrl.run.setup import make_learner  # noqa: E402
+from plainrl.types import Episode  # noqa: E402
+
+RL = ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]"]
+
+
+@pytest.mark.parametrize("tis_cap, async_steps, expected", [
+    (None, 0, []),                                # the embedded engine in float32, in step: on-policy, nothing
+    (2.0, 0, ["token_tis"]),                      # another engine's numerics: token TIS as before
+    (2.0, 2, ["token_tis", "geometric_mask"]),    # stale batches: the geometric mask too
+    (None, 1, ["geometric_mask"]),                # tis_cap: null keeps token TIS off
+])
+def test_auto_is_token_tis_when_capped_plus_the_geometric_mask_when_async(tis_cap, async_steps, expected):
+    methods, cap, why = resolve_is_correction("auto", tis_cap=tis_cap, async_steps=async_steps)
+    assert methods == expected and cap == tis_cap and why.startswith("auto")
+    assert ("rollout.async_steps" in why) == (async_steps > 0)
+
+
+def test_a_configured_list_is_kept_and_token_tis_gets_a_cap():
+    assert resolve_is_correction(["icepop"], tis_cap=None, async_steps=2)[:2] == (["icepop"], None)
+    assert resolve_is_correction(["token_tis"], tis_cap=None, async_steps=0)[:2] == (["token_tis"], TIS_CAP_AUTO)
+    assert resolve_is_correction([], tis_cap=2.0, async_steps=2)[0] == []
+
+
+def _eps(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(0, 1000, (4,), generator=g).tolist()
+        c = torch.randint(0, 1000, (3 + i % 2,), generator=g).tolist()
+        out.append(Episode(sample_id=str(i), group=i // 2, row={}, prompt_ids=p, completion_ids=c,
+                           logprobs=[0.0] * len(c), loss_mask=[1] * len(c), finish_reason="eos"))
+    return out
+
+
+def test_the_learner_weighs_the_gradient_by_the_configured_correction(tiny_model_dir):
+    """An engine that gave every sampled token half the learner's probability (rho = 2): token
+    MIS with the band [0, 3] keeps every token at weight 2 (gradient 2x the uncorrected one),
+    icepop's band [0.5, 1.5] drops them all (no gradient), and the step's is/* metrics say so."""
+    from transformers import AutoModelForCausalLM
+
+    eps, adv = _eps(), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    grads, metrics = [], []
+    for extra in (["algorithm.is_correction=[]"],
+                  ["algorithm.is_correction=[token_mis]", "algorithm.is_bounds.token_mis=[0,3]"],
+                  ["algorithm.is_correction=[icepop]", "algorithm.is_bounds.icepop=[0.5,1.5]"]):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        cfg = load_config(None, RL + ["model.lora.enabled=false", "train.max_grad_norm=null", *extra])
+        learner = make_learner(cfg, m, pad_id=0)
+        lp = learner.completion_logps(eps)  # [N, L]
+        for i, e in enumerate(eps):
+            e.logprobs = (lp[i, : len(e.completion_ids)] - math.log(2)).tolist()
+        learner.optimizer.step = lambda: None  # keep the gradient for inspection
+        learner.optimizer.zero_grad = lambda set_to_none=True: None
+        learner.update(eps, adv)
+        grads.append(torch.cat([p.grad.flatten() for p in learner.master]))
+        metrics.append(learner.is_tally.take())
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], 2 * grads[0], atol=1e-6, rtol=1e-4)
+    assert grads[2].abs().sum() == 0
+    assert metrics[0] == {}
+    assert metrics[1]["is/ratio_mean"] == pytest.approx(2.0, rel=1e-4) and metrics[1]["is/masked_fraction"] == 0
+    assert metrics[2]["is/masked_fraction"] == 1.0

@@ -126,6 +126,9 @@ def correct(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Ten
         ValueError: an unknown method, two weightings, shapes that differ, a cap <= 0 or a band
             with low > high.
     """
+    if isinstance(methods, str):
+        raise ValueError(f"methods must be a list of method names, got {methods!r} ('auto' is resolved by "
+                         "plainrl.run.correction.resolve_is_correction)")
     unknown = [x for x in methods if x not in get_args(ISMethod)]
     if unknown:
         raise ValueError(f"unknown is_correction method(s) {unknown}; expected some of {list(get_args(ISMethod))}")

@@ -208,6 +208,7 @@ def _train(run: Run) -> Path:
                     # during PPO's critic warm-up the policy waits until the values mean something
                     warm = step >= cfg.critic.warmup_steps
                     stats = run.learner.update(samples, adv.advantages) if warm else run.learner.skip()
+                extra.update(run.learner.is_tally.take(run.learner.parallel.sum))  # is/ratio_mean, is/masked_fraction
                 rollouts.sync(run.model, step, timer)  # async: after the next batch finished sampling
                 extra.update(run.engine.take_metrics())
                 times = dict(batch.times)  # the batch's sampling and scoring, then this step's phases
