@@ -85,6 +85,8 @@ class Episode:
                     them; None: every segment takes the episode's ``reward``.
     segment, segments: a training sample's segment index in its episode, and the episode's
                     number of segments (0 and 1 for an episode of one segment).
+    policy_version: the learner version (updates applied) whose weights sampled it, set by
+                    :mod:`plainrl.run.overlap`; None before.
     """
 
     sample_id: str
@@ -107,6 +109,7 @@ class Episode:
     segment_rewards: list[float] | None = None
     segment: int = 0
     segments: int = 1
+    policy_version: int | None = None
 
     def columns(self) -> dict[str, Any]:
         """The columns reward functions receive as keyword arguments: the data row, plus

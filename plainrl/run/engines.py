@@ -4,6 +4,7 @@ rollout and vLLM sections into engine arguments."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -70,7 +71,8 @@ def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTraine
     """
     r = cfg.rollout
     if r.engine == "hf":
-        return HFEngine(model, tokenizer, batch_size=r.batch_size, merge_lora=r.merge_lora, decoder=r.decoder)
+        sampler = model if not r.async_steps else sampling_copy(model)
+        return HFEngine(sampler, tokenizer, batch_size=r.batch_size, merge_lora=r.merge_lora, decoder=r.decoder)
     if r.engine == "remote":
         return _remote_engine(cfg, model, tokenizer)
     sync = _sync(r.sync, model, lora_is_slow=device.type == "cpu")
@@ -82,6 +84,23 @@ def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTraine
         print(why, flush=True)
     return VLLMEngine(vllm_args(cfg, device, lora_rank, memory_share=share, sleep=r.vllm.sleep), sync=sync,
                       cpu_kv_cache_gb=r.vllm.cpu_kv_cache_gb)
+
+
+def sampling_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of ``model`` for the embedded engine under ``rollout.async_steps``: the
+    rollout thread samples with it while the learner changes the original, and each weight push
+    (``HFEngine.load_weights``) copies the trainable parameters over.
+
+    Raises:
+        ConfigError: the model cannot be copied (e.g. some quantized models).
+    """
+    try:
+        clone = copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001  (what deepcopy raises depends on the model's classes)
+        raise ConfigError(f"rollout.async_steps with rollout.engine=hf samples with a copy of the model, and this "
+                          f"model cannot be copied ({type(e).__name__}: {e}); serve it (rollout.engine=remote) or "
+                          "set rollout.async_steps=0") from e
+    return clone.requires_grad_(False).eval()
 
 
 def _sync(requested: str, model: torch.nn.Module, *, lora_is_slow: bool = False) -> SyncMode:

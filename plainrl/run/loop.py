@@ -191,7 +191,7 @@ def _train(run: Run) -> Path:
         with GracefulStop(agree=run.parallel.max if run.parallel.active else None) as stop:
             for step in range(run.start, cfg.train.total_steps):
                 timer = StepTimer()
-                batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: one step ahead
+                batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: sampled ahead
                 episodes, rewards_out, extra = batch.episodes, batch.rewards, batch.metrics
                 samples, shaping = samples_of(run, episodes, timer)  # an agent's segments: one sample each
                 extra.update(shaping)
@@ -219,7 +219,7 @@ def _train(run: Run) -> Path:
                 logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
                 logger.log_errors(step, rewards_out.errors)
                 boundary(step, skipped=stats.skipped, stop=stop, logger=logger,
-                         evaluate=run.evaluate if prep.data.eval else None,
+                         evaluate=(lambda: rollouts.paused(run.evaluate)) if prep.data.eval else None,
                          save=lambda done: run.save(done, in_flight=rollouts.in_flight()))
     finally:
         rollouts.close()

@@ -412,7 +412,7 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
                      restore_rng=False)
         logger.resume_at(run.start)
         logger.print(f"resumed from {resume_from} at step {run.start}")
-    if cfg.rollout.engine != "hf" or isinstance(engine, RankEngine):
+    if cfg.rollout.engine != "hf" or isinstance(engine, RankEngine) or cfg.rollout.async_steps:  # (hf: its copy)
         with logger.phase(f"pushing the policy's weights to the {cfg.rollout.engine} engine"):
             engine.load_weights(model)
     if resume_from is None and cfg.eval.before and prep.data.eval:  # (on resume it ran already: the RNG would shift)

@@ -283,8 +283,16 @@ class HFEngine:
         self.pad_id = pad_token_id(tokenizer)
 
     def load_weights(self, model: torch.nn.Module) -> None:
-        """No-op: the engine samples with the learner's module itself."""
-        assert model is self.model, "HFEngine shares the learner's model; nothing to load"
+        """No-op when the engine samples with ``model`` itself; when it samples with a copy
+        (``rollout.async_steps``: :func:`plainrl.run.engines.sampling_copy`), ``model``'s
+        trainable parameters are copied into it (the frozen ones never change)."""
+        if model is self.model:
+            return
+        source = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if source[name].requires_grad:
+                    p.copy_(source[name])
 
     def offload(self) -> None:
         """Drop the static decoder's copies of the weights before the learner's update.

@@ -1,0 +1,80 @@
+"""rollout.async_steps: 2 with the embedded engine (a copy of the model sampling on the rollout
+thread): the staleness bound over a run, and an exact resume after kill -9 with batches in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plainrl.checkpoint import verify
+from plainrl.run.overlap import IN_FLIGHT
+
+REPO = Path(__file__).resolve().parents[1]
+N = 2
+
+
+def _cmd(model_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+            f"model.name={model_dir}", "model.dtype=float32", f"run_dir={run_dir}", "train.epochs=null",
+            "train.warmup_steps=0", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+            "data.eval_size=2", "eval.before=false", "eval.after=false", "log.progress=false", "log.report=false",
+            "log.rollouts_per_step=8", "rollout.max_total_tokens=null", f"rollout.async_steps={N}", *extra]
+
+
+def _rows(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    return [r for r in _rows(run_dir, "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.e2e
+def test_async_steps_2_on_the_embedded_engine_bounds_staleness_and_resumes_after_kill_9(tiny_model_dir, tmp_path):
+    a = tmp_path / "a"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(_cmd(tiny_model_dir, a, "train.steps=40", "checkpoint.every=2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    ckpt = a / "checkpoints" / "step-000004"
+    deadline = time.monotonic() + 600
+    try:  # kill -9 as soon as the checkpoint of step 4 is complete (its manifest is written last)
+        while not (ckpt / "manifest.json").exists():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint of step 4 in 600 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (a / "log.txt").read_text() if (a / "log.txt").exists() else ""
+    steps = _steps(a)
+    assert len(steps) >= 4 and all(r["rollout/staleness_max"] <= N for r in steps)
+    assert any(r["rollout/staleness_max"] > 0 for r in steps)  # sampled ahead, not in step
+    assert all("time/idle_learner" in r and "time/idle_engine" in r for r in steps)
+    assert all("is/masked_fraction" in r for r in steps), log[-2000:]  # auto: token TIS + the geometric mask
+
+    assert IN_FLIGHT in verify(ckpt)["files"]
+    saved = pickle.loads((ckpt / IN_FLIGHT).read_bytes())
+    assert 1 <= len(saved) <= N and [b.step for b in saved] == list(range(4, 4 + len(saved)))
+    b = tmp_path / "b"
+    out = subprocess.run(_cmd(tiny_model_dir, b, f"train.steps={4 + len(saved) + 1}", f"checkpoint.resume={ckpt}"),
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "algorithm.is_correction: ['token_tis', 'geometric_mask'] (auto:" in out.stdout + out.stderr
+    resumed = {r["step"]: r for r in _steps(b)}
+    rollouts = _rows(b, "rollouts.jsonl")
+    for batch in saved:  # trained as saved: the same completions, sampled with the same weights
+        logged = [r["completion"] for r in rollouts if r["step"] == batch.step]
+        assert logged == [e.completion_text for e in batch.episodes]
+        assert resumed[batch.step]["rollout/staleness"] == batch.step - batch.policy_step <= N
+    assert all(r["rollout/staleness_max"] <= N for r in resumed.values())
