@@ -13,9 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from plainrl.checkpoint import verify
+from plainrl.config import load_config
+from plainrl.rollout.engines.hf import HFEngine
+from plainrl.run.engines import sampling_copy
 from plainrl.run.overlap import IN_FLIGHT
+from plainrl.run.setup import make_learner
+from plainrl.types import Episode, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 N = 2
@@ -78,3 +85,34 @@ def test_async_steps_2_on_the_embedded_engine_bounds_staleness_and_resumes_after
         assert logged == [e.completion_text for e in batch.episodes]
         assert resumed[batch.step]["rollout/staleness"] == batch.step - batch.policy_step <= N
     assert all(r["rollout/staleness_max"] <= N for r in resumed.values())
+
+
+@pytest.mark.parametrize("decoder", ["static", "transformers"])
+def test_the_copy_samples_with_the_pushed_version_until_the_next_push(tiny_model_dir, tokenizer, decoder):
+    """The learner's update does not reach the engine's copy until a push, and after it the
+    engine's logprobs of its samples are the learner's (each checked against the learner's
+    weights at that version)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                             "model.lora.enabled=false", "rollout.temperature=1.0"])
+    learner = make_learner(cfg, model, pad_id=0)
+    engine = HFEngine(sampling_copy(model), tokenizer, batch_size=4, decoder=decoder)
+    prompts = [tokenizer(t)["input_ids"] for t in ("What is 2 + 2?", "Name a colour.")]
+
+    def gap() -> float:  # the largest |engine - learner| logprob of fresh samples
+        gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seeds=[1, 2])
+        eps = [Episode(sample_id=str(i), group=i, row={}, prompt_ids=p, completion_ids=g.token_ids,
+                       logprobs=g.logprobs, loss_mask=[1] * len(g.token_ids), finish_reason=g.finish_reason)
+               for i, (p, g) in enumerate(zip(prompts, gens))]
+        lp = learner.completion_logps(eps)
+        return max(float((lp[i, : len(e.logprobs)] - torch.tensor(e.logprobs)).abs().max()) for i, e in enumerate(eps))
+
+    assert gap() < 1e-4  # version 0 on both sides
+    with torch.no_grad():  # an update: every weight moves
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert gap() > 1e-2  # the engine still samples with version 0
+    engine.load_weights(model)
+    assert gap() < 1e-4  # version 1 on both sides
+    assert all(not p.requires_grad for p in engine.model.parameters())
