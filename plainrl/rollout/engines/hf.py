@@ -375,9 +375,10 @@ class HFEngine:
         if self.decoder != "static":
             return _TransformersDecoder(self.model)
         key = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
-        if self._static is None or self._static[0] != key:
-            self._static = (key, StaticDecoder(self.model))
-        return self._static[1]
+        static = self._static  # (read once: under rollout.async_steps offload() may clear it from the learner's thread)
+        if static is None or static[0] != key:
+            static = self._static = (key, StaticDecoder(self.model))
+        return static[1]
 
     def _prefill(self, dec: Decoder, prompts: list[list[int]], steps: int) -> torch.Tensor:
         """Start ``dec`` on ``prompts`` with room for ``steps`` new tokens; [n, V] float32 logits
