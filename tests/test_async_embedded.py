@@ -1,5 +1,6 @@
 """rollout.async_steps: 2 with the embedded engine (a copy of the model sampling on the rollout
-thread): the staleness bound over a run, and an exact resume after kill -9 with batches in flight."""
+thread): the staleness bound over a run, an exact resume after kill -9 with batches in flight
+(resumed with partial rollouts on), and the copy's weights between pushes."""
 
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ def test_async_steps_2_on_the_embedded_engine_bounds_staleness_and_resumes_after
     saved = pickle.loads((ckpt / IN_FLIGHT).read_bytes())
     assert 1 <= len(saved) <= N and [b.step for b in saved] == list(range(4, 4 + len(saved)))
     b = tmp_path / "b"
-    out = subprocess.run(_cmd(tiny_model_dir, b, f"train.steps={4 + len(saved) + 1}", f"checkpoint.resume={ckpt}"),
+    # resumed with partial rollouts on: the saved batches as they are, the next one in chunks of 3 tokens
+    out = subprocess.run(_cmd(tiny_model_dir, b, f"train.steps={4 + len(saved) + 1}", f"checkpoint.resume={ckpt}",
+                              "rollout.partial=true", "rollout.partial_chunk=3"),
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "algorithm.is_correction: ['token_tis', 'geometric_mask'] (auto:" in out.stdout + out.stderr
@@ -85,6 +88,8 @@ def test_async_steps_2_on_the_embedded_engine_bounds_staleness_and_resumes_after
         assert logged == [e.completion_text for e in batch.episodes]
         assert resumed[batch.step]["rollout/staleness"] == batch.step - batch.policy_step <= N
     assert all(r["rollout/staleness_max"] <= N for r in resumed.values())
+    fresh = resumed[4 + len(saved)]  # sampled by the resumed run, every token with its version
+    assert 0 <= fresh["rollout/partial_fraction"] <= 1 and fresh["rollout/policy_versions_per_sample"] >= 1
 
 
 @pytest.mark.parametrize("decoder", ["static", "transformers"])

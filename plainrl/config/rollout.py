@@ -103,6 +103,12 @@ class RolloutConfig(_Section):
     the weights of update v is trained at step v + N at the latest (the sampler waits, nothing is dropped for age); 1
     is one-step-off. Needs `rollout.engine: remote`, or `hf`, which then samples with a copy of the model (docs/
     engines.md); 0: synchronous."""
+    partial: bool = False
+    """Partial rollouts (needs `async_steps > 0`): a weight push lands between decode chunks of `partial_chunk` tokens
+    instead of waiting for the batch being sampled; the tokens kept, sampling continues under the new weights, and
+    each token records the version that sampled it (`plainrl.rollout.engines.partial`)."""
+    partial_chunk: int = Field(32, gt=0)
+    """`partial`: decode tokens per engine call, the most a weight push waits for."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """`rollout.engine: vllm` and `plainrl serve` settings."""
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
@@ -186,6 +192,9 @@ class RolloutConfig(_Section):
             raise ValueError("rollout.engine=remote needs rollout.remote.urls, e.g. "
                              "rollout.remote.urls='[http://127.0.0.1:8000]' (start one with `plainrl serve CONFIG.yaml`, "
                              "or see docs/engines.md for SGLang and OpenAI-compatible servers)")
+        if self.partial and not self.async_steps:
+            raise ValueError("rollout.partial=true lets a weight push land mid-batch, which only happens with "
+                             "rollout.async_steps > 0; set rollout.async_steps (e.g. 2) or rollout.partial=false")
         if self.async_steps and self.engine == "vllm":
             raise ValueError(f"rollout.async_steps={self.async_steps} samples while the learner trains, which vLLM in "
                              "this process cannot (it shares the learner's GPU by sleep mode); set "

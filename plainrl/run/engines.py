@@ -17,6 +17,7 @@ from plainrl.config import Config, ConfigError
 from plainrl.models import model_dtype, resolve_device, resolve_model_path
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.engines.hf import HFEngine
+from plainrl.rollout.engines.partial import PartialEngine
 from plainrl.rollout.engines.sync import SyncMode, resolve_sync
 
 
@@ -57,6 +58,16 @@ def colocated_memory_share(cfg: Config, model: torch.nn.Module, device: torch.de
 
 def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase,
                 device: torch.device) -> Engine:
+    """The rollout engine of ``rollout.engine`` (:func:`_engine`), wrapped in a
+    :class:`~plainrl.rollout.engines.partial.PartialEngine` under ``rollout.partial``."""
+    engine = _engine(cfg, model, tokenizer, device)
+    if cfg.rollout.partial:
+        return PartialEngine(engine, tokenizer, chunk=cfg.rollout.partial_chunk)
+    return engine
+
+
+def _engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase,
+            device: torch.device) -> Engine:
     """The rollout engine of ``rollout.engine`` (and, for ``remote``, ``rollout.remote.backend``:
     vLLM, SGLang or a read-only OpenAI-compatible server; dispatched here only).
 

@@ -184,7 +184,8 @@ def _train(run: Run) -> Path:
     names = [f.name for f in prep.reward_fns] + [m.name for m in run.reward_models]
     boundary = StepBoundary.for_run(cfg, run.run_dir)
     rollouts = Rollouts(lambda step, timer: collect(run, step, timer), run.engine,
-                        async_steps=cfg.rollout.async_steps, start=run.start, total_steps=cfg.train.total_steps)
+                        async_steps=cfg.rollout.async_steps, start=run.start, total_steps=cfg.train.total_steps,
+                        partial=cfg.rollout.partial)
     if run.in_flight is not None:
         rollouts.restore(run.in_flight, run.start)
     try:

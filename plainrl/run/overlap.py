@@ -9,7 +9,9 @@ v >= s - N (pacing): it is trained at version s, so its staleness s - v never ex
 nothing is discarded for its age. At most N batches are sampled ahead of the one the learner
 trains on.
 
-A weight push happens only between two batches (no sample mixes two policies) and only while
+A weight push happens only between two batches (no sample mixes two policies; with
+``rollout.partial`` between two decode chunks instead, :mod:`plainrl.rollout.engines.partial`,
+each token recording its version) and only while
 the learner's weights are still: from the end of update t (:meth:`Rollouts.sync`) until the
 learner takes its next batch (:meth:`Rollouts.take`). Whoever is at such a point first pushes:
 the learner after its update if the engine is between batches, or the rollout thread when it
@@ -41,6 +43,7 @@ import torch
 
 from plainrl.metrics import StepTimer
 from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.engines.partial import PartialEngine
 from plainrl.types import Episode, RewardOutput
 
 IN_FLIGHT = "in_flight.pkl"  # the checkpoint file holding the batches sampled ahead (async_steps > 0)
@@ -76,9 +79,16 @@ def _stamp(episodes: list[Episode], version: int) -> None:
 
 def staleness_metrics(step: int, episodes: list[Episode]) -> dict[str, float]:
     """``rollout/staleness`` and ``rollout/staleness_max``: mean and max over the episodes of
-    ``step - policy_version``, in learner versions."""
+    ``step - policy_version``, in learner versions; with per-token versions (``rollout.partial``)
+    also ``rollout/partial_fraction`` (share of episodes whose tokens span several versions) and
+    ``rollout/policy_versions_per_sample`` (mean number of versions an episode's tokens span)."""
     ages = [step - e.policy_version for e in episodes if e.policy_version is not None] or [0]
-    return {"rollout/staleness": sum(ages) / len(ages), "rollout/staleness_max": float(max(ages))}
+    out = {"rollout/staleness": sum(ages) / len(ages), "rollout/staleness_max": float(max(ages))}
+    spans = [len(set(e.token_versions)) for e in episodes if e.token_versions]
+    if spans:
+        out["rollout/partial_fraction"] = sum(n > 1 for n in spans) / len(spans)
+        out["rollout/policy_versions_per_sample"] = sum(spans) / len(spans)
+    return out
 
 
 class Rollouts:
@@ -92,14 +102,23 @@ class Rollouts:
         async_steps: N >= 0.
         start: the run's first step (> 0 when resumed; the engine holds its weights).
         total_steps: the run's ``train.steps`` (no batch is sampled beyond the last).
+        partial: ``rollout.partial``: ``engine`` is a
+            :class:`~plainrl.rollout.engines.partial.PartialEngine` and a push lands between its
+            decode chunks instead of waiting for the batch being sampled.
 
     Raises:
-        ValueError: ``async_steps < 0``.
+        ValueError: ``async_steps < 0``; ``partial`` without async steps or a PartialEngine.
     """
 
-    def __init__(self, collect: Collect, engine: Engine, *, async_steps: int, start: int, total_steps: int):
+    def __init__(self, collect: Collect, engine: Engine, *, async_steps: int, start: int, total_steps: int,
+                 partial: bool = False):
         if async_steps < 0:
             raise ValueError(f"rollout.async_steps must be >= 0, got {async_steps}")
+        if partial and not (async_steps and isinstance(engine, PartialEngine)):
+            raise ValueError("rollout.partial needs rollout.async_steps > 0 and the engine wrapped in a PartialEngine")
+        self.partial = partial
+        if partial:
+            engine.version = start
         self.collect, self.engine = collect, engine
         self.async_steps, self.total_steps = async_steps, total_steps
         self._cv = threading.Condition()
@@ -126,15 +145,20 @@ class Rollouts:
         return Batch(step, episodes, rewards, metrics, policy_step=version, times=times)
 
     def _push_due(self) -> bool:
+        # partial rollouts: the engine takes the push between two decode chunks, so no need to
+        # wait for the batch
         return (self._learner_v > self._engine_v and self._still and self._model is not None
-                and self._sampling is None and not self._pushing)
+                and (self._sampling is None or self.partial) and not self._pushing)
 
     def _push(self) -> None:
         """Push the learner's weights (lock held on entry and exit, released meanwhile)."""
         self._pushing, version = True, self._learner_v
         self._cv.release()
         try:
-            self.engine.load_weights(self._model)
+            if self.partial:
+                self.engine.load_weights(self._model, version)
+            else:
+                self.engine.load_weights(self._model)
         finally:
             self._cv.acquire()
             self._pushing = False
@@ -208,8 +232,9 @@ class Rollouts:
         return batch
 
     def sync(self, model: torch.nn.Module, step: int, timer: StepTimer) -> None:
-        """After update ``step``: push ``model``'s weights now if the engine is between batches,
-        else at the end of the batch it samples (``sync`` times a push made here)."""
+        """After update ``step``: push ``model``'s weights now if the engine is between batches
+        (with ``partial``: between two decode chunks, waiting for one at most), else at the end of
+        the batch it samples (``sync`` times a push made here)."""
         if not self.async_steps:
             with timer("sync"):  # a no-op for the embedded engine, which samples with the learner's model
                 self.engine.load_weights(model)
