@@ -212,6 +212,21 @@ def test_an_evaluation_runs_with_nothing_else_sampling():
     r.close()
 
 
+class Slow(Weights):
+    def collect(self, step, timer):
+        time.sleep(0.05)
+        return super().collect(step, timer)
+
+
+def test_an_evaluation_after_a_deferred_push_sees_the_new_weights():
+    engine = Slow()
+    r = Rollouts(engine.collect, engine, async_steps=2, start=0, total_steps=6)
+    r.take(0, StepTimer())  # batch 1 starts right away (version 0)
+    r.sync(torch.nn.Linear(1, 1), 0, StepTimer())  # batch 1 being sampled: the push is deferred
+    assert r.paused(lambda: engine.version) == 1
+    r.close()
+
+
 def test_a_failed_batch_is_raised_by_take():
     def fail(step, timer):
         raise OSError("server gone")

@@ -248,10 +248,13 @@ class Rollouts:
             self._admit()
 
     def _hold(self) -> None:
-        """Stop starting batches and wait for the one being sampled (lock held)."""
+        """Stop starting batches, wait for the one being sampled, and make a push still due (lock
+        held): what runs during the hold (an evaluation) sees the learner's latest weights."""
         self._held = True
         while (self._sampling is not None or self._pushing) and self._error is None:
             self._cv.wait()
+        if self._push_due():
+            self._push()
 
     def paused(self, fn: Callable[[], T]) -> T:
         """``fn()`` (an evaluation) with the rollout thread held, so nothing else samples meanwhile."""
