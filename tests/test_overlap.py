@@ -227,12 +227,29 @@ def test_an_evaluation_after_a_deferred_push_sees_the_new_weights():
     r.close()
 
 
+class PushFails(Slow):
+    def load_weights(self, model):
+        raise OSError("every server gone")
+
+
+def test_a_push_that_fails_on_the_rollout_thread_is_raised_by_take():
+    engine = PushFails()
+    r = Rollouts(engine.collect, engine, async_steps=1, start=0, total_steps=4)
+    r.take(0, StepTimer())
+    r.sync(torch.nn.Linear(1, 1), 0, StepTimer())  # batch 1 being sampled: the rollout thread pushes after it
+    time.sleep(0.3)  # (the learner away: the push is the rollout thread's)
+    with pytest.raises(RuntimeError, match="sampling ahead failed") as info:
+        r.take(1, StepTimer())
+    assert isinstance(info.value.__cause__, OSError)
+    r.close()
+
+
 def test_a_failed_batch_is_raised_by_take():
     def fail(step, timer):
         raise OSError("server gone")
 
     r = Rollouts(fail, Weights(), async_steps=2, start=0, total_steps=3)
-    with pytest.raises(RuntimeError, match="step 0 failed") as info:
+    with pytest.raises(RuntimeError, match="sampling ahead failed") as info:
         r.take(0, StepTimer())
     assert isinstance(info.value.__cause__, OSError)
     r.close()

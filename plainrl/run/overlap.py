@@ -175,6 +175,14 @@ class Rollouts:
             self._cv.notify_all()
 
     def _run(self) -> None:
+        try:
+            self._sample_ahead()
+        except BaseException as e:  # noqa: BLE001  (a failed batch or push: the learner raises it in take)
+            with self._cv:
+                self._error, self._sampling = e, None
+                self._cv.notify_all()
+
+    def _sample_ahead(self) -> None:
         while True:
             with self._cv:
                 while self._sampling is None and not self._closed:
@@ -186,13 +194,7 @@ class Rollouts:
                 if self._closed:
                     return
                 step, version = self._next, self._sampling
-            try:
-                batch = self._collect(step, version)
-            except BaseException as e:  # noqa: BLE001  (the learner raises it in take)
-                with self._cv:
-                    self._error, self._sampling = e, None
-                    self._cv.notify_all()
-                return
+            batch = self._collect(step, version)
             with self._cv:
                 self._ready[step] = batch
                 self._next, self._sampling, self._idle_since = step + 1, None, time.monotonic()
@@ -211,9 +213,12 @@ class Rollouts:
                     self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
                     self._thread.start()
                 self._held = False
-                while step not in self._ready:
-                    if self._error is not None:
-                        raise RuntimeError(f"sampling the batch of step {step} failed") from self._error
+                while True:
+                    if self._error is not None:  # the engine is broken: stop rather than train on what is left
+                        raise RuntimeError(f"sampling ahead failed (the batch of step {step} or a weight push "
+                                           "before it)") from self._error
+                    if step in self._ready:
+                        break
                     if self._push_due():
                         self._push()
                     self._admit()
