@@ -82,7 +82,7 @@ class AlgorithmConfig(_Section):
     an engine whose logprobs differ from the learner's (Yao et al. 2025, 'Your efficient RL framework secretly
     brings you off-policy RL training'; null: off). `auto`: 2.0 (the paper's cap; TRL corrects vLLM rollouts by
     default) when the engine's logprobs can differ from the learner's (`vllm` or `remote` engines, 16-bit weights,
-    `rollout.async_steps: 1`), off when the embedded engine samples with the learner's own float32 weights
+    `rollout.async_steps > 0`), off when the embedded engine samples with the learner's own float32 weights
     (`plainrl.run.setup.resolve_tis_cap`; the run's log says which)."""
 
     @field_validator("tis_cap")

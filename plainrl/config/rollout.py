@@ -101,8 +101,8 @@ class RolloutConfig(_Section):
     async_steps: int = Field(0, ge=0)
     """N > 0: batches are sampled up to N steps ahead on a rollout thread while the learner trains; a batch sampled with
     the weights of update v is trained at step v + N at the latest (the sampler waits, nothing is dropped for age); 1
-    is one-step-off. Needs `rollout.engine: remote`, or `hf`, which then samples with a copy of the model (docs/
-    engines.md); 0: synchronous."""
+    is one-step-off. Needs `rollout.engine: remote`, or `hf`, which then samples with a copy of the model
+    (docs/engines.md); 0: synchronous."""
     partial: bool = False
     """Partial rollouts (needs `async_steps > 0`): a weight push lands between decode chunks of `partial_chunk` tokens
     instead of waiting for the batch being sampled; the tokens kept, sampling continues under the new weights, and
