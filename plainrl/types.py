@@ -91,7 +91,7 @@ class Episode:
     policy_version: the learner version (updates applied) whose weights sampled it, set by
                     :mod:`plainrl.run.overlap`; None before.
     token_versions: [L] with ``rollout.partial``, the version that sampled each completion
-                    token (single-turn episodes); None: ``policy_version`` throughout.
+                    token (-1 on inserted tokens); None: ``policy_version`` throughout.
     """
 
     sample_id: str

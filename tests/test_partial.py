@@ -147,3 +147,48 @@ def test_partial_needs_async_steps():
     with pytest.raises(ConfigError, match="rollout.partial=true .* rollout.async_steps > 0"):
         load_config(None, RL + ["rollout.partial=true"])
     assert load_config(None, RL + ["rollout.partial=true", "rollout.async_steps=2"]).rollout.partial
+
+
+def test_an_agent_episode_records_each_turns_version_and_its_logprob_under_it(tiny_model_dir, tokenizer):
+    """A push between two model calls of one agent episode: the first call's tokens carry
+    version 0, the tool's -1, the second call's version 1, each sampled token with the
+    learner's logprob at its version."""
+    from conftest import learner_logps
+
+    from plainrl.data import PromptRow, build_prompt_ids
+    from plainrl.rollout import LoopSettings, agent_rollout
+    from plainrl.samples import training_samples
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = PartialEngine(HFEngine(sampling_copy(model), tokenizer, batch_size=4), tokenizer, chunk=3)
+    tool = list(tokenizer(" [tool says 7]", add_special_tokens=False)["input_ids"])
+
+    async def agent(llm, row):
+        a = await llm.generate(llm.prompt_ids, max_new_tokens=5)
+        with torch.no_grad():  # the learner's update, pushed while the episode waits for its tool
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.load_weights(model, version=1)
+        await llm.generate(llm.prompt_ids + a.token_ids + tool, max_new_tokens=5)
+        return {"reward": 1.0}
+
+    row = {"prompt": "Go.", "answer": "1"}
+    (e,) = agent_rollout(engine, [PromptRow(row, build_prompt_ids(row, tokenizer), 0)], agent,
+                         SamplingParams(max_new_tokens=8), tokenizer, LoopSettings(96, max_context=2048),
+                         group_size=1, step=0, generator=torch.Generator().manual_seed(0))
+    (s,) = training_samples([e])  # one segment: the second call extends the first
+    versions, mask = s.token_versions, s.loss_mask
+    first = mask.index(0)  # the tool's tokens follow the first call's
+    assert versions[:first] == [0] * first and versions[first:first + len(tool)] == [-1] * len(tool)
+    assert versions[first + len(tool):] == [1] * (len(versions) - first - len(tool))
+    with torch.no_grad():
+        after = learner_logps(model, s.prompt_ids, s.completion_ids)
+        model.load_state_dict(v0)
+        before = learner_logps(model, s.prompt_ids, s.completion_ids)
+    for t, (lp, v, m) in enumerate(zip(s.logprobs, versions, mask)):
+        if m:
+            assert lp == pytest.approx(float((before if v == 0 else after)[t]), abs=1e-4), (t, v)
+    t = versions.index(1)
+    assert abs(float(before[t]) - float(after[t])) > 1e-3  # the two versions do differ there

@@ -105,8 +105,8 @@ class RolloutConfig(_Section):
     (docs/engines.md); 0: synchronous."""
     partial: bool = False
     """Partial rollouts (needs `async_steps > 0`): a weight push lands between decode chunks of `partial_chunk` tokens
-    instead of waiting for the batch being sampled; the tokens kept, sampling continues under the new weights, and
-    each token records the version that sampled it (`plainrl.rollout.engines.partial`)."""
+    instead of waiting for the batch being sampled; the tokens are kept, sampling continues under the new weights,
+    and each token records the version that sampled it (`plainrl.rollout.engines.partial`)."""
     partial_chunk: int = Field(32, gt=0)
     """`partial`: decode tokens per engine call, the most a weight push waits for."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)

@@ -84,7 +84,8 @@ def staleness_metrics(step: int, episodes: list[Episode]) -> dict[str, float]:
     ``rollout/policy_versions_per_sample`` (mean number of versions an episode's tokens span)."""
     ages = [step - e.policy_version for e in episodes if e.policy_version is not None] or [0]
     out = {"rollout/staleness": sum(ages) / len(ages), "rollout/staleness_max": float(max(ages))}
-    spans = [len(set(e.token_versions)) for e in episodes if e.token_versions]
+    # (-1: a token the model did not sample, an environment's or tool's, or one with no version)
+    spans = [len({v for v in e.token_versions if v >= 0}) for e in episodes if e.token_versions]
     if spans:
         out["rollout/partial_fraction"] = sum(n > 1 for n in spans) / len(spans)
         out["rollout/policy_versions_per_sample"] = sum(spans) / len(spans)
