@@ -37,7 +37,7 @@ IcePop's masked objective with M(k) = k for k in [alpha, beta] else 0, alpha = 0
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Callable, Literal, get_args
 
 import torch
 
@@ -188,7 +188,7 @@ class Tally:
         self.ratio += float(c.ratio.sum())
         self.dropped += float(c.dropped.sum())
 
-    def take(self, reduce=None) -> dict[str, float]:
+    def take(self, reduce: Callable[[list[float]], list[float]] | None = None) -> dict[str, float]:
         """The metrics since the last call (then reset); ``reduce``: sums a list of floats over
         ranks (:meth:`plainrl.train.distributed.Parallel.sum`), None in one process."""
         sums = [self.tokens, self.ratio, self.dropped]
