@@ -39,11 +39,14 @@ class Generation:
     logprobs:  [L] log pi_T(token | prefix), float32, of the tempered policy
                softmax(logits / T) before top-k/top-p filtering (T = 1 when greedy),
                the distribution the learner recomputes and optimises (as TRL does).
+    versions:  [L] the policy version that sampled each token (``rollout.partial``: a
+               completion may span weight pushes); None: one version throughout.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    versions: list[int] | None = None
 
 
 @dataclass
@@ -87,6 +90,10 @@ class Episode:
                     number of segments (0 and 1 for an episode of one segment).
     teacher_logprob: on-policy distillation: the completion's summed teacher logprob over its
                     loss tokens (None without a teacher).
+    policy_version: the learner version (updates applied) whose weights sampled it, set by
+                    :mod:`plainrl.run.overlap`; None before.
+    token_versions: [L] with ``rollout.partial``, the version that sampled each completion
+                    token (-1 on inserted tokens); None: ``policy_version`` throughout.
     """
 
     sample_id: str
@@ -110,6 +117,8 @@ class Episode:
     segment: int = 0
     segments: int = 1
     teacher_logprob: float | None = None
+    policy_version: int | None = None
+    token_versions: list[int] | None = None
 
     def columns(self) -> dict[str, Any]:
         """The columns reward functions receive as keyword arguments: the data row, plus

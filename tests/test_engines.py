@@ -103,12 +103,13 @@ def test_remote_without_urls_is_a_config_error():
         load_config(None, ["data.task=arithmetic", "rollout.engine=remote"])
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_async_steps_needs_servers(engine):
-    with pytest.raises(ConfigError, match="rollout.async_steps=1 .* needs rollout.engine=remote"):
-        load_config(None, ["data.task=arithmetic", f"rollout.engine={engine}", "rollout.async_steps=1"])
+def test_async_steps_takes_servers_or_the_embedded_engine_not_vllm_in_process():
+    rl = ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]"]
+    with pytest.raises(ConfigError, match="rollout.async_steps=2 .* vLLM in this process cannot"):
+        load_config(None, [*rl, "rollout.engine=vllm", "rollout.async_steps=2"])
+    assert load_config(None, [*rl, "rollout.engine=hf", "rollout.async_steps=4"]).rollout.async_steps == 4
     with pytest.raises(ConfigError, match="async_steps"):
-        load_config(None, ["data.task=arithmetic", "rollout.async_steps=2"])
+        load_config(None, [*rl, "rollout.async_steps=-1"])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this venv")

@@ -102,6 +102,16 @@ def test_async_training_over_two_servers_resumes_exactly_from_its_in_flight_batc
     assert b_loss == pytest.approx(a_loss, rel=1e-5, abs=1e-7)
 
 
+def test_two_steps_ahead_with_partial_rollouts_over_two_servers(servers, tmp_path):
+    urls = [url for _, url in servers]
+    run = tmp_path / "partial"
+    _train(run, urls, "train.steps=4", "rollout.async_steps=2", "rollout.partial=true", "rollout.partial_chunk=4")
+    steps = [r for r in _rows(run, "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 4 and all(r["rollout/staleness_max"] <= 2 for r in steps)
+    assert all(0 <= r["rollout/partial_fraction"] <= 1 for r in steps)  # every token's version recorded
+    assert all(r["rollout/server_failures"] == 0 for r in steps)
+
+
 def test_a_server_killed_mid_rollout_its_requests_finish_on_the_other(servers):
     (_, url0), (proc1, url1) = servers
     tok = load_tokenizer(MODEL)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from plainrl.config.base import _Section
+from plainrl.config.correction import ISBoundsConfig, ISMethod, check_is_correction
 
 AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "opd", "sft", "dpo", "rm"]
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
@@ -97,7 +98,7 @@ class AlgorithmConfig(_Section):
     an engine whose logprobs differ from the learner's (Yao et al. 2025, 'Your efficient RL framework secretly
     brings you off-policy RL training'; null: off). `auto`: 2.0 (the paper's cap; TRL corrects vLLM rollouts by
     default) when the engine's logprobs can differ from the learner's (`vllm` or `remote` engines, 16-bit weights,
-    `rollout.async_steps: 1`), off when the embedded engine samples with the learner's own float32 weights
+    `rollout.async_steps > 0`), off when the embedded engine samples with the learner's own float32 weights
     (`plainrl.run.setup.resolve_tis_cap`; the run's log says which)."""
 
     @field_validator("tis_cap")
@@ -106,6 +107,21 @@ class AlgorithmConfig(_Section):
         if isinstance(v, float) and v <= 0:
             raise ValueError(f"algorithm.tis_cap must be > 0, auto or null, got {v}")
         return v
+
+    is_correction: list[ISMethod] | Literal["auto"] = "auto"
+    """Off-policy correction of the policy loss for tokens the engine sampled with other numerics or older weights
+    (ratio rho = pi_learner / pi_engine): a list of one weighting, `token_tis` (min(rho, tis_cap) per token),
+    `sequence_tis`, `token_mis`, `sequence_mis` (masked IS: rho kept, tokens/sequences outside the band dropped) or
+    `icepop`, plus `geometric_mask` (drops sequences whose geometric mean ratio leaves its band) or not; [] off.
+    `auto`: `[token_tis]` when `tis_cap` resolves to a cap, and `geometric_mask` added when `rollout.async_steps >
+    0` (`plainrl.run.correction`; the run's log says which). Thresholds: `is_bounds`; docs/algorithms.md."""
+    is_bounds: ISBoundsConfig = Field(default_factory=ISBoundsConfig)
+    """Thresholds of the `is_correction` methods."""
+
+    @field_validator("is_correction")
+    @classmethod
+    def _one_weighting(cls, v):
+        return check_is_correction(v)
 
     ratio_level: Literal["token", "sequence"] = "token"
     """`token` ratios, or `sequence` (GSPO's length-normalised sequence ratio)."""

@@ -98,9 +98,17 @@ class RolloutConfig(_Section):
     sync: Literal["auto", "lora", "full"] = "auto"
     """Weight sync to a vllm/remote engine after each update: `lora` pushes the adapter, `full` the changed tensors
     (merged under LoRA); `auto`: lora under LoRA, else full."""
-    async_steps: Literal[0, 1] = 0
-    """1: one-step-off policy, servers sample step t+1 while the learner trains on step t; needs `rollout.engine:
-    remote`."""
+    async_steps: int = Field(0, ge=0)
+    """N > 0: batches are sampled up to N steps ahead on a rollout thread while the learner trains; a batch sampled with
+    the weights of update v is trained at step v + N at the latest (the sampler waits, nothing is dropped for age); 1
+    is one-step-off. Needs `rollout.engine: remote`, or `hf`, which then samples with a copy of the model
+    (docs/engines.md); 0: synchronous."""
+    partial: bool = False
+    """Partial rollouts (needs `async_steps > 0`): a weight push lands between decode chunks of `partial_chunk` tokens
+    instead of waiting for the batch being sampled; the tokens are kept, sampling continues under the new weights,
+    and each token records the version that sampled it (`plainrl.rollout.engines.partial`)."""
+    partial_chunk: int = Field(32, gt=0)
+    """`partial`: decode tokens per engine call, the most a weight push waits for."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """`rollout.engine: vllm` and `plainrl serve` settings."""
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
@@ -184,11 +192,14 @@ class RolloutConfig(_Section):
             raise ValueError("rollout.engine=remote needs rollout.remote.urls, e.g. "
                              "rollout.remote.urls='[http://127.0.0.1:8000]' (start one with `plainrl serve CONFIG.yaml`, "
                              "or see docs/engines.md for SGLang and OpenAI-compatible servers)")
-        if self.async_steps and self.engine != "remote":
-            raise ValueError(f"rollout.async_steps=1 samples on inference servers while the learner trains, so it needs "
-                             f"rollout.engine=remote (got {self.engine!r}: the {self.engine} engine shares this "
-                             f"process's cores/GPU with the learner); set rollout.async_steps=0 or serve the model "
-                             f"with `plainrl serve`")
+        if self.partial and not self.async_steps:
+            raise ValueError("rollout.partial=true lets a weight push land mid-batch, which only happens with "
+                             "rollout.async_steps > 0; set rollout.async_steps (e.g. 2) or rollout.partial=false")
+        if self.async_steps and self.engine == "vllm":
+            raise ValueError(f"rollout.async_steps={self.async_steps} samples while the learner trains, which vLLM in "
+                             "this process cannot (it shares the learner's GPU by sleep mode); set "
+                             "rollout.engine=remote and serve the model with `plainrl serve`, use rollout.engine=hf, "
+                             "or set rollout.async_steps=0")
         return self
 
     @property

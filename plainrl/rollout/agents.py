@@ -25,6 +25,7 @@ from plainrl.rollout.envs.base import EnvError
 from plainrl.rollout.episode_loop import EpisodeRun, LoopSettings, run_episodes
 from plainrl.rollout.llm import LLM, SyncLLM
 from plainrl.rollout.seeding import rollout_seed
+from plainrl.rollout.trajectory import token_versions
 from plainrl.types import EnvOutcome, Episode, SamplingParams
 
 __all__ = ["AgentError", "agent_rollout", "load_agent"]
@@ -203,14 +204,14 @@ def _episode(run: EpisodeRun, prompt: PromptRow, tokenizer, sample_id: str, grou
     env = EnvOutcome(reward=reward, error=None if error is None else f"rollout.agent: {error}", info=info)
     earlier = tuple(Episode(sample_id=f"{sample_id}-seg{k}", group=group, row=prompt.row, prompt_ids=list(s.prompt_ids),
                        completion_ids=list(s.completion_ids), logprobs=list(s.logprobs), loss_mask=list(s.loss_mask),
-                       finish_reason=s.finish_reason, env=env,
+                       finish_reason=s.finish_reason, env=env, token_versions=token_versions(s),
                        completion_text=tokenizer.decode(s.completion_ids, skip_special_tokens=True))
                for k, s in enumerate(segments[:-1]))
     return Episode(
         sample_id=sample_id, group=group, row=prompt.row,
         prompt_ids=seg.prompt_ids if seg is not None else list(prompt.prompt_ids),
         completion_ids=list(ids), logprobs=list(seg.logprobs) if seg is not None else [],
-        loss_mask=list(seg.loss_mask) if seg is not None else [],
+        loss_mask=list(seg.loss_mask) if seg is not None else [], token_versions=token_versions(seg),
         finish_reason=llm.last.finish_reason if llm.last is not None else "length",
         completion_text=tokenizer.decode(ids, skip_special_tokens=True), env=env, messages=llm.conversation,
         earlier=earlier, segment_rewards=per_segment if error is None else None,

@@ -259,4 +259,5 @@ def _seeds(reqs: list[_Request]) -> list[int] | None:
 def _cut(g: Generation, limit: int) -> Generation:
     if len(g.token_ids) <= limit:
         return g
-    return Generation(token_ids=list(g.token_ids[:limit]), logprobs=list(g.logprobs[:limit]), finish_reason="length")
+    return Generation(token_ids=list(g.token_ids[:limit]), logprobs=list(g.logprobs[:limit]), finish_reason="length",
+                      versions=None if g.versions is None else list(g.versions[:limit]))

@@ -227,6 +227,7 @@ def rollout(
                 loss_mask=[1] * len(g.token_ids),
                 finish_reason=g.finish_reason,
                 completion_text=tokenizer.decode(g.token_ids, skip_special_tokens=True),
+                token_versions=g.versions,
             )
         )
     return episodes

@@ -328,7 +328,7 @@ class LLM:
         if stop_token_ids:
             gen = _cut_at(gen, stop_token_ids)
         context = self.trajectory.current.context
-        self.trajectory.add_sample(list(gen.token_ids), list(gen.logprobs), gen.finish_reason)
+        self.trajectory.add_sample(list(gen.token_ids), list(gen.logprobs), gen.finish_reason, gen.versions)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         self.last = Completion(text, list(gen.token_ids), [float(x) for x in gen.logprobs], gen.finish_reason)
         return _Sampled(gen, self.last, context)
@@ -405,7 +405,8 @@ def _cut_at(gen: Generation, stop_ids: tuple[int, ...]) -> Generation:
     stop, and their logprobs, do not depend on what would have followed)."""
     for i, t in enumerate(gen.token_ids):
         if t in stop_ids:
-            return Generation(list(gen.token_ids[: i + 1]), list(gen.logprobs[: i + 1]), "stop")
+            return Generation(list(gen.token_ids[: i + 1]), list(gen.logprobs[: i + 1]), "stop",
+                              None if gen.versions is None else list(gen.versions[: i + 1]))
     return gen
 
 

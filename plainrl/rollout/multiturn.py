@@ -32,6 +32,7 @@ from plainrl.rollout.envs.isolated import EnvWorkerError
 from plainrl.rollout.episode_loop import DaemonThreads, LoopSettings, run_episodes
 from plainrl.rollout.llm import LLM
 from plainrl.rollout.seeding import rollout_seed
+from plainrl.rollout.trajectory import token_versions
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import EnvOutcome, Episode, FinishReason, Generation, SamplingParams
 
@@ -361,6 +362,7 @@ def _episode(r: _Run, llm: LLM, tokenizer, sample_id: str, group: int) -> Episod
     return Episode(
         sample_id=sample_id, group=group, row=r.prompt.row, prompt_ids=r.prompt_ids, completion_ids=ids,
         logprobs=seg.logprobs if seg is not None else [], loss_mask=mask, finish_reason=r.finish,
+        token_versions=token_versions(seg),
         completion_text=tokenizer.decode(ids, skip_special_tokens=True),
         env=EnvOutcome(reward=sum(r.rewards) if r.rewards else None, error=r.error, info=info),
         messages=[dict(m) for m in r.state.messages],

@@ -25,6 +25,8 @@ class Segment:
     completion_ids: [L] every token after the prompt: sampled and inserted, in order.
     logprobs:       [L] the engine's logprob on sampled tokens, 0.0 on inserted ones.
     loss_mask:      [L] 1 on sampled tokens, 0 on inserted ones.
+    versions:       [L] the policy version that sampled each token (``rollout.partial``), -1 on
+                    inserted tokens and where the engine gave none.
     calls:          model calls made in this segment.
     finish_reason:  how its latest call ended.
     """
@@ -33,6 +35,7 @@ class Segment:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     calls: int = 0
     finish_reason: FinishReason = "length"
 
@@ -93,9 +96,12 @@ class Trajectory:
         seg.completion_ids += ids
         seg.logprobs += [0.0] * len(ids)
         seg.loss_mask += [0] * len(ids)
+        seg.versions += [-1] * len(ids)
 
-    def add_sample(self, ids: list[int], logprobs: list[float], finish_reason: FinishReason = "length") -> None:
-        """Append what the engine sampled [n] with its logprobs [n] (mask 1), and how the call ended.
+    def add_sample(self, ids: list[int], logprobs: list[float], finish_reason: FinishReason = "length",
+                   versions: list[int] | None = None) -> None:
+        """Append what the engine sampled [n] with its logprobs [n] (mask 1), and how the call ended;
+        ``versions`` [n]: the version that sampled each token (:attr:`Generation.versions`).
 
         Raises:
             RuntimeError: no segment is open, or ``ids`` and ``logprobs`` differ in length.
@@ -106,6 +112,7 @@ class Trajectory:
         seg.completion_ids += ids
         seg.logprobs += [float(x) for x in logprobs]
         seg.loss_mask += [1] * len(ids)
+        seg.versions += list(versions) if versions is not None else [-1] * len(ids)
         seg.calls += 1
         seg.finish_reason = finish_reason
 
@@ -113,3 +120,10 @@ class Trajectory:
         if self.current is None:
             raise RuntimeError("no segment is open: the first model call starts one")
         return self.current
+
+
+def token_versions(seg: Segment | None) -> list[int] | None:
+    """``seg``'s per-token versions for :attr:`Episode.token_versions`: None when no token has one."""
+    if seg is None or all(v < 0 for v in seg.versions):
+        return None
+    return list(seg.versions)

@@ -85,8 +85,8 @@ def check_launch(cfg: Config, world_size: int) -> None:
             f"with --nproc-per-node (x --nnodes) dividing {groups}")
     if cfg.rollout.async_steps:
         raise ConfigError(
-            "rollout.async_steps=1 is not supported under torchrun (the rollout thread's episode gathering would "
-            "race the learner's gradient collectives); set rollout.async_steps=0")
+            f"rollout.async_steps={cfg.rollout.async_steps} is not supported under torchrun (the rollout thread's "
+            "episode gathering would race the learner's gradient collectives); set rollout.async_steps=0")
     if cfg.rollout.engine == "vllm":
         raise ConfigError(
             "rollout.engine=vllm starts vLLM inside the training process, which is not supported under torchrun; "

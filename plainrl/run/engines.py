@@ -4,6 +4,7 @@ rollout and vLLM sections into engine arguments."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from plainrl.config import Config, ConfigError
 from plainrl.models import model_dtype, resolve_device, resolve_model_path
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.engines.hf import HFEngine
+from plainrl.rollout.engines.partial import PartialEngine
 from plainrl.rollout.engines.sync import SyncMode, resolve_sync
 
 
@@ -56,6 +58,16 @@ def colocated_memory_share(cfg: Config, model: torch.nn.Module, device: torch.de
 
 def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase,
                 device: torch.device) -> Engine:
+    """The rollout engine of ``rollout.engine`` (:func:`_engine`), wrapped in a
+    :class:`~plainrl.rollout.engines.partial.PartialEngine` under ``rollout.partial``."""
+    engine = _engine(cfg, model, tokenizer, device)
+    if cfg.rollout.partial:
+        return PartialEngine(engine, tokenizer, chunk=cfg.rollout.partial_chunk)
+    return engine
+
+
+def _engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase,
+            device: torch.device) -> Engine:
     """The rollout engine of ``rollout.engine`` (and, for ``remote``, ``rollout.remote.backend``:
     vLLM, SGLang or a read-only OpenAI-compatible server; dispatched here only).
 
@@ -70,7 +82,8 @@ def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTraine
     """
     r = cfg.rollout
     if r.engine == "hf":
-        return HFEngine(model, tokenizer, batch_size=r.batch_size, merge_lora=r.merge_lora, decoder=r.decoder)
+        sampler = model if not r.async_steps else sampling_copy(model)
+        return HFEngine(sampler, tokenizer, batch_size=r.batch_size, merge_lora=r.merge_lora, decoder=r.decoder)
     if r.engine == "remote":
         return _remote_engine(cfg, model, tokenizer)
     sync = _sync(r.sync, model, lora_is_slow=device.type == "cpu")
@@ -82,6 +95,23 @@ def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTraine
         print(why, flush=True)
     return VLLMEngine(vllm_args(cfg, device, lora_rank, memory_share=share, sleep=r.vllm.sleep), sync=sync,
                       cpu_kv_cache_gb=r.vllm.cpu_kv_cache_gb)
+
+
+def sampling_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of ``model`` for the embedded engine under ``rollout.async_steps``: the
+    rollout thread samples with it while the learner changes the original, and each weight push
+    (``HFEngine.load_weights``) copies the trainable parameters over.
+
+    Raises:
+        ConfigError: the model cannot be copied (e.g. some quantized models).
+    """
+    try:
+        clone = copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001  (what deepcopy raises depends on the model's classes)
+        raise ConfigError(f"rollout.async_steps with rollout.engine=hf samples with a copy of the model, and this "
+                          f"model cannot be copied ({type(e).__name__}: {e}); serve it (rollout.engine=remote) or "
+                          "set rollout.async_steps=0") from e
+    return clone.requires_grad_(False).eval()
 
 
 def _sync(requested: str, model: torch.nn.Module, *, lora_is_slow: bool = False) -> SyncMode:

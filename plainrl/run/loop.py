@@ -189,14 +189,15 @@ def _train(run: Run) -> Path:
     names = [f.name for f in prep.reward_fns] + [m.name for m in run.reward_models]
     boundary = StepBoundary.for_run(cfg, run.run_dir)
     rollouts = Rollouts(lambda step, timer: collect(run, step, timer), run.engine,
-                        async_steps=cfg.rollout.async_steps, start=run.start, total_steps=cfg.train.total_steps)
+                        async_steps=cfg.rollout.async_steps, start=run.start, total_steps=cfg.train.total_steps,
+                        partial=cfg.rollout.partial)
     if run.in_flight is not None:
         rollouts.restore(run.in_flight, run.start)
     try:
         with GracefulStop(agree=run.parallel.max if run.parallel.active else None) as stop:
             for step in range(run.start, cfg.train.total_steps):
                 timer = StepTimer()
-                batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: one step ahead
+                batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: sampled ahead
                 episodes, rewards_out, extra = batch.episodes, batch.rewards, batch.metrics
                 samples, shaping = samples_of(run, episodes, timer)  # an agent's segments: one sample each
                 extra.update(shaping)
@@ -219,6 +220,7 @@ def _train(run: Run) -> Path:
                     warm = step >= cfg.critic.warmup_steps
                     topk = teacher.topk if teacher is not None else None  # gkd_topk: the teacher's top-k
                     stats = run.learner.update(samples, adv.advantages, topk) if warm else run.learner.skip()
+                extra.update(run.learner.is_tally.take(run.learner.parallel.sum))  # is/ratio_mean, is/masked_fraction
                 rollouts.sync(run.model, step, timer)  # async: after the next batch finished sampling
                 extra.update(run.engine.take_metrics())
                 times = dict(batch.times)  # the batch's sampling and scoring, then this step's phases
@@ -229,7 +231,7 @@ def _train(run: Run) -> Path:
                 logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
                 logger.log_errors(step, rewards_out.errors)
                 boundary(step, skipped=stats.skipped, stop=stop, logger=logger,
-                         evaluate=run.evaluate if prep.data.eval else None,
+                         evaluate=(lambda: rollouts.paused(run.evaluate)) if prep.data.eval else None,
                          save=lambda done: run.save(done, in_flight=rollouts.in_flight()))
     finally:
         rollouts.close()

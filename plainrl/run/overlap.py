@@ -1,48 +1,61 @@
 """Where each step's scored episodes come from: collected in the step (``rollout.async_steps:
-0``), or one step ahead while the learner trains (``1``, one-step-off policy).
+0``), or sampled ahead on a rollout thread while the learner trains (``N >= 1``: bounded
+staleness).
 
-One-step-off (verl's one_step_off_policy recipe; the same schedule as the "1-off"
-pipeline of Noukhovitch et al. 2024, "Asynchronous RLHF", arXiv:2410.18252): step t
-trains on the batch sampled with the weights of before update t-1 while the servers
-already sample step t+1's batch with the weights of before update t:
+Versions: the learner's version is the number of updates applied (step t trains at version
+t); the engine holds the version last pushed to it. With ``async_steps: N`` the rollout thread
+samples the batches in step order, and batch s may start only once the engine holds a version
+v >= s - N (pacing): it is trained at version s, so its staleness s - v never exceeds N, and
+nothing is discarded for its age. At most N batches are sampled ahead of the one the learner
+trains on.
 
-    step t:   take batch t (wait if still sampling) -> launch batch t+1 on the engine
-              -> advantages, update t (overlaps the sampling of batch t+1)
-              -> wait for batch t+1 to finish -> push the new weights
+A weight push happens only between two batches (no sample mixes two policies; with
+``rollout.partial`` between two decode chunks instead, :mod:`plainrl.rollout.engines.partial`,
+each token recording its version) and only while
+the learner's weights are still: from the end of update t (:meth:`Rollouts.sync`) until the
+learner takes its next batch (:meth:`Rollouts.take`). Whoever is at such a point first pushes:
+the learner after its update if the engine is between batches, or the rollout thread when it
+finishes a batch. A batch finishing while the learner is mid-update goes on with the weights it
+has, if the bound allows; otherwise it waits for the push. With N = 1 this is the one-step-off
+schedule of verl's one_step_off_policy recipe and of Noukhovitch et al. 2024 ("Asynchronous
+RLHF", arXiv:2410.18252), deterministically: batch s is sampled with version s - 1. With N > 1 the
+version a batch gets depends on timing (the bound does not).
 
-So every batch is exactly one update stale (``rollout/staleness`` = 1; 0 for the first
-step); the learner recomputes the old logprobs with its own weights, and
-``algorithm.tis_cap`` corrects for the engine's older policy. A weight push never meets
-a request in flight, so no sample mixes two policies.
+Every episode records ``policy_version`` (the version that sampled it); the learner recomputes
+pi_old with its own weights and ``algorithm.is_correction`` corrects for the engine's older
+policy.
 
-Resume is exact: when a checkpoint is written the next step's batch has finished
-sampling (the push waited for it); it is saved in the checkpoint (``in_flight.pkl``) with
-the sampler and RNG states that follow it, and the resumed run trains on it instead of
-sampling it again.
+Checkpoints and evaluation hold the rollout thread: no batch starts, and the one being sampled
+finishes; the finished batches ahead of the learner are saved in the checkpoint
+(``in_flight.pkl``) with the sampler and RNG states that follow them, and a resumed run trains
+on them instead of sampling them again. The hold lasts until the learner's next ``take``.
 """
 
 from __future__ import annotations
 
 import pickle
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 from plainrl.metrics import StepTimer
 from plainrl.rollout.engines.base import Engine
+from plainrl.rollout.engines.partial import PartialEngine
 from plainrl.types import Episode, RewardOutput
 
-IN_FLIGHT = "in_flight.pkl"  # the checkpoint file holding the next step's batch (async_steps: 1)
+IN_FLIGHT = "in_flight.pkl"  # the checkpoint file holding the batches sampled ahead (async_steps > 0)
+T = TypeVar("T")
 
 
 @dataclass
 class Batch:
     """One step's scored episodes and how they were made.
 
-    policy_step: the step whose pre-update weights sampled them (staleness = the step
-        that trains on them minus this).
+    policy_step: the learner version (updates applied) whose weights sampled them
+        (staleness = the step that trains on them minus this).
     times: the collecting phases' seconds (``time/generate``, ``time/reward``).
     """
 
@@ -57,81 +70,238 @@ class Batch:
 Collect = Callable[[int, StepTimer], tuple[list[Episode], RewardOutput, dict[str, float]]]
 
 
+def _stamp(episodes: list[Episode], version: int) -> None:
+    for e in episodes:
+        e.policy_version = version
+        for seg in e.earlier:
+            seg.policy_version = version
+
+
+def staleness_metrics(step: int, episodes: list[Episode]) -> dict[str, float]:
+    """``rollout/staleness`` and ``rollout/staleness_max``: mean and max over the episodes of
+    ``step - policy_version``, in learner versions; with per-token versions (``rollout.partial``)
+    also ``rollout/partial_fraction`` (share of episodes whose tokens span several versions) and
+    ``rollout/policy_versions_per_sample`` (mean number of versions an episode's tokens span)."""
+    ages = [step - e.policy_version for e in episodes if e.policy_version is not None] or [0]
+    out = {"rollout/staleness": sum(ages) / len(ages), "rollout/staleness_max": float(max(ages))}
+    # (-1: a token the model did not sample, an environment's or tool's, or one with no version)
+    spans = [len({v for v in e.token_versions if v >= 0}) for e in episodes if e.token_versions]
+    if spans:
+        out["rollout/partial_fraction"] = sum(n > 1 for n in spans) / len(spans)
+        out["rollout/policy_versions_per_sample"] = sum(spans) / len(spans)
+    return out
+
+
 class Rollouts:
-    """The source of each step's batch for ``rollout.async_steps`` 0 or 1.
+    """The source of each step's batch under ``rollout.async_steps`` (module docstring).
 
     Args:
         collect: ``(step, timer) -> (episodes, rewards, metrics)``, the step's rollout and
-            scoring; with ``async_steps=1`` it runs in a background thread, so it must not
+            scoring; with ``async_steps > 0`` it runs on the rollout thread, so it must not
             touch the learner's model (the engine samples with its own weights).
-        engine: the rollout engine (its weights are pushed by :meth:`sync`).
-        async_steps: 0 or 1.
+        engine: the rollout engine (its weights are pushed with ``engine.load_weights``).
+        async_steps: N >= 0.
         start: the run's first step (> 0 when resumed; the engine holds its weights).
         total_steps: the run's ``train.steps`` (no batch is sampled beyond the last).
+        partial: ``rollout.partial``: ``engine`` is a
+            :class:`~plainrl.rollout.engines.partial.PartialEngine` and a push lands between its
+            decode chunks instead of waiting for the batch being sampled.
 
     Raises:
-        ValueError: ``async_steps`` not 0 or 1.
+        ValueError: ``async_steps < 0``; ``partial`` without async steps or a PartialEngine.
     """
 
-    def __init__(self, collect: Collect, engine: Engine, *, async_steps: int, start: int, total_steps: int):
-        if async_steps not in (0, 1):
-            raise ValueError(f"rollout.async_steps must be 0 or 1, got {async_steps}")
+    def __init__(self, collect: Collect, engine: Engine, *, async_steps: int, start: int, total_steps: int,
+                 partial: bool = False):
+        if async_steps < 0:
+            raise ValueError(f"rollout.async_steps must be >= 0, got {async_steps}")
+        if partial and not (async_steps and isinstance(engine, PartialEngine)):
+            raise ValueError("rollout.partial needs rollout.async_steps > 0 and the engine wrapped in a PartialEngine")
+        self.partial = partial
+        if partial:
+            engine.version = start
         self.collect, self.engine = collect, engine
         self.async_steps, self.total_steps = async_steps, total_steps
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if async_steps else None
-        self._next: Future[Batch] | None = None
-        self._engine_step = start  # the step whose pre-update weights the engine holds
+        self._cv = threading.Condition()
+        self._ready: dict[int, Batch] = {}
+        self._next = start  # the next step to sample
+        self._engine_v = self._learner_v = start  # versions: the engine's weights, the learner's
+        self._sampling: int | None = None  # the version the batch being sampled got; None: between batches
+        self._pushing = False
+        self._still = True  # the learner's weights do not change (between sync and take)
+        self._held = False  # a checkpoint or evaluation: no batch starts
+        self._closed = False
+        self._error: BaseException | None = None
+        self._model: torch.nn.Module | None = None
+        self._idle_engine, self._idle_since = 0.0, time.monotonic()
+        self._thread: threading.Thread | None = None
 
-    def _collect(self, step: int) -> Batch:
+    # ------------------------------------------------------------------ the rollout thread
+
+    def _collect(self, step: int, version: int) -> Batch:
         timer = StepTimer()
         episodes, rewards, metrics = self.collect(step, timer)
+        _stamp(episodes, version)
         times = {k: v for k, v in timer.metrics().items() if k != "time/step"}
-        return Batch(step, episodes, rewards, metrics, policy_step=self._engine_step, times=times)
+        return Batch(step, episodes, rewards, metrics, policy_step=version, times=times)
+
+    def _push_due(self) -> bool:
+        # partial rollouts: the engine takes the push between two decode chunks, so no need to
+        # wait for the batch
+        return (self._learner_v > self._engine_v and self._still and self._model is not None
+                and (self._sampling is None or self.partial) and not self._pushing)
+
+    def _push(self) -> None:
+        """Push the learner's weights (lock held on entry and exit, released meanwhile)."""
+        self._pushing, version = True, self._learner_v
+        self._cv.release()
+        try:
+            if self.partial:
+                self.engine.load_weights(self._model, version)
+            else:
+                self.engine.load_weights(self._model)
+        finally:
+            self._cv.acquire()
+            self._pushing = False
+        self._engine_v = version
+        self._cv.notify_all()
+
+    def _admit(self) -> None:
+        """Start the next batch if the bound, a hold or a due push allow (lock held)."""
+        s = self._next
+        if (self._sampling is None and not self._pushing and not self._held and not self._closed
+                and s < self.total_steps and self._engine_v >= s - self.async_steps and not self._push_due()):
+            self._sampling = self._engine_v
+            self._idle_engine += time.monotonic() - self._idle_since
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        try:
+            self._sample_ahead()
+        except BaseException as e:  # noqa: BLE001  (a failed batch or push: the learner raises it in take)
+            with self._cv:
+                self._error, self._sampling = e, None
+                self._cv.notify_all()
+
+    def _sample_ahead(self) -> None:
+        while True:
+            with self._cv:
+                while self._sampling is None and not self._closed:
+                    if self._push_due():
+                        self._push()
+                    self._admit()
+                    if self._sampling is None and not self._closed:
+                        self._cv.wait()
+                if self._closed:
+                    return
+                step, version = self._next, self._sampling
+            batch = self._collect(step, version)
+            with self._cv:
+                self._ready[step] = batch
+                self._next, self._sampling, self._idle_since = step + 1, None, time.monotonic()
+                self._cv.notify_all()
+
+    # ------------------------------------------------------------------ the learner's side
 
     def take(self, step: int, timer: StepTimer) -> Batch:
-        """Step ``step``'s batch; with ``async_steps=1`` it then starts sampling the next
-        step's on the engine's current weights. Waiting on an unfinished batch is timed as
-        ``wait_rollout``."""
-        pending, self._next = self._next, None
-        if pending is None and self._pool is None:
-            batch = self._collect(step)
-        else:  # async, or a batch restored from a checkpoint
-            if pending is None:  # the first step
-                pending = self._pool.submit(self._collect, step)
-            with timer("wait_rollout"):
-                batch = pending.result()
-            if self._pool is not None and step + 1 < self.total_steps:
-                self._next = self._pool.submit(self._collect, step + 1)
-        batch.metrics["rollout/staleness"] = float(step - batch.policy_step)
+        """Step ``step``'s batch. Waiting for it is timed as ``wait_rollout`` (the learner's
+        idle time, also logged as ``time/idle_learner``); a push due meanwhile is made here."""
+        if not self.async_steps:
+            batch = self._ready.pop(step, None) or self._collect(step, self._engine_v)
+        else:
+            with timer("wait_rollout"), self._cv:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
+                    self._thread.start()
+                self._held = False
+                while True:
+                    if self._error is not None:  # the engine is broken: stop rather than train on what is left
+                        raise RuntimeError(f"sampling ahead failed (the batch of step {step} or a weight push "
+                                           "before it)") from self._error
+                    if step in self._ready:
+                        break
+                    if self._push_due():
+                        self._push()
+                    self._admit()
+                    if step not in self._ready:
+                        self._cv.wait()
+                batch = self._ready.pop(step)
+                if self._push_due():  # the rollout thread then starts on the new weights
+                    self._push()
+                while self._pushing:  # the update must not change weights being sent
+                    self._cv.wait()
+                self._still = False
+                self._admit()
+                batch.metrics["time/idle_engine"], self._idle_engine = self._idle_engine, 0.0
+            batch.metrics["time/idle_learner"] = timer.metrics().get("time/wait_rollout", 0.0)
+        batch.metrics.update(staleness_metrics(step, batch.episodes))
         return batch
 
     def sync(self, model: torch.nn.Module, step: int, timer: StepTimer) -> None:
-        """After update ``step``: let a batch still sampling finish on the old weights
-        (``wait_rollout``), then push ``model``'s weights (``sync``)."""
-        if self._next is not None:
-            with timer("wait_rollout"):
-                self._next.result()
-        with timer("sync"):  # a no-op for the embedded engine, which samples with the learner's model
-            self.engine.load_weights(model)
-        self._engine_step = step + 1
+        """After update ``step``: push ``model``'s weights now if the engine is between batches
+        (with ``partial``: between two decode chunks, waiting for one at most), else at the end of
+        the batch it samples (``sync`` times a push made here)."""
+        if not self.async_steps:
+            with timer("sync"):  # a no-op for the embedded engine, which samples with the learner's model
+                self.engine.load_weights(model)
+            self._engine_v = step + 1
+            return
+        with self._cv:
+            self._model, self._learner_v, self._still = model, step + 1, True
+            if self._push_due():
+                with timer("sync"):
+                    self._push()
+            self._admit()
+
+    def _hold(self) -> None:
+        """Stop starting batches, wait for the one being sampled, and make a push still due (lock
+        held): what runs during the hold (an evaluation) sees the learner's latest weights."""
+        self._held = True
+        while (self._sampling is not None or self._pushing) and self._error is None:
+            self._cv.wait()
+        if self._push_due():
+            self._push()
+
+    def paused(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (an evaluation) with the rollout thread held, so nothing else samples meanwhile."""
+        if not self.async_steps or self._thread is None:
+            return fn()
+        with self._cv:
+            self._hold()
+        try:
+            return fn()
+        finally:
+            with self._cv:
+                self._held = False
+                self._admit()
 
     def in_flight(self) -> bytes | None:
-        """The next step's finished batch, pickled for a checkpoint (None when there is none)."""
-        if self._next is None:
+        """The finished batches ahead of the learner, pickled for a checkpoint (None when there
+        are none). The rollout thread stays held until the next :meth:`take`, so the sampler and
+        RNG states saved with them follow them."""
+        if not self.async_steps:
             return None
-        return pickle.dumps(self._next.result())
+        with self._cv:
+            self._hold()
+            batches = [self._ready[s] for s in sorted(self._ready)]
+        return pickle.dumps(batches) if batches else None
 
     def restore(self, blob: bytes, step: int) -> None:
-        """Take a checkpoint's saved batch as step ``step``'s (the step the run resumes at)."""
-        batch: Batch = pickle.loads(blob)  # noqa: S301  (the run's own checkpoint, verified by its manifest)
-        if batch.step != step:
-            raise ValueError(f"the checkpoint's in-flight batch is for step {batch.step}, the run resumes at {step}")
-        done: Future[Batch] = Future()
-        done.set_result(batch)
-        self._next, self._engine_step = done, step
+        """Take a checkpoint's saved batches as those of steps ``step``, ``step + 1``, ...
+
+        Raises:
+            ValueError: the first saved batch is not for ``step``.
+        """
+        saved = pickle.loads(blob)  # noqa: S301  (the run's own checkpoint, verified by its manifest)
+        batches: list[Batch] = saved if isinstance(saved, list) else [saved]  # (one batch: async_steps 1 before N)
+        if batches[0].step != step:
+            raise ValueError(f"the checkpoint's in-flight batch is for step {batches[0].step}, the run resumes at {step}")
+        self._ready = {b.step: b for b in batches}
+        self._next = batches[-1].step + 1
+        self._engine_v = self._learner_v = step
 
     def close(self) -> None:
-        """Stop sampling ahead (a batch in flight finishes in the background, unused)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
+        """Stop sampling ahead (a batch being sampled finishes in the background, unused)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()

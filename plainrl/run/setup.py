@@ -41,6 +41,7 @@ from plainrl.rollout.episodes import check_rows_fit_env, env_constructor
 from plainrl.rollout.gateway import Gateway
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
+from plainrl.run.correction import TIS_CAP_AUTO, resolve_is_correction
 from plainrl.run.engines import make_engine, require_trainable_engine
 from plainrl.run.final import save_final
 from plainrl.run.evaluate import evaluate
@@ -268,7 +269,6 @@ def state_step(ckpt: Path) -> int:
     return step_of(ckpt.name) or 0
 
 
-TIS_CAP_AUTO = 2.0  # Yao et al. 2025's cap, TRL's vllm_importance_sampling_cap default
 
 
 def resolve_tis_cap(tis_cap: float | str | None, *, engine: str, weights_dtype: torch.dtype,
@@ -290,18 +290,20 @@ def resolve_tis_cap(tis_cap: float | str | None, *, engine: str, weights_dtype: 
     if weights_dtype != torch.float32:
         why.append(f"the policy's weights are {str(weights_dtype).removeprefix('torch.')}")
     if async_steps:
-        why.append("rollouts are one step behind (rollout.async_steps=1)")
+        why.append(f"rollouts are up to {async_steps} step(s) behind (rollout.async_steps)")
     if not why:
         return None, "auto: off, the embedded engine samples with the learner's float32 weights"
     return TIS_CAP_AUTO, f"auto: {TIS_CAP_AUTO} since " + " and ".join(why)
 
 
 def _algorithm(cfg: Config, model: torch.nn.Module):
-    """``cfg.algorithm`` with ``tis_cap`` resolved for ``model``, and the reason."""
+    """``cfg.algorithm`` with ``tis_cap`` and ``is_correction`` resolved for ``model``, and the reasons."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     cap, why = resolve_tis_cap(cfg.algorithm.tis_cap, engine=cfg.rollout.engine, weights_dtype=dtype,
                                async_steps=cfg.rollout.async_steps)
-    return cfg.algorithm.model_copy(update={"tis_cap": cap}), why
+    methods, cap, why_is = resolve_is_correction(cfg.algorithm.is_correction, tis_cap=cap,
+                                                 async_steps=cfg.rollout.async_steps)
+    return cfg.algorithm.model_copy(update={"tis_cap": cap, "is_correction": methods}), why, why_is
 
 
 def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Parallel | None = None, *,
@@ -367,8 +369,9 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     _announce(cfg, prep, logger, run_dir, device, parallel, resume_warnings)
     prep.prestart()
     model, engine = _policy_and_engine(cfg, prep, logger, device, parallel)
-    algorithm, why = _algorithm(cfg, model)
-    logger.print(f"algorithm.tis_cap: {algorithm.tis_cap} ({why})")
+    algorithm, why_cap, why_is = _algorithm(cfg, model)
+    logger.print(f"algorithm.tis_cap: {algorithm.tis_cap} ({why_cap})")
+    logger.print(f"algorithm.is_correction: {algorithm.is_correction} ({why_is})")
     pad_id = pad_token_id(prep.tokenizer)
     run = Run(
         cfg=cfg, run_dir=run_dir, prep=prep, logger=logger, model=model, engine=engine,
@@ -382,7 +385,7 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     _attach_scorers(run, device)
     if resume_from is not None:
         _resume(run, resume_from)
-    if cfg.rollout.engine != "hf" or isinstance(engine, RankEngine):
+    if cfg.rollout.engine != "hf" or isinstance(engine, RankEngine) or cfg.rollout.async_steps:  # (hf: its copy)
         with logger.phase(f"pushing the policy's weights to the {cfg.rollout.engine} engine"):
             engine.load_weights(model)
     if resume_from is None and cfg.eval.before and prep.data.eval:  # (on resume it ran already: the RNG would shift)

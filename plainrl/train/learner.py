@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch
 
-from plainrl.algorithms import aggregate_loss, kl_estimate, policy_loss, truncated_is_weights
+from plainrl.algorithms import aggregate_loss, kl_estimate, policy_loss
 from plainrl.algorithms.distill import topk_generalized_jsd
+from plainrl.algorithms.is_correction import Bounds, Tally, correct
 from plainrl.config import AlgorithmConfig, TrainConfig
 from plainrl.frames import completion_frame, make_micro_batches, to_completion_frame
 from plainrl.models import (
@@ -128,6 +129,9 @@ class Learner:
         self.opt = MasterAdamW(trainable_parameters(model), train)  # FSDP2: on the sharded parameters
         self.params, self.master = self.opt.params, self.opt.master
         self.optimizer, self.scheduler = self.opt.optimizer, self.opt.scheduler
+        # algorithm.is_correction as run.setup resolved it (a list); is_tally: the is/* metrics, read by the loop
+        self.is_bounds = Bounds(tis_cap=algorithm.tis_cap or 2.0, **algorithm.is_bounds.model_dump())
+        self.is_tally = Tally()
 
     @property
     def device(self) -> torch.device:
@@ -317,9 +321,10 @@ class Learner:
         # the engine's: an engine computes the same policy with other kernels or precision
         old = logps.detach() if on_policy else mb.old_logps.to(dev)
         is_weights, tis = None, 0.0
-        if a.tis_cap is not None:
-            is_weights, truncated = truncated_is_weights(old, engine, mask, a.tis_cap)
-            tis = float(truncated) * float(mask.sum())
+        if a.is_correction:  # algorithm.is_correction: the engine's policy is not the learner's pi_old
+            corr = correct(old, engine, mask, a.is_correction, self.is_bounds)
+            is_weights, tis = corr.weights, float(corr.truncated.sum())
+            self.is_tally.add(corr)
         loss, stats = policy_loss(
             logps, old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
             dual_clip=a.dual_clip, ratio_level=a.ratio_level, agg=a.loss_agg, is_weights=is_weights, **agg,

@@ -283,8 +283,16 @@ class HFEngine:
         self.pad_id = pad_token_id(tokenizer)
 
     def load_weights(self, model: torch.nn.Module) -> None:
-        """No-op: the engine samples with the learner's module itself."""
-        assert model is self.model, "HFEngine shares the learner's model; nothing to load"
+        """No-op when the engine samples with ``model`` itself; when it samples with a copy
+        (``rollout.async_steps``: :func:`plainrl.run.engines.sampling_copy`), ``model``'s
+        trainable parameters are copied into it (the frozen ones never change)."""
+        if model is self.model:
+            return
+        source = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if source[name].requires_grad:
+                    p.copy_(source[name])
 
     def offload(self) -> None:
         """Drop the static decoder's copies of the weights before the learner's update.
@@ -367,9 +375,10 @@ class HFEngine:
         if self.decoder != "static":
             return _TransformersDecoder(self.model)
         key = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
-        if self._static is None or self._static[0] != key:
-            self._static = (key, StaticDecoder(self.model))
-        return self._static[1]
+        static = self._static  # (read once: under rollout.async_steps offload() may clear it from the learner's thread)
+        if static is None or static[0] != key:
+            static = self._static = (key, StaticDecoder(self.model))
+        return static[1]
 
     def _prefill(self, dec: Decoder, prompts: list[list[int]], steps: int) -> torch.Tensor:
         """Start ``dec`` on ``prompts`` with room for ``steps`` new tokens; [n, V] float32 logits
