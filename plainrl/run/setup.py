@@ -38,6 +38,7 @@ from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_ep
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.episodes import check_rows_fit_env, env_constructor
 from plainrl.rollout.gateway import Gateway
+from plainrl.rollout.run_loop import RunLoop
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
 from plainrl.run.engines import make_engine, require_trainable_engine
@@ -78,11 +79,13 @@ class Prepared:
             self.env_factory.prestart(self.multi_turn.max_live or 0)
 
     def close(self) -> None:
-        """Stop the reward and environment workers, if any, and close the agents' gateway."""
+        """Stop the reward and environment workers, if any, and close the agents' gateway and the episodes' loop."""
         if self.reward_workers is not None:
             self.reward_workers.close()
         if self.multi_turn is not None and self.multi_turn.gateway is not None:
             self.multi_turn.gateway.close()
+        if self.multi_turn is not None and self.multi_turn.loop is not None:
+            self.multi_turn.loop.close()
         if isinstance(self.env_factory, EnvWorkers):
             self.env_factory.close()
 
@@ -145,7 +148,8 @@ def multi_turn_settings(cfg: Config) -> MultiTurn | None:
     return MultiTurn(factory, r.max_turns, r.completion_budget, cfg.data.system_prompt, cfg.data.prompt_template,
                      max_live=live, agent=agent, max_context=cfg.model.max_context if agent else None,
                      timeout_s=r.agent_timeout_s if agent else None, max_in_flight=in_flight,
-                     chat_template_kwargs=cfg.data.chat_template_kwargs, gateway=gateway)
+                     chat_template_kwargs=cfg.data.chat_template_kwargs, gateway=gateway,
+                     loop=RunLoop())  # the episodes of every step on one loop (rollout/run_loop.py)
 
 
 def load_eval_grader(ref: str) -> Callable[..., Any]:
