@@ -3,12 +3,13 @@ status the OpenAI API gives (and the ``openai`` SDK maps to its exception classe
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
-__all__ = ["GatewayError", "error_response", "validation_error"]
+__all__ = ["GatewayError", "error_response", "parse_body", "validation_error"]
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           409: "conflict_error", 500: "server_error", 503: "service_unavailable"}
@@ -63,3 +64,23 @@ def validation_error(e: ValidationError) -> GatewayError:
     got = first.get("input")
     got = f" (got {type(got).__name__} {got!r:.60})" if "input" in first and first["type"] != "missing" else ""
     return GatewayError(400, f"{param or 'body'}: {first['msg']}{got}", param=param or None)
+
+
+async def parse_body(request: Any, model: type[BaseModel]) -> Any:
+    """The request's JSON body validated as ``model``.
+
+    Raises:
+        GatewayError: 400 for a body that is not JSON, not an object, or fails validation
+            (naming the first field at fault).
+    """
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise GatewayError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import socket
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from plainrl.rollout.gateway.keys import Episodes
 
 if TYPE_CHECKING:
     from plainrl.rollout.llm import LLM
@@ -33,12 +33,12 @@ HOST = "127.0.0.1"  # loopback only: the keys are no protection against other ma
 
 
 class Gateway:
-    """An OpenAI-compatible HTTP server in front of a run's rollouts (one per trainer process).
+    """An OpenAI- and Anthropic-compatible HTTP server in front of a run's rollouts (one per trainer process).
 
     Each episode's :class:`~plainrl.rollout.llm.LLM` gets a random key on first use
     (``llm.api_key``); a request with that key is a call of that episode, recorded on its
     trajectory exactly as ``llm.chat`` / ``llm.generate`` would record it. Routes:
-    :mod:`plainrl.rollout.gateway.routes`.
+    :mod:`plainrl.rollout.gateway.app`.
 
     Args:
         model: the model id ``GET /v1/models`` lists and responses name (``model.name``).
@@ -48,16 +48,15 @@ class Gateway:
 
     def __init__(self, model: str, max_model_len: int | None = None, *, port: int = 0) -> None:
         self.model, self.max_model_len, self.port = model, max_model_len, port
+        self.episodes = Episodes(model, max_model_len)  # the keys and what is kept per episode
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        self._keys: dict[str, weakref.ref[LLM]] = {}  # every key handed out this run; dead refs: ended
         self._loop: asyncio.AbstractEventLoop | None = None  # the rollout being served
         self._server: Any = None  # uvicorn.Server on that loop, once started
         self._starting: asyncio.Task | None = None
         self._app: Any = None
         self._http: list[Any] = []  # the episodes' httpx.AsyncClients, on the served loop
         self._sync_http: Any = None  # httpx.Client for plain-function agents' (thread-safe)
-        self.sampling_overrides = 0  # requests whose temperature/top_p/top_k the run replaced
 
     # ------------------------------------------------------------------ addresses and keys
 
@@ -73,12 +72,8 @@ class Gateway:
         return f"http://{HOST}:{self._sock.getsockname()[1]}"
 
     def key_for(self, llm: LLM) -> str:
-        """The episode's key, made (random, 32 bytes) on first use."""
-        key = getattr(llm, "_gateway_key", None)
-        if key is None:
-            key = "sk-plainrl-" + secrets.token_urlsafe(32)
-            llm._gateway_key = key
-            self._keys[key] = weakref.ref(llm)
+        """The episode's key, made (random, 32 bytes) on first use; binds the socket."""
+        key = self.episodes.key_for(llm)
         self._bind()
         return key
 
@@ -110,22 +105,15 @@ class Gateway:
         return client
 
     def lookup(self, key: str) -> tuple[LLM | None, bool]:
-        """``(the live episode's handle, known)`` for a key: ``(None, False)`` for a key never
-        handed out, ``(None, True)`` for one whose episode has ended."""
-        ref = self._keys.get(key)
-        if ref is None:
-            return None, False
-        llm = ref()
-        if llm is None or llm.closed:
-            return None, True
-        return llm, True
+        """``(the live episode's handle, known)`` for a key (:meth:`Episodes.lookup`)."""
+        return self.episodes.lookup(key)
 
     def take_metrics(self) -> dict[str, float]:
         """``rollout/sampling_overrides`` since the last call (requests whose sampling settings
         the run's replaced); {} when the gateway never served."""
         if self._sock is None:
             return {}
-        n, self.sampling_overrides = self.sampling_overrides, 0
+        n, self.episodes.sampling_overrides = self.episodes.sampling_overrides, 0
         return {"rollout/sampling_overrides": float(n)}
 
     # ------------------------------------------------------------------ serving
@@ -156,9 +144,9 @@ class Gateway:
         if self._app is None:  # built here, in the caller's thread: a missing package fails the caller
             import uvicorn  # noqa: F401
 
-            from plainrl.rollout.gateway.routes import build_app
+            from plainrl.rollout.gateway.app import build_app
 
-            self._app = build_app(self)
+            self._app = build_app(self.episodes)
         with self._lock:
             if self._sock is None:
                 # proto=IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
