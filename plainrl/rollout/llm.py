@@ -208,7 +208,7 @@ class LLM:
         import anthropic
 
         kwargs.setdefault("max_retries", 0)
-        kwargs.setdefault("http_client", self._gateway().http_client())
+        kwargs.setdefault("http_client", self._gateway().http_client(httpx_module=_httpx_of(anthropic)))
         return anthropic.AsyncAnthropic(base_url=self._gateway().url, api_key=self.api_key, **kwargs)
 
     def _gateway(self):
@@ -409,6 +409,17 @@ def _resolve_aliases(sampling: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def _httpx_of(sdk: Any) -> Any:
+    """The package ``sdk`` takes its HTTP clients from: ``httpx``, or ``httpx2`` (the
+    ``anthropic`` SDK's since 2.14, which refuses an ``httpx`` client)."""
+    import importlib
+
+    for cls in sdk.DefaultAsyncHttpxClient.__mro__:
+        if cls.__name__ == "AsyncClient" and cls.__module__.startswith("httpx"):
+            return importlib.import_module(cls.__module__.split(".")[0])
+    raise TypeError(f"{sdk.__name__}.DefaultAsyncHttpxClient is no httpx AsyncClient")
+
+
 @dataclass(frozen=True)
 class _Sampled:
     generation: Generation
@@ -458,7 +469,8 @@ class SyncLLM:
         import anthropic
 
         kwargs.setdefault("max_retries", 0)
-        kwargs.setdefault("http_client", self._llm._gateway().http_client(blocking=True))
+        kwargs.setdefault("http_client", self._llm._gateway().http_client(blocking=True,
+                                                                          httpx_module=_httpx_of(anthropic)))
         return anthropic.Anthropic(base_url=self._llm._gateway().url, api_key=self._llm.api_key, **kwargs)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -27,7 +27,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from plainrl.rollout.gateway.errors import parse_body
 from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import template_message
-from plainrl.rollout.gateway.recorder import ChatCall, ToolChoice, bearer_key, chat_call, episode, template_format
+from plainrl.rollout.gateway.recorder import (
+    ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format,
+)
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import Message as ChatMessage
 from plainrl.rollout.gateway.schema import SamplingFields, _Model
@@ -123,8 +125,7 @@ async def messages(episodes: Episodes, request: Request) -> Response:
     req = await parse_body(request, MessagesRequest)
     fmt, renders = template_format(llm)
     chat = [_CHAT.validate_python(m) for m in chat_messages(req)]
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema}} for t in req.tools] if req.tools else None
+    tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools] if req.tools else None
     c = req.tool_choice
     mode = {"auto": "auto", "any": "required", "tool": "required", "none": "none"}[c.type] if c else "auto"
     choice = ToolChoice(mode, c.name if c is not None and c.type == "tool" else None)

@@ -21,7 +21,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from plainrl.rollout.gateway.errors import GatewayError, parse_body
 from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import template_message
-from plainrl.rollout.gateway.recorder import ToolChoice, bearer_key, chat_call, episode, model_call, template_format
+from plainrl.rollout.gateway.recorder import (
+    ToolChoice, bearer_key, chat_call, episode, function_tool, model_call, template_format,
+)
 from plainrl.rollout.gateway.responses import chat_chunks, chat_completion, completion, generate_response
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import ChatRequest, CompletionRequest, GenerateRequest
@@ -38,7 +40,8 @@ async def chat(episodes: Episodes, request: Request) -> Response:
     choice = ToolChoice(c) if isinstance(c, str) else ToolChoice("required", c.function.name) if c else ToolChoice()
     sampling = request_sampling(req, llm.params, req.max_completion_tokens)
     messages = [template_message(m, fmt, renders) for m in req.messages]
-    tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools] if req.tools else None
+    tools = [function_tool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
+             for t in req.tools] if req.tools else None
     done = await chat_call(episodes, request, llm, messages, tools, choice, sampling)
     kw = dict(logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs, token_ids=bool(req.return_token_ids))
     if req.stream:

@@ -40,7 +40,9 @@ from starlette.responses import StreamingResponse
 from plainrl.rollout.gateway.errors import GatewayError, parse_body, validation_error
 from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import template_message
-from plainrl.rollout.gateway.recorder import ChatCall, ToolChoice, bearer_key, chat_call, episode, template_format
+from plainrl.rollout.gateway.recorder import (
+    ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format,
+)
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import Message, SamplingFields, _Model
 
@@ -133,9 +135,7 @@ async def responses(episodes: Episodes, request: Request) -> HTTPResponse:
         validated = [_MESSAGE.validate_python(m) for m in messages]
     except ValidationError as e:
         raise validation_error(e) from None
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.parameters or {"type": "object", "properties": {}}}}
-             for t in req.tools] if req.tools else None
+    tools = [function_tool(t.name, t.description, t.parameters, t.strict) for t in req.tools] if req.tools else None
     c = req.tool_choice
     choice = ToolChoice(c) if isinstance(c, str) else ToolChoice("required", c.name) if c else ToolChoice()
     done = await chat_call(episodes, request, llm, [template_message(m, fmt, renders) for m in validated], tools,
@@ -206,7 +206,15 @@ def build_response(model: str, req: ResponsesRequest, done: ChatCall) -> Respons
         tools=list(req.tools or []), temperature=req.temperature, top_p=req.top_p,
         max_output_tokens=req.max_output_tokens, previous_response_id=req.previous_response_id,
         usage=ResponseUsage(input_tokens=p, output_tokens=n, total_tokens=p + n,
-                            input_tokens_details={"cached_tokens": 0}, output_tokens_details={"reasoning_tokens": 0}))
+                            input_tokens_details=_zeros("input_tokens_details"),
+                            output_tokens_details=_zeros("output_tokens_details")))
+
+
+def _zeros(field: str) -> dict[str, int]:
+    """A usage details object with each of its counts 0 (cached, reasoning, ...: none here),
+    whichever counts the installed ``openai`` release requires."""
+    details = ResponseUsage.model_fields[field].annotation
+    return {name: 0 for name, f in details.model_fields.items() if f.is_required()}
 
 
 def stream_events(done: Response) -> Iterator[str]:

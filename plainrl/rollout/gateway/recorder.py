@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Awaitable
 
+from openai.types.chat import ChatCompletionFunctionTool
 from starlette.requests import Request
 
 from plainrl.rollout.batcher import EngineFailure
@@ -24,7 +25,8 @@ from plainrl.rollout.gateway.sampling import RequestSampling
 from plainrl.rollout.gateway.toolcalls import ToolFormat, forced_call_prefix, renders_tool_calls, tool_format
 from plainrl.rollout.llm import LLM, AgentCancelled, ContextLengthError, Turn
 
-__all__ = ["ChatCall", "ToolChoice", "bearer_key", "chat_call", "episode", "model_call", "template_format"]
+__all__ = ["ChatCall", "ToolChoice", "bearer_key", "chat_call", "episode", "function_tool", "model_call",
+           "template_format"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,16 @@ class ChatCall:
 
     turn: Turn
     reply: Reply
+
+
+def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None,
+                  strict: bool | None = None) -> dict[str, Any]:
+    """A function tool as the chat template gets it, written the same whatever the dialect
+    (the ``openai`` package's ``ChatCompletionFunctionTool``, None fields left out): the
+    tools are rendered into the prompt, so one byte of difference is a different context."""
+    fn = {"name": name, "description": description, "parameters": parameters, "strict": strict}
+    return ChatCompletionFunctionTool.model_validate({"type": "function", "function": fn}).model_dump(
+        mode="json", exclude_none=True)
 
 
 def bearer_key(request: Request) -> str:

@@ -56,7 +56,7 @@ class Gateway:
         self._starting: asyncio.Task | None = None
         self._app: Any = None
         self._http: list[Any] = []  # the episodes' httpx.AsyncClients, on the served loop
-        self._sync_http: Any = None  # httpx.Client for plain-function agents' (thread-safe)
+        self._sync_http: dict[str, Any] = {}  # httpx module -> Client for plain-function agents' (thread-safe)
 
     # ------------------------------------------------------------------ addresses and keys
 
@@ -77,7 +77,7 @@ class Gateway:
         self._bind()
         return key
 
-    def http_client(self, *, blocking: bool = False):
+    def http_client(self, *, blocking: bool = False, httpx_module: Any = None):
         """An HTTP client for an episode's ``openai`` client (``llm.openai_client()``), closed with
         the rollout.
 
@@ -89,18 +89,22 @@ class Gateway:
         routes, keys, errors and read timeout (:class:`_LoopTransport`). ``blocking``: one
         ``httpx.Client`` over the socket for plain-function agents (they run in threads of
         their own), shared by their threads, made without TLS set-up (a default client loads
-        the system's CA certificates, ~10 ms, though loopback needs none)."""
-        import httpx
+        the system's CA certificates, ~10 ms, though loopback needs none). ``httpx_module``: the
+        package the client's SDK takes its clients from (``httpx``, the default, or ``httpx2``,
+        the ``anthropic`` SDK's since 2.14)."""
+        import httpx as default
+
+        httpx = httpx_module or default
 
         # the openai SDK's own defaults: 600 s per request, 5 s to connect
         kw = dict(timeout=httpx.Timeout(600.0, connect=5.0), verify=False, trust_env=False)
         if blocking:
             with self._lock:
-                if self._sync_http is None:
-                    self._sync_http = httpx.Client(limits=httpx.Limits(max_connections=None), **kw)
-                return self._sync_http
+                if httpx.__name__ not in self._sync_http:
+                    self._sync_http[httpx.__name__] = httpx.Client(limits=httpx.Limits(max_connections=None), **kw)
+                return self._sync_http[httpx.__name__]
         self._bind()
-        client = httpx.AsyncClient(transport=_loop_transport(self._app), **kw)
+        client = httpx.AsyncClient(transport=_loop_transport(self._app, httpx), **kw)
         self._http.append(client)
         return client
 
@@ -201,20 +205,18 @@ class Gateway:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
-            if self._sync_http is not None:
-                self._sync_http.close()
-                self._sync_http = None
+            for client in self._sync_http.values():
+                client.close()
+            self._sync_http = {}
 
 
-def _loop_transport(app: Any):
+def _loop_transport(app: Any, httpx: Any):
     """An ``httpx.ASGITransport`` to ``app`` that honours the request's read timeout (the
     in-process transport has no network to time): a call not answered within it raises
     ``httpx.ReadTimeout``, as a socket's would, and its handler is cancelled (the gateway then
     fails the episode, as for a client that disconnects mid-call)."""
-    import httpx
-
     class _LoopTransport(httpx.ASGITransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        async def handle_async_request(self, request: Any) -> Any:
             limit = request.extensions.get("timeout", {}).get("read")
             try:
                 async with asyncio.timeout(limit):
