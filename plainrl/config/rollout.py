@@ -133,7 +133,9 @@ class RolloutConfig(_Section):
     max_turns: int = Field(8, gt=0)
     """Model turns per multi-turn episode at most."""
     max_total_tokens: int | None = Field(None, gt=0)
-    """Multi-turn completion budget over all turns; null: `max_new_tokens`."""
+    """Multi-turn completion budget over all turns (per segment for agents); null: `max_new_tokens` for environments,
+    and for agents room for several calls: `AGENT_BUDGET_CALLS` (4) x `max_new_tokens`, at most half of
+    `model.max_context` (the run prints the value it chose)."""
     tool_timeout_s: float = Field(5.0, gt=0)
     """Wall-clock limit of one code run of the Python tool's sandbox, and of one tool call of an environment class
     (TRL `environment_factory`, OpenEnv): one that runs over fails its episode."""
@@ -191,7 +193,27 @@ class RolloutConfig(_Section):
                              f"with `plainrl serve`")
         return self
 
+    def agent_budget_note(self, max_context: int) -> str | None:
+        """Why ``max_total_tokens`` has the value it has, when it is :func:`agent_budget`'s default (else None)."""
+        if self.agent is None or self.max_total_tokens != agent_budget(self.max_new_tokens, max_context):
+            return None
+        return (f"rollout.max_total_tokens: {self.max_total_tokens} tokens per episode segment (not set: room for "
+                f"{AGENT_BUDGET_CALLS} calls of rollout.max_new_tokens={self.max_new_tokens}, model and tool tokens "
+                f"together, at most half of model.max_context={max_context}; set it to change)")
+
     @property
     def completion_budget(self) -> int:
         """Tokens after the prompt: max_new_tokens, or max_total_tokens over all turns."""
         return self.max_total_tokens or self.max_new_tokens
+
+
+# an agent makes several model calls per episode; a budget of one call's max_new_tokens refused every second
+# call ("no room for another model call"), so agent runs without max_total_tokens get room for this many
+AGENT_BUDGET_CALLS = 4
+
+
+def agent_budget(max_new_tokens: int, max_context: int) -> int:
+    """The default completion budget of an agent's episode segment: :data:`AGENT_BUDGET_CALLS`
+    calls of ``max_new_tokens``, at most half the model's context (the rest is for the prompt),
+    never below one call."""
+    return max(max_new_tokens, min(AGENT_BUDGET_CALLS * max_new_tokens, max_context // 2))

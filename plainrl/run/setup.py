@@ -366,6 +366,8 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
         logger.print(f"distributed: {parallel.world_size} ranks, train.strategy={parallel.strategy}, {device.type}")
     logger.print(f"config ({run_dir / 'config.yaml'}):\n{dump_config(cfg)}")
     logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
+    if note := cfg.rollout.agent_budget_note(cfg.model.max_context):
+        logger.print(note)
     if cfg.model.quantization != "none":
         logger.print(check_quantization(cfg.model.quantization, device, model_dtype(cfg.model.dtype, device)))
     for w in resume_warnings:
