@@ -153,7 +153,11 @@ class RolloutConfig(_Section):
     """An unscorable sample stops the run (exit status 1) instead of being counted."""
     agent: str | None = None
     """Your own agent loop: `module:fn` / `file.py:fn`, `async def fn(llm, row)` returning a reward, `{"reward": r,
-    **info}` or None; exclusive with `rollout.env`."""
+    **info}` or None; exclusive with `rollout.env`. `online`: a process outside the run drives the episodes through
+    the gateway and posts their rewards (docs/agents.md, "Online episodes")."""
+    gateway_port: int = Field(0, ge=0, le=65535)
+    """The agents' gateway's port on 127.0.0.1 (0: a free one). With `rollout.agent: online` its address and token are
+    printed and written to `RUN_DIR/gateway.json`."""
     max_concurrent_episodes: int | None = Field(None, gt=0)
     """Episodes in flight at once (`rollout.agent` and `rollout.env`); null: a whole step's."""
     agent_timeout_s: float | None = Field(600.0, gt=0)
@@ -171,7 +175,7 @@ class RolloutConfig(_Section):
     @field_validator("agent")
     @classmethod
     def _agent_reference(cls, v: str | None) -> str | None:
-        if v is not None and ":" not in v:
+        if v is not None and v != "online" and ":" not in v:
             raise ValueError(f"rollout.agent={v!r}: write 'module:fn' or 'path/to/file.py:fn' naming "
                              "`async def fn(llm, row)` (see docs/agents.md)")
         return v

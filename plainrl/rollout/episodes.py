@@ -105,6 +105,10 @@ def make_agent(cfg: RolloutConfig):
     """
     if cfg.agent is None:
         return None
+    if cfg.agent == "online":  # episodes driven from outside the run (plainrl.rollout.gateway.online)
+        from plainrl.rollout.gateway.online import online_agent
+
+        return online_agent
     from plainrl.rollout.agents import load_agent
 
     return load_agent(cfg.agent)

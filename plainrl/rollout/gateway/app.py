@@ -14,7 +14,9 @@ route                          dialect                    module
 
 Every route asks for the episode's key (``Authorization: Bearer KEY``; Anthropic's
 ``x-api-key`` on ``/v1/messages``); ``GET /health`` alone answers anyone (a liveness probe,
-it says nothing about the episodes).
+it says nothing about the episodes). ``rollout.agent: online`` adds ``POST /rl/episodes`` and
+``POST /rl/episodes/{id}/reward``, guarded by the run's token
+(:mod:`~plainrl.rollout.gateway.online`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from starlette.routing import Route
 from plainrl.rollout.gateway import anthropic_messages, openai_chat, openai_responses
 from plainrl.rollout.gateway.errors import GatewayError, error_response
 from plainrl.rollout.gateway.keys import Episodes
+from plainrl.rollout.gateway.online import OnlineEpisodes, claim, reward
 
 __all__ = ["build_app"]
 
@@ -38,8 +41,9 @@ Handler = Callable[[Episodes, Request], Awaitable[Response]]
 ErrorSchema = Callable[..., Response]  # (status, message, *, param, code) -> the dialect's error response
 
 
-def build_app(episodes: Episodes) -> Starlette:
-    """The app serving ``episodes`` (one per gateway)."""
+def build_app(episodes: Episodes, online: OnlineEpisodes | None = None) -> Starlette:
+    """The app serving ``episodes`` (one per gateway), with ``rollout.agent: online``'s routes
+    when ``online`` is given."""
 
     def route(path: str, handler: Handler, method: str = "POST", errors: ErrorSchema = error_response) -> Route:
         return Route(path, functools.partial(_guarded, handler, errors, episodes), methods=[method])
@@ -51,6 +55,11 @@ def build_app(episodes: Episodes) -> Starlette:
               route("/v1/responses", openai_responses.responses),
               route("/v1/messages", anthropic_messages.messages, errors=anthropic_messages.error_response),
               Route("/health", _health, methods=["GET"])]
+    if online is not None:
+        routes += [Route("/rl/episodes", functools.partial(_guarded, functools.partial(claim, online), error_response,
+                                                           episodes), methods=["POST"]),
+                   Route("/rl/episodes/{id}/reward", functools.partial(
+                       _guarded, functools.partial(reward, online), error_response, episodes), methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 

@@ -23,6 +23,7 @@ import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from plainrl.rollout.gateway.keys import Episodes
+from plainrl.rollout.gateway.online import OnlineEpisodes
 
 if TYPE_CHECKING:
     from plainrl.rollout.llm import LLM
@@ -43,12 +44,14 @@ class Gateway:
     Args:
         model: the model id ``GET /v1/models`` lists and responses name (``model.name``).
         max_model_len: the model's context (``model.max_context``), listed as ``max_model_len``.
-        port: the port to bind on 127.0.0.1 (0: a free one).
+        port: the port to bind on 127.0.0.1 (0: a free one; ``rollout.gateway_port``).
+        online: serve ``rollout.agent: online``'s ``/rl/`` routes (:mod:`plainrl.rollout.gateway.online`).
     """
 
-    def __init__(self, model: str, max_model_len: int | None = None, *, port: int = 0) -> None:
+    def __init__(self, model: str, max_model_len: int | None = None, *, port: int = 0, online: bool = False) -> None:
         self.model, self.max_model_len, self.port = model, max_model_len, port
         self.episodes = Episodes(model, max_model_len)  # the keys and what is kept per episode
+        self.online = OnlineEpisodes() if online else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # the rollout being served
@@ -150,7 +153,7 @@ class Gateway:
 
             from plainrl.rollout.gateway.app import build_app
 
-            self._app = build_app(self.episodes)
+            self._app = build_app(self.episodes, self.online)
         with self._lock:
             if self._sock is None:
                 # proto=IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say

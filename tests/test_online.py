@@ -1,0 +1,64 @@
+"""Online episodes (rollout.agent: online): a second process claims the run's episodes, talks to
+the model through the gateway and posts rewards; the run trains on what arrives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+
+from conftest import REPO, tiny_overrides
+from plainrl.cli import main
+
+
+def test_online_episodes_are_driven_from_a_second_process(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    driver = subprocess.Popen([sys.executable, str(REPO / "examples" / "online_driver.py"), str(run)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        code = main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *tiny_overrides(tiny_model_dir, run),
+                     "rollout.agent=online", "rewards=[]", "rollout.agent_timeout_s=20", "eval.before=false",
+                     "eval.after=false"])
+        out, _ = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+    assert code == 0, out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    assert all(r["reward/unscorable"] == 0 for r in steps) if "reward/unscorable" in steps[0] else True
+    # every episode of both steps was played by the driver (2 prompts x 2 samples per step)
+    assert "online_driver: 8 episodes played; the run is over" in out, out
+    info = json.loads((run / "gateway.json").read_text())
+    assert oct((run / "gateway.json").stat().st_mode & 0o777) == "0o600"
+    assert set(info) == {"url", "episodes", "token", "pid"}
+
+
+def test_the_rl_routes_ask_for_the_run_token():
+    import asyncio
+
+    from plainrl.rollout.gateway import Gateway
+
+    gateway = Gateway("policy", online=True)
+
+    async def go():
+        async with gateway.serving():
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+                wrong = await http.post("/rl/episodes", headers={"Authorization": "Bearer nope"})
+                none = await http.post("/rl/episodes", json={"wait_s": 0},
+                                       headers={"Authorization": f"Bearer {gateway.online.token}"})
+                gone = await http.post("/rl/episodes/abc/reward", json={"reward": 1.0},
+                                       headers={"Authorization": f"Bearer {gateway.online.token}"})
+                return wrong, none, gone
+
+    try:
+        wrong, none, gone = asyncio.run(go())
+    finally:
+        gateway.close()
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert none.status_code == 204  # no episode waiting
+    assert gone.status_code == 404 and "no claimed episode 'abc'" in gone.json()["error"]["message"]
