@@ -227,3 +227,14 @@ def test_every_route_asks_for_the_key_and_errors_come_in_each_dialects_schema(to
     assert seen["messages_400"]["type"] == "error" and seen["messages_400"]["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in seen["messages_400"]["error"]["message"]
     assert seen["models"]["data"][0]["id"] == "policy" and seen["bearer"] == 200
+
+
+def test_a_plain_function_agent_uses_a_blocking_anthropic_client(tokenizer):
+    def agent(llm, row):  # runs in a thread of its own: the blocking SDK client is fine here
+        m = llm.anthropic_client().messages.create(model="policy", max_tokens=48, tools=[ANTHROPIC_TOOL],
+                                                   messages=[{"role": "user", "content": QUESTION}])
+        return 1.0 if m.stop_reason == "tool_use" else 0.0
+
+    engine, [ep] = run(tokenizer, agent)
+    assert ep.env.error is None and ep.env.reward == 1.0
+    assert [ids for ids, _ in spans(ep)] == sampled(engine)

@@ -29,14 +29,9 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> JSONResponse:
-        """The error as OpenAI sends it. ``x-should-retry: false``: the ``openai`` SDK would
-        otherwise retry a 409, and no refusal here goes away by retrying."""
-        return error_response(self.status, self.message, param=self.param, code=self.code)
-
-
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
-    """A JSON error response in OpenAI's schema."""
+    """A JSON error response in OpenAI's schema. ``x-should-retry: false``: the ``openai`` SDK
+    would otherwise retry a 409, and no refusal here goes away by retrying."""
     body = {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
                       "code": code}}
     return JSONResponse(body, status_code=status, headers={"x-should-retry": "false"})

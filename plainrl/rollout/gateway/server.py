@@ -1,7 +1,7 @@
-"""The gateway's lifetime: its loopback socket, the episodes' keys, and serving each rollout.
+"""The gateway's lifetime: its loopback socket, and serving each rollout.
 
-Where the server runs. The episodes of a rollout are tasks of one asyncio event loop (in a
-thread of its own, :func:`plainrl.rollout.episode_loop.run_episodes`), and everything a
+Where the server runs. The episodes of a rollout are tasks of one asyncio event loop (the
+run's, in a thread of its own: :class:`plainrl.rollout.run_loop.RunLoop`), and everything a
 request touches lives there: the episode's :class:`~plainrl.rollout.llm.LLM`, its trajectory,
 the request batcher. None of it is thread-safe, so uvicorn serves *on that same loop*: a
 request reaches its episode by a plain ``await``, batches with every ``llm.chat`` call of the
@@ -9,8 +9,8 @@ step, and costs no thread hand-off (a server loop in a thread of its own would h
 request to the episodes' loop and back, two busy Python threads taking turns on the GIL, up to
 its 5 ms switch interval per turn under load). The listening socket is the run's: bound once,
 on first use (``llm.base_url``), so the port stays the same for the whole run and belongs to
-the trainer process (nothing outlives it, ``kill -9`` included); each rollout serves it from
-its own loop while its episodes run, and closes what it accepted when they are done.
+the trainer process (nothing outlives it, ``kill -9`` included); each rollout serves it on
+the loop while its episodes run, and closes what it accepted when they are done.
 Connections that arrive between rollouts wait in the socket's backlog.
 """
 
