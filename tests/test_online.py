@@ -9,11 +9,13 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from conftest import REPO, tiny_overrides
 from plainrl.cli import main
 
 
+@pytest.mark.e2e
 def test_online_episodes_are_driven_from_a_second_process(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -32,7 +32,7 @@ from plainrl.rollout.gateway.recorder import (
 )
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import Message as ChatMessage
-from plainrl.rollout.gateway.schema import SamplingFields, _Model
+from plainrl.rollout.gateway.schema import SamplingFields, StrictModel
 
 __all__ = ["MessagesRequest", "error_response", "messages"]
 
@@ -42,26 +42,26 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           499: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
 
 
-class Text(_Model):
+class Text(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ToolUse(_Model):
+class ToolUse(StrictModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResult(_Model):
+class ToolResult(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[Text] | None = None
     is_error: bool | None = None
 
 
-class Thinking(_Model):
+class Thinking(StrictModel):
     """A thinking block sent back; the gateway's replies have none, so it is dropped."""
 
     type: Literal["thinking", "redacted_thinking"]
@@ -70,12 +70,12 @@ class Thinking(_Model):
 Block = Annotated[Union[Text, ToolUse, ToolResult, Thinking], Field(discriminator="type")]
 
 
-class AnthropicMessage(_Model):
+class AnthropicMessage(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(_Model):
+class Tool(StrictModel):
     """A client tool (``custom``); Anthropic's server tools (web search, ...) are not served."""
 
     name: str
@@ -84,13 +84,13 @@ class Tool(_Model):
     type: Literal["custom"] | None = None
 
 
-class AnthropicToolChoice(_Model):
+class AnthropicToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(_Model):
+class MessagesRequest(StrictModel):
     """``POST /v1/messages``: the fields the gateway reads (others are ignored)."""
 
     model: str

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from plainrl.rollout.gateway.errors import GatewayError, parse_body
 from plainrl.rollout.gateway.recorder import bearer_key
-from plainrl.rollout.gateway.schema import _Model
+from plainrl.rollout.gateway.schema import StrictModel
 
 __all__ = ["OnlineEpisodes", "announce", "claim", "online_agent", "reward"]
 
@@ -39,11 +39,11 @@ class _Waiting:
     ended: asyncio.Future = field(repr=False)
 
 
-class ClaimRequest(_Model):
+class ClaimRequest(StrictModel):
     wait_s: float = Field(30.0, ge=0, le=600)
 
 
-class RewardRequest(_Model):
+class RewardRequest(StrictModel):
     reward: float | None
     info: dict[str, Any] | None = None
 

@@ -44,19 +44,19 @@ from plainrl.rollout.gateway.recorder import (
     ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format,
 )
 from plainrl.rollout.gateway.sampling import request_sampling
-from plainrl.rollout.gateway.schema import Message, SamplingFields, _Model
+from plainrl.rollout.gateway.schema import Message, SamplingFields, StrictModel
 
 __all__ = ["ResponsesRequest", "responses"]
 
 
-class TextPart(_Model):
+class TextPart(StrictModel):
     """A text content part: ``input_text`` (the agent's), ``output_text`` (a reply sent back)."""
 
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class MessageItem(_Model):
+class MessageItem(StrictModel):
     """A message item (``EasyInputMessage``, or an output ``message`` item sent back)."""
 
     type: Literal["message"] | None = None
@@ -64,20 +64,20 @@ class MessageItem(_Model):
     content: str | list[TextPart]
 
 
-class FunctionCallItem(_Model):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(_Model):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
 
 
-class ReasoningItem(_Model):
+class ReasoningItem(StrictModel):
     """A reasoning item sent back; the gateway's models write none, so it is dropped."""
 
     type: Literal["reasoning"]
@@ -92,7 +92,7 @@ Item = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[Functio
                        Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_kind)]
 
 
-class NamedFunction(_Model):
+class NamedFunction(StrictModel):
     type: Literal["function"]
     name: str
 
