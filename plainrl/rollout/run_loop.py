@@ -224,8 +224,9 @@ def _where(thread: threading.Thread) -> str:
     if frame is None:
         return "an unknown place"
     stack = traceback.extract_stack(frame)
-    # the innermost frame outside the standard library and site-packages: the agent's own line
-    own = [f for f in stack if "/lib/python" not in f.filename] or list(stack)
+    # the innermost frame outside the standard library, site-packages and the import machinery
+    # (<frozen importlib...>): the agent's own line
+    own = [f for f in stack if "/lib/python" not in f.filename and not f.filename.startswith("<")] or list(stack)
     inner = own[-1]
     return f"{inner.filename}:{inner.lineno} in {inner.name} ({(inner.line or '').strip()!r})"
 
