@@ -3,9 +3,12 @@
 The run's episodes are handed out instead of run by an agent function: each waits until an
 outside process claims it (``POST /rl/episodes`` -> its id, its key, its data row, the base URLs
 of every dialect), talks to the model through any dialect with that key (recorded as any
-agent's calls), and ends it with a reward (``POST /rl/episodes/{id}/reward``). The run trains
-on what arrives; an episode that is never claimed or never ended fails after
-``rollout.agent_timeout_s`` of its own time, as any agent's. The routes are guarded by the run's
+agent's calls, whatever prompt the process sends), and ends it with a reward
+(``POST /rl/episodes/{id}/reward``). The run trains on what arrives; an episode that is never
+claimed or never ended fails after ``rollout.agent_timeout_s`` of its own time, as any agent's.
+Groups: a claim may name a ``group`` of its own; the first claim of a name takes one of the
+run's groups (the ``rollout.group_size`` episodes of one row), and later claims of that name
+get the rest of it, so the episodes a client plays as one group share their advantage baseline. The routes are guarded by the run's
 token (``Authorization: Bearer TOKEN``), written with the address to ``RUN_DIR/gateway.json``
 (:func:`announce`).
 """
@@ -41,6 +44,7 @@ class _Waiting:
 
 class ClaimRequest(StrictModel):
     wait_s: float = Field(30.0, ge=0, le=600)
+    group: str | None = None
 
 
 class RewardRequest(StrictModel):
@@ -57,13 +61,38 @@ class OnlineEpisodes:
 
     def __init__(self, token: str | None = None) -> None:
         self.token = token or secrets.token_urlsafe(32)
-        self._queue: asyncio.Queue[_Waiting] | None = None  # made on the episodes' loop
+        self._changed: asyncio.Condition | None = None  # made on the episodes' loop
+        self._waiting: list[_Waiting] = []
         self._claimed: dict[str, _Waiting] = {}
+        # a client's group name -> the run's group it took (the id of the row its episodes share)
+        self._groups: dict[str, int] = {}
 
-    def queue(self) -> asyncio.Queue[_Waiting]:
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-        return self._queue
+    def changed(self) -> asyncio.Condition:
+        """Notified whenever an episode starts waiting."""
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    def take(self, group: str | None) -> _Waiting | None:
+        """The waiting episode a claim gets, or None: of the client's ``group`` when it named
+        one (a new name takes a run's group no other name holds), else preferably of a run's
+        group no name holds. Episodes that ended while waiting (timed out) are dropped."""
+        self._waiting = [w for w in self._waiting if not w.llm.closed]
+        live_rows = {id(w.llm.row) for w in self._waiting} | {id(w.llm.row) for w in self._claimed.values()}
+        self._groups = {g: r for g, r in self._groups.items() if r in live_rows}  # finished groups let go
+        held = set(self._groups.values())
+        if group is not None and group in self._groups:
+            pick = [w for w in self._waiting if id(w.llm.row) == self._groups[group]]
+        else:
+            pick = [w for w in self._waiting if id(w.llm.row) not in held]
+            if group is None:
+                pick = pick or self._waiting
+        if not pick:
+            return None
+        if group is not None:
+            self._groups[group] = id(pick[0].llm.row)
+        self._waiting.remove(pick[0])
+        return pick[0]
 
     def check(self, request: Request) -> None:
         """Raises GatewayError 401 unless the request carries the run's token."""
@@ -80,28 +109,34 @@ async def online_agent(llm, row: dict[str, Any]) -> Any:
         raise RuntimeError("rollout.agent: online needs a gateway with online episodes (plainrl.run.setup makes one)")
     llm.api_key  # noqa: B018 (the key, made now: the claim hands it out)
     waiting = _Waiting(secrets.token_hex(8), llm, asyncio.get_running_loop().create_future())
-    await online.queue().put(waiting)
+    async with online.changed():
+        online._waiting.append(waiting)
+        online.changed().notify_all()
     try:
         return await waiting.ended
     finally:
         online._claimed.pop(waiting.id, None)
+        if waiting in online._waiting:
+            online._waiting.remove(waiting)
 
 
 async def claim(online: OnlineEpisodes, episodes: Any, request: Request) -> Response:
-    """``POST /rl/episodes``: the next waiting episode (waits up to ``wait_s``; 204 when none came)."""
+    """``POST /rl/episodes``: the next waiting episode (of the ``group`` named, see the module's
+    docstring); waits up to ``wait_s``, 204 when none came."""
     online.check(request)
     req = await parse_body(request, ClaimRequest) if await request.body() else ClaimRequest()
+    changed = online.changed()
     try:
         async with asyncio.timeout(req.wait_s):
-            while True:
-                waiting = await online.queue().get()
-                if not waiting.llm.closed:  # one that timed out while waiting is skipped
-                    break
+            async with changed:
+                while (waiting := online.take(req.group)) is None:
+                    await changed.wait()
     except TimeoutError:
         return Response(status_code=204)
     online._claimed[waiting.id] = waiting
     llm, root = waiting.llm, str(request.base_url).rstrip("/")
-    return JSONResponse({"id": waiting.id, "api_key": episodes.key_for(llm), "base_url": f"{root}/v1",
+    return JSONResponse({"id": waiting.id, "group": req.group, "api_key": episodes.key_for(llm),
+                         "base_url": f"{root}/v1",
                          "anthropic_base_url": root, "row": _jsonable(llm.row),
                          "prompt_messages": llm.prompt_messages})
 
