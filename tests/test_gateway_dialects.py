@@ -81,22 +81,27 @@ async def responses_stream_agent(llm, row):
         events.append(ev.type)
     first = ev.response
     call = first.output[0]
-    second = await client.responses.create(model="policy", previous_response_id=first.id, instructions="Use the tool.",
+    stream = await client.responses.create(model="policy", previous_response_id=first.id, instructions="Use the tool.",
                                            input=[{"type": "function_call_output", "call_id": call.call_id,
-                                                   "output": "42"}], tools=[RESPONSES_TOOL])
-    llm.row["seen"] = (events, first, second)
+                                                   "output": "42"}], tools=[RESPONSES_TOOL], stream=True)
+    deltas = []
+    async for ev in stream:
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+    second = ev.response  # the last event's: response.completed
+    llm.row["seen"] = (events, first, second, deltas)
     return 1.0 if "42" in second.output_text else 0.0
 
 
 def test_responses_stream_and_previous_response_id_continue_the_segment(tokenizer):
     engine, [ep] = run(tokenizer, responses_stream_agent)
     assert ep.env.error is None and ep.env.reward == 1.0
-    events, first, second = ep.row["seen"]
+    events, first, second, deltas = ep.row["seen"]
     assert events == ["response.created", "response.in_progress", "response.output_item.added",
                       "response.function_call_arguments.delta", "response.function_call_arguments.done",
                       "response.output_item.done", "response.completed"]
     assert first.output[0].type == "function_call" and first.output[0].name == "calc"
-    assert second.output_text == ANSWER
+    assert second.output_text == ANSWER and "".join(deltas) == ANSWER
     assert ep.env.info["segments"] == 1 and [ids for ids, _ in spans(ep)] == sampled(engine)
 
 
@@ -238,3 +243,46 @@ def test_a_plain_function_agent_uses_a_blocking_anthropic_client(tokenizer):
     engine, [ep] = run(tokenizer, agent)
     assert ep.env.error is None and ep.env.reward == 1.0
     assert [ids for ids, _ in spans(ep)] == sampled(engine)
+
+
+class StoppingEngine(ScriptedEngine):
+    """The scripted engine, honouring stop strings as an engine does: the sample ends with the
+    first stop string (kept), finish reason ``stop``."""
+
+    def generate(self, prompts, params, *, seeds=None):
+        out = super().generate(prompts, params, seeds=seeds)
+        for k, gen in enumerate(out):
+            text = self.tok.decode(gen.token_ids, skip_special_tokens=True)
+            hits = [(text.index(s) + len(s), s) for s in params.stop if s in text]
+            if hits:
+                ids = self.tok(text[: min(hits)[0]], add_special_tokens=False)["input_ids"]
+                out[k] = type(gen)(ids, gen.logprobs[: len(ids)], "stop")
+                self.calls[-len(out) + k] = (self.calls[-len(out) + k][0], out[k], params)
+        return out
+
+
+def test_anthropic_stop_sequences_end_the_turn_and_the_reply_sent_back_continues_it(tokenizer):
+    async def agent(llm, row):
+        client = llm.anthropic_client()
+        messages = [{"role": "user", "content": QUESTION}]
+        first = await client.messages.create(model="policy", max_tokens=48, messages=messages,
+                                             stop_sequences=['"calc"'])
+        messages += [{"role": "assistant", "content": first.content[0].text},
+                     {"role": "user", "content": "Go on."}]
+        second = await client.messages.create(model="policy", max_tokens=48, messages=messages)
+        llm.row["seen"] = (first, second)
+        return 1.0
+
+    engine = StoppingEngine(tokenizer)
+    gateway = Gateway("policy", 2048)
+    try:
+        [ep] = rollout(engine, tokenizer, agent, gateway=gateway)
+    finally:
+        gateway.close()
+    assert ep.env.error is None, ep.env.error
+    first, second = ep.row["seen"]
+    assert first.stop_reason == "stop_sequence" and first.stop_sequence == '"calc"'
+    assert first.content[0].text == '<tool_call>\n{"name": '  # the sequence left out, as Anthropic does
+    assert '"calc"' in tokenizer.decode(engine.calls[0][1].token_ids)  # ... but sampled and trained
+    assert second.stop_reason == "end_turn"
+    assert ep.env.info["segments"] == 1 and [ids for ids, _ in spans(ep)] == sampled(engine)
