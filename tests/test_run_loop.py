@@ -92,3 +92,35 @@ def _signal_when_blocked(loop: RunLoop) -> None:
     while loop.blocked is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.e2e
+def test_plainrl_train_reports_a_blocked_loop_and_sigterm_ends_it(tiny_model_dir, tmp_path):
+    """A real run whose async agent blocks in time.sleep: the warning names the agent's line, and
+    SIGTERM ends the run at once (exit status 143) with that reason."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, tiny_overrides
+
+    agent = tmp_path / "blocking.py"
+    agent.write_text("import time\n\n\nasync def agent(llm, row):\n    time.sleep(600)\n    return 1.0\n")
+    log = tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "agent_openai.yaml"),
+           *tiny_overrides(tiny_model_dir, tmp_path / "run"), "eval.before=false", "eval.after=false",
+           f"rollout.agent={agent}:agent", "rewards=[]"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "event loop is blocked" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        text = log.read_text()
+        assert f"{agent}:5 in agent ('time.sleep(600)')" in text, text
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=30) == 143
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert "plainrl: stopped by SIGTERM while the episodes' event loop was blocked: episode" in log.read_text()

@@ -12,7 +12,6 @@ the same for every step); the engine is called from the thread that called
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -159,11 +158,8 @@ def run_episodes(
         done.add_done_callback(lambda _: calls.stop())
         try:
             calls.serve(done=done.done)
-        except BaseException:  # Ctrl-C while the engine ran, or a stop while the loop was blocked
-            done.cancel()
-            if run_loop.blocked is None:  # the episodes see their cancellation and end
-                with contextlib.suppress(BaseException):
-                    done.exception(timeout=10)
+        except BaseException:  # Ctrl-C while the engine ran, or a stop while the loop was blocked:
+            done.cancel()  # the episodes are cancelled on the loop (closing it waits for them, 5 s at most)
             raise
         return done.result()
     finally:
