@@ -139,9 +139,9 @@ class RunLoop:
         return asyncio.run_coroutine_threadsafe(coro, loop)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Cancel what still runs on the loop (tasks that ignore cancellation get ``timeout_s``),
-        stop it and close it. A blocked loop is left to its daemon thread (it cannot be stopped
-        from outside), so closing never hangs."""
+        """Stop the loop: what still runs on it is cancelled (tasks that ignore cancellation get
+        ``timeout_s``) and the loop closed, in its thread. A blocked loop is left to its daemon
+        thread, which does the same once the blocking call returns: closing never hangs."""
         with self._lock:
             if self._closed.is_set():
                 return
@@ -150,12 +150,9 @@ class RunLoop:
         _LIVE.discard(self)
         if loop is None or thread is None:
             return
-        if self.blocked is None:
-            with contextlib.suppress(RuntimeError, TimeoutError, asyncio.CancelledError):
-                asyncio.run_coroutine_threadsafe(_cancel_all(timeout_s), loop).result(timeout_s + 1)
-        with contextlib.suppress(RuntimeError, TimeoutError, asyncio.CancelledError):
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
             loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=1.0)
+        thread.join(timeout=0.1 if self.blocked is not None else timeout_s + 1)
 
     # ------------------------------------------------------------------ internals
 
@@ -169,8 +166,9 @@ class RunLoop:
             loop.call_soon(ready.set)
             try:
                 loop.run_forever()
-            finally:
-                with contextlib.suppress(RuntimeError, TimeoutError, asyncio.CancelledError):
+            finally:  # stopped (close): end what still runs here, then the loop
+                with contextlib.suppress(RuntimeError):
+                    loop.run_until_complete(_cancel_all(timeout_s=5.0))
                     loop.run_until_complete(loop.shutdown_asyncgens())
                 loop.close()
 
@@ -238,3 +236,6 @@ async def _cancel_all(timeout_s: float) -> None:
         t.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=timeout_s)
+    for t in tasks:  # retrieved, so that none is logged as "never retrieved" at exit
+        if t.done() and not t.cancelled():
+            t.exception()
