@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     from plainrl.models import ModelLoadError
     from plainrl.rewards import RewardError, RewardLoadError
     from plainrl.rollout.engines.requests import EngineError
+    from plainrl.rollout.run_loop import LoopBlocked
     from plainrl.run.export import ExportError
 
     try:
@@ -259,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RewardError, EnvError) as e:  # rollout.fail_fast: a sample could not be scored
         print(f"plainrl: {e}", file=sys.stderr)
         return 1
+    except LoopBlocked as e:  # a stop signal while an agent blocked the episodes' loop
+        print(f"plainrl: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("plainrl: interrupted", file=sys.stderr)
         return 130

@@ -495,6 +495,21 @@ def test_agent_config_is_checked(tmp_path):
         load_config(None, base + ["rollout.agent=m:f", "rollout.max_concurrent_episodes=0"])
 
 
+def test_an_agent_run_without_a_budget_gets_room_for_several_calls():
+    from plainrl.config import load_config
+
+    base = ["data.task=arithmetic", "rollout.agent=m:f", "rollout.max_new_tokens=96"]
+    cfg = load_config(None, base)
+    assert cfg.rollout.max_total_tokens == 4 * 96  # four calls, not one (every second call used to be refused)
+    assert "room for 4 calls of rollout.max_new_tokens=96" in cfg.rollout.agent_budget_note(cfg.model.max_context)
+    small = load_config(None, base + ["model.max_context=512"])
+    assert small.rollout.max_total_tokens == 256  # at most half the context: the rest is the prompt's
+    assert load_config(None, base + ["rollout.max_total_tokens=200"]).rollout.max_total_tokens == 200
+    assert load_config(None, base + ["rollout.max_total_tokens=200"]).rollout.agent_budget_note(1024) is None
+    env = load_config(None, ["data.task=arithmetic", "rollout.env=calculator", "rewards=[{fn: correctness}]"])
+    assert env.rollout.max_total_tokens is None  # environments keep max_new_tokens
+
+
 def test_load_agent_checks_the_reference(tmp_path):
     from plainrl.rewards import RewardLoadError
     from plainrl.rollout.agents import load_agent

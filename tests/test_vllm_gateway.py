@@ -1,6 +1,6 @@
 """The gateway in front of vLLM: in process (rollout.engine=vllm) and a `plainrl serve` server
 (rollout.engine=remote). An unmodified openai.AsyncOpenAI agent's trained spans equal each
-response's token_ids and logprobs. Runs under `make test-vllm`; skipped without vLLM."""
+response's token_ids and logprobs, through Chat Completions and the Responses API. Runs under `make test-vllm`; skipped without vLLM."""
 
 from __future__ import annotations
 
@@ -41,6 +41,31 @@ async def agent(llm, row):
     return 1.0
 
 
+async def responses_agent(llm, row):
+    """The Responses API: two calls, the first's output items sent back, then a function output or a user turn."""
+    client = llm.openai_client()
+    tool = {"type": "function", **CALC["function"]}
+    items = [{"role": "user", "content": "What is 6*7? Use the calculate tool."}]
+    first = await client.responses.create(model="policy", input=items, tools=[tool], max_output_tokens=24,
+                                          extra_body={"return_token_ids": True})
+    items += [o.model_dump(exclude_none=True) for o in first.output]
+    calls = [o for o in first.output if o.type == "function_call"]
+    items += [{"type": "function_call_output", "call_id": c.call_id, "output": "42"} for c in calls] or \
+        [{"role": "user", "content": "And 6*8?"}]
+    second = await client.responses.create(model="policy", input=items, tools=[tool], max_output_tokens=24,
+                                           extra_body={"return_token_ids": True})
+    llm.row["got"] = (first, second)
+    return 1.0
+
+
+def _check_responses(eps):
+    for ep in eps:
+        assert ep.env.error is None, ep.env.error
+        assert ep.env.info["segments"] == 1 and ep.env.info["generate_calls"] == 2
+        first, second = ep.row["got"]
+        assert [ids for ids, _ in spans(ep)] == [first.token_ids, second.token_ids]
+
+
 def _check(eps):
     for ep in eps:
         assert ep.env.error is None, ep.env.error
@@ -54,8 +79,8 @@ def _check(eps):
             assert ep.logprobs[-len(second_ids):] == pytest.approx(second_lps)
 
 
-def _run(engine, tok, max_in_flight):
-    return agent_rollout(engine, prompts(tok, 3), agent, SamplingParams(max_new_tokens=24), tok,
+def _run(engine, tok, max_in_flight, fn=agent):
+    return agent_rollout(engine, prompts(tok, 3), fn, SamplingParams(max_new_tokens=24), tok,
                          LoopSettings(200, max_context=512, max_in_flight=max_in_flight), group_size=1, step=0,
                          generator=torch.Generator().manual_seed(0))
 
@@ -69,6 +94,7 @@ def test_the_gateway_in_front_of_vllm_in_process():
                                     enforce_eager=True, extra={}), sync="full")
     try:
         _check(_run(engine, tok, 1))
+        _check_responses(_run(engine, tok, 1, responses_agent))
     finally:
         engine.close()
 
@@ -83,6 +109,7 @@ def test_the_gateway_in_front_of_a_remote_server(tmp_path):
         engine = RemoteEngine([url], tok, sync="full", weights_via="http", max_model_len=512)
         try:
             _check(_run(engine, tok, 3))
+            _check_responses(_run(engine, tok, 3, responses_agent))
         finally:
             engine.close()
     finally:

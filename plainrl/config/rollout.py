@@ -141,7 +141,9 @@ class RolloutConfig(_Section):
     max_turns: int = Field(8, gt=0)
     """Model turns per multi-turn episode at most."""
     max_total_tokens: int | None = Field(None, gt=0)
-    """Multi-turn completion budget over all turns; null: `max_new_tokens`."""
+    """Multi-turn completion budget over all turns (per segment for agents); null: `max_new_tokens` for environments,
+    and for agents room for several calls: `AGENT_BUDGET_CALLS` (4) x `max_new_tokens`, at most half of
+    `model.max_context` (the run prints the value it chose)."""
     tool_timeout_s: float = Field(5.0, gt=0)
     """Wall-clock limit of one code run of the Python tool's sandbox, and of one tool call of an environment class
     (TRL `environment_factory`, OpenEnv): one that runs over fails its episode."""
@@ -159,7 +161,11 @@ class RolloutConfig(_Section):
     """An unscorable sample stops the run (exit status 1) instead of being counted."""
     agent: str | None = None
     """Your own agent loop: `module:fn` / `file.py:fn`, `async def fn(llm, row)` returning a reward, `{"reward": r,
-    **info}` or None; exclusive with `rollout.env`."""
+    **info}` or None; exclusive with `rollout.env`. `online`: a process outside the run drives the episodes through
+    the gateway and posts their rewards (docs/agents.md, "Online episodes")."""
+    gateway_port: int = Field(0, ge=0, le=65535)
+    """The agents' gateway's port on 127.0.0.1 (0: a free one). With `rollout.agent: online` its address and token are
+    printed and written to `RUN_DIR/gateway.json`."""
     max_concurrent_episodes: int | None = Field(None, gt=0)
     """Episodes in flight at once (`rollout.agent` and `rollout.env`); null: a whole step's."""
     agent_timeout_s: float | None = Field(600.0, gt=0)
@@ -177,7 +183,7 @@ class RolloutConfig(_Section):
     @field_validator("agent")
     @classmethod
     def _agent_reference(cls, v: str | None) -> str | None:
-        if v is not None and ":" not in v:
+        if v is not None and v != "online" and ":" not in v:
             raise ValueError(f"rollout.agent={v!r}: write 'module:fn' or 'path/to/file.py:fn' naming "
                              "`async def fn(llm, row)` (see docs/agents.md)")
         return v
@@ -202,7 +208,27 @@ class RolloutConfig(_Section):
                              "or set rollout.async_steps=0")
         return self
 
+    def agent_budget_note(self, max_context: int) -> str | None:
+        """Why ``max_total_tokens`` has the value it has, when it is :func:`agent_budget`'s default (else None)."""
+        if self.agent is None or self.max_total_tokens != agent_budget(self.max_new_tokens, max_context):
+            return None
+        return (f"rollout.max_total_tokens: {self.max_total_tokens} tokens per episode segment (not set: room for "
+                f"{AGENT_BUDGET_CALLS} calls of rollout.max_new_tokens={self.max_new_tokens}, model and tool tokens "
+                f"together, at most half of model.max_context={max_context}; set it to change)")
+
     @property
     def completion_budget(self) -> int:
         """Tokens after the prompt: max_new_tokens, or max_total_tokens over all turns."""
         return self.max_total_tokens or self.max_new_tokens
+
+
+# an agent makes several model calls per episode; a budget of one call's max_new_tokens refused every second
+# call ("no room for another model call"), so agent runs without max_total_tokens get room for this many
+AGENT_BUDGET_CALLS = 4
+
+
+def agent_budget(max_new_tokens: int, max_context: int) -> int:
+    """The default completion budget of an agent's episode segment: :data:`AGENT_BUDGET_CALLS`
+    calls of ``max_new_tokens``, at most half the model's context (the rest is for the prompt),
+    never below one call."""
+    return max(max_new_tokens, min(AGENT_BUDGET_CALLS * max_new_tokens, max_context // 2))

@@ -18,7 +18,7 @@ from plainrl.config.algorithm import (  # noqa: F401  (re-exported)
     KLPlacement,
 )
 from plainrl.config.chat import ChatTemplateKwargs
-from plainrl.config.rollout import BUILTIN_ENVS, RemoteConfig, RolloutConfig, VLLMConfig  # noqa: F401
+from plainrl.config.rollout import BUILTIN_ENVS, RemoteConfig, RolloutConfig, VLLMConfig, agent_budget  # noqa: F401
 from plainrl.config.train import TrainConfig, strategy_problem
 
 ENV_REWARD = "plainrl.rollout.envs:env_reward"  # Episode.env.reward: an environment's (or agent's) own reward
@@ -333,6 +333,8 @@ class Config(_Section):
                 "data: set exactly one of data.task (a built-in task, e.g. 'arithmetic'), data.path (a file "
                 f"or hub id) or data.source (module:fn); got task={d.task!r}, path={d.path!r}, source={d.source!r}"
             )
+        if self.rollout.agent is not None and self.rollout.max_total_tokens is None:
+            self.rollout.max_total_tokens = agent_budget(self.rollout.max_new_tokens, self.model.max_context)
         if self.rollout.completion_budget >= self.model.max_context:
             raise ValueError(
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} (rollout.max_total_tokens="

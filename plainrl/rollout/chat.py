@@ -5,6 +5,7 @@ re-tokenising what the model sampled."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,7 +13,8 @@ from plainrl.data import PromptRow, render_prompt
 from plainrl.rollout.envs.base import Environment
 from plainrl.rollout.envs.tools import hermes_tools_prompt
 
-__all__ = ["ChatTemplateError", "build_env_prompt", "prompt_messages", "render_chat_continuation", "render_with_tools"]
+__all__ = ["ChatTemplateError", "build_env_prompt", "prompt_messages", "render_chat_continuation", "render_with_tools",
+           "same_message"]
 
 
 class ChatTemplateError(ValueError):
@@ -240,3 +242,36 @@ def render_chat_continuation(
     if eos_text and closing.startswith(eos_text):
         closing = closing[len(eos_text):]
     return closing + suffix
+
+
+def _canonical(message: dict[str, Any], strip: bool) -> dict[str, Any]:
+    out = {k: v for k, v in message.items() if v is not None}
+    content = out.pop("content", "")
+    if isinstance(content, str):
+        content = content.strip() if strip else content
+    if content != "":
+        out["content"] = content
+    calls = out.pop("tool_calls", None)
+    if calls:
+        out["tool_calls"] = [_call_key(c) for c in calls]
+    return out
+
+
+def _call_key(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        return call
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return (fn.get("name"), args)
+
+
+def same_message(a: dict[str, Any], b: dict[str, Any], *, strip: bool = False) -> bool:
+    """Whether two chat messages say the same: None-valued keys dropped, an empty ``content``
+    equal to none, tool calls compared by function name and parsed arguments (ids and
+    ``type`` aside); ``strip``: contents compared without surrounding whitespace."""
+    return a is b or _canonical(a, strip) == _canonical(b, strip)

@@ -4,16 +4,15 @@ model calls batched across episodes (:class:`~plainrl.rollout.batcher.RequestBat
 User agents (``rollout.agent``, :mod:`plainrl.rollout.agents`) and environments
 (``rollout.env``, :mod:`plainrl.rollout.multiturn`) are both *runners*:
 ``async runner(llm, prompt) -> value`` driving an :class:`~plainrl.rollout.llm.LLM`. The
-event loop runs in a thread of its own; the engine is called from the thread that called
+event loop is the run's (:class:`~plainrl.rollout.run_loop.RunLoop`, in a thread of its own,
+the same for every step); the engine is called from the thread that called
 :func:`run_episodes`, so the model, CUDA and Ctrl-C stay where they were.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -23,6 +22,7 @@ from plainrl.rollout.chat import prompt_messages
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.gateway import Gateway
 from plainrl.rollout.llm import LLM
+from plainrl.rollout.run_loop import DaemonThreads, RunLoop
 from plainrl.rollout.seeding import episode_seed
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import SamplingParams
@@ -70,6 +70,9 @@ class LoopSettings:
                       :class:`~plainrl.rollout.gateway.Gateway`), served on the rollout's event loop
                       while its episodes run; None: one of the rollout's own (its server starts
                       only if an episode asks for its URL).
+    loop:             the run's event loop (:class:`~plainrl.rollout.run_loop.RunLoop`), on which
+                      every rollout's episodes run, so clients that agents' libraries cache across
+                      calls keep working from step to step; None: one for this rollout alone.
 
     Raises:
         ValueError: bad ``max_live``, ``max_total_tokens`` or ``timeout_s``.
@@ -85,6 +88,7 @@ class LoopSettings:
     prompt_template: str = "{prompt}"
     chat_template_kwargs: dict[str, Any] | None = None
     gateway: Gateway | None = None
+    loop: RunLoop | None = None
 
     def __post_init__(self) -> None:
         if self.max_live is not None and self.max_live < 1:
@@ -130,10 +134,12 @@ def run_episodes(
         return []
     s = settings
     calls = EngineCalls(engine, max_in_flight=s.max_in_flight)
-    box: dict[str, Any] = {}
     gateway, own_gateway = s.gateway, s.gateway is None
     if gateway is None:
         gateway = Gateway(model=str(getattr(tokenizer, "name_or_path", "") or "plainrl"), max_model_len=s.max_context)
+    run_loop, own_loop = s.loop, s.loop is None
+    if run_loop is None:
+        run_loop = RunLoop()
 
     def make_llm(batcher: RequestBatcher, i: int) -> LLM:
         p = prompts[i]
@@ -143,80 +149,24 @@ def run_episodes(
                    chat_template_kwargs=s.chat_template_kwargs, gateway=gateway, seed=episode_seed(seed, i))
 
     async def main() -> list[EpisodeRun]:
-        box["loop"], box["task"] = asyncio.get_running_loop(), asyncio.current_task()
         async with gateway.serving():
             return await _run_all(prompts, runner, make_llm, calls, s.max_live or len(prompts), s.timeout_s,
                                   s.busy_wait_s)
 
-    def loop_thread() -> None:
-        try:
-            box["runs"] = _run_in_new_loop(main)
-        except BaseException as e:  # raised again in the caller's thread
-            box["error"] = e
-        finally:
-            calls.stop()
-
-    thread = threading.Thread(target=loop_thread, name="plainrl-episodes", daemon=True)
-    thread.start()
     try:
-        calls.serve(done=lambda: not thread.is_alive())
-    except BaseException:  # Ctrl-C while the engine ran: stop the episodes too
-        loop, task = box.get("loop"), box.get("task")
-        if loop is not None and task is not None:
-            try:
-                loop.call_soon_threadsafe(task.cancel)
-            except RuntimeError:
-                pass
-        thread.join(timeout=10)
-        raise
+        done = run_loop.submit(main())
+        done.add_done_callback(lambda _: calls.stop())
+        try:
+            calls.serve(done=done.done)
+        except BaseException:  # Ctrl-C while the engine ran, or a stop while the loop was blocked:
+            done.cancel()  # the episodes are cancelled on the loop (closing it waits for them, 5 s at most)
+            raise
+        return done.result()
     finally:
         if own_gateway:
             gateway.close()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["runs"]
-
-
-class DaemonThreads(ThreadPoolExecutor):
-    """An executor that runs each call in a daemon thread of its own: a call that never returns
-    (a hung tool) neither holds the rollout's end nor the process's exit, as a pool's threads
-    would (they are joined at exit). The event loop's default executor (asyncio wants a
-    ``ThreadPoolExecutor``; this one never starts the pool's threads), so an agent's
-    ``asyncio.to_thread`` uses it too."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        fut: Future = Future()
-
-        def target() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(fn(*args, **kwargs))
-            except BaseException as e:  # handed to whoever awaits it
-                fut.set_exception(e)
-
-        threading.Thread(target=target, name="plainrl-call", daemon=True).start()
-        return fut
-
-
-def _run_in_new_loop(main: Callable[[], Awaitable[Any]]) -> Any:
-    """``asyncio.run`` without its waits for ever: tasks that ignore cancellation get 5 s, and
-    threads still running calls are left behind (daemon threads) instead of joined."""
-    loop = asyncio.new_event_loop()
-    loop.set_default_executor(DaemonThreads())
-    try:
-        return loop.run_until_complete(main())
-    finally:
-        try:
-            leftovers = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for t in leftovers:
-                t.cancel()
-            if leftovers:
-                loop.run_until_complete(asyncio.wait(leftovers, timeout=5))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            loop.close()
+        if own_loop:
+            run_loop.close()
 
 
 def _messages(p: PromptRow, system_prompt: str | None, prompt_template: str) -> list[dict[str, Any]]:
@@ -242,7 +192,7 @@ async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[
             live[i], expired[i] = llm, asyncio.get_running_loop().create_future()
             ended = expired[i]  # its result: None when out of time, else why the episode was aborted
             llm.on_abort = lambda reason: None if ended.done() else ended.set_result(reason)
-            inner = asyncio.create_task(runner(llm, prompts[i]))
+            inner = asyncio.create_task(runner(llm, prompts[i]), name=f"episode {i}")
             try:
                 await asyncio.wait({inner, expired[i]}, return_when=asyncio.FIRST_COMPLETED)
                 if inner.done():

@@ -105,6 +105,10 @@ def make_agent(cfg: RolloutConfig):
     """
     if cfg.agent is None:
         return None
+    if cfg.agent == "online":  # episodes driven from outside the run (plainrl.rollout.gateway.online)
+        from plainrl.rollout.gateway.online import online_agent
+
+        return online_agent
     from plainrl.rollout.agents import load_agent
 
     return load_agent(cfg.agent)
@@ -142,6 +146,8 @@ class MultiTurn:
     chat_template_kwargs: ``data.chat_template_kwargs``, variables for the chat template.
     gateway:          agents: the run's OpenAI-compatible gateway (:class:`~plainrl.rollout.gateway.Gateway`,
                       its socket bound on first use), None for one per rollout.
+    loop:             the run's event loop (:class:`~plainrl.rollout.run_loop.RunLoop`): every
+                      rollout's episodes run on it; None for one per rollout.
     """
 
     env_factory: Callable[[], Any] | None
@@ -156,6 +162,7 @@ class MultiTurn:
     max_in_flight: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     gateway: Any = None
+    loop: Any = None
 
     def __post_init__(self) -> None:
         if (self.env_factory is None) == (self.agent is None):
@@ -166,7 +173,8 @@ class MultiTurn:
         return LoopSettings(self.max_total_tokens, max_context=self.max_context, max_live=self.max_live,
                             timeout_s=self.timeout_s, max_in_flight=self.max_in_flight,
                             system_prompt=self.system_prompt, prompt_template=self.prompt_template,
-                            chat_template_kwargs=self.chat_template_kwargs, gateway=self.gateway)
+                            chat_template_kwargs=self.chat_template_kwargs, gateway=self.gateway,
+                            loop=self.loop)
 
 
 def rollout(

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, TypeVar
 
 from plainrl.rollout.batcher import RequestBatcher
-from plainrl.rollout.chat import encode_rendered, render_chat_continuation, render_with_tools
+from plainrl.rollout.chat import encode_rendered, render_chat_continuation, render_with_tools, same_message
 from plainrl.rollout.reaper import MARK_ENV
 from plainrl.rollout.seeding import call_seed
 from plainrl.rollout.trajectory import Trajectory
@@ -97,7 +96,8 @@ class LLM:
     the other episodes.
 
     Agents written for the OpenAI API reach the same handle over HTTP: ``llm.openai_client()``,
-    ``llm.base_url`` / ``llm.api_key``, ``llm.openai_env()`` (the run's gateway,
+    ``llm.base_url`` / ``llm.api_key``, ``llm.openai_env()``; agents written for Anthropic's
+    Messages API through ``llm.anthropic_client()`` / ``llm.anthropic_env()`` (the run's gateway,
     :mod:`plainrl.rollout.gateway`, with a key of this episode's own).
     """
 
@@ -193,6 +193,23 @@ class LLM:
         kwargs.setdefault("max_retries", 0)
         kwargs.setdefault("http_client", self._gateway().http_client())
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    def anthropic_env(self) -> dict[str, str]:
+        """``{"ANTHROPIC_BASE_URL": ..., "ANTHROPIC_API_KEY": ...}`` (and the run's mark, as
+        :meth:`openai_env`): an ``anthropic`` client made in a subprocess is this episode's."""
+        env = {"ANTHROPIC_BASE_URL": self._gateway().url, "ANTHROPIC_API_KEY": self.api_key}
+        if MARK_ENV in os.environ:
+            env[MARK_ENV] = os.environ[MARK_ENV]
+        return env
+
+    def anthropic_client(self, **kwargs: Any):
+        """An ``anthropic.AsyncAnthropic`` bound to this episode (the gateway's root, its key);
+        retries off, as :meth:`openai_client`. ``kwargs`` go to the client."""
+        import anthropic
+
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("http_client", self._gateway().http_client(httpx_module=_httpx_of(anthropic)))
+        return anthropic.AsyncAnthropic(base_url=self._gateway().url, api_key=self.api_key, **kwargs)
 
     def _gateway(self):
         if self.gateway is None:
@@ -392,6 +409,17 @@ def _resolve_aliases(sampling: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def _httpx_of(sdk: Any) -> Any:
+    """The package ``sdk`` takes its HTTP clients from: ``httpx``, or ``httpx2`` (the
+    ``anthropic`` SDK's since 2.14, which refuses an ``httpx`` client)."""
+    import importlib
+
+    for cls in sdk.DefaultAsyncHttpxClient.__mro__:
+        if cls.__name__ == "AsyncClient" and cls.__module__.startswith("httpx"):
+            return importlib.import_module(cls.__module__.split(".")[0])
+    raise TypeError(f"{sdk.__name__}.DefaultAsyncHttpxClient is no httpx AsyncClient")
+
+
 @dataclass(frozen=True)
 class _Sampled:
     generation: Generation
@@ -408,39 +436,6 @@ def _cut_at(gen: Generation, stop_ids: tuple[int, ...]) -> Generation:
             return Generation(list(gen.token_ids[: i + 1]), list(gen.logprobs[: i + 1]), "stop",
                               None if gen.versions is None else list(gen.versions[: i + 1]))
     return gen
-
-
-def _canonical(message: dict[str, Any], strip: bool) -> dict[str, Any]:
-    out = {k: v for k, v in message.items() if v is not None}
-    content = out.pop("content", "")
-    if isinstance(content, str):
-        content = content.strip() if strip else content
-    if content != "":
-        out["content"] = content
-    calls = out.pop("tool_calls", None)
-    if calls:
-        out["tool_calls"] = [_call_key(c) for c in calls]
-    return out
-
-
-def _call_key(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict):
-        return call
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            pass
-    return (fn.get("name"), args)
-
-
-def same_message(a: dict[str, Any], b: dict[str, Any], *, strip: bool = False) -> bool:
-    """Whether two chat messages say the same: None-valued keys dropped, an empty ``content``
-    equal to none, tool calls compared by function name and parsed arguments (ids and
-    ``type`` aside); ``strip``: contents compared without surrounding whitespace."""
-    return a is b or _canonical(a, strip) == _canonical(b, strip)
 
 
 class SyncLLM:
@@ -469,6 +464,15 @@ class SyncLLM:
         kwargs.setdefault("max_retries", 0)
         kwargs.setdefault("http_client", self._llm._gateway().http_client(blocking=True))
         return openai.OpenAI(base_url=self._llm.base_url, api_key=self._llm.api_key, **kwargs)
+
+    def anthropic_client(self, **kwargs: Any):
+        """A blocking ``anthropic.Anthropic`` client bound to this episode (see :meth:`LLM.anthropic_client`)."""
+        import anthropic
+
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("http_client", self._llm._gateway().http_client(blocking=True,
+                                                                          httpx_module=_httpx_of(anthropic)))
+        return anthropic.Anthropic(base_url=self._llm._gateway().url, api_key=self._llm.api_key, **kwargs)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._llm.closed:

@@ -20,6 +20,7 @@ from plainrl.checkpoint import (
 from plainrl.config import Config, dump_config
 from plainrl.durable import write_atomic
 from plainrl.metrics import MetricsLogger
+from plainrl.rollout.run_loop import LoopBlocked, blocked_report
 
 
 def seed_everything(seed: int) -> None:
@@ -59,7 +60,9 @@ class Diverged(RuntimeError):
 
 class GracefulStop:
     """The first SIGTERM/SIGINT asks the loop to stop at the next step boundary; a second
-    SIGINT interrupts at once (KeyboardInterrupt). Handlers are restored on exit.
+    SIGINT interrupts at once (KeyboardInterrupt), and so does any stop while the episodes'
+    event loop is blocked (:class:`~plainrl.rollout.run_loop.LoopBlocked`: the boundary would
+    never come). Handlers are restored on exit.
 
     ``agree``: under torchrun, the largest value over the ranks (``Parallel.max``): a signal
     that reached one rank stops them all at the same boundary (:meth:`requested`). Leaving
@@ -89,6 +92,9 @@ class GracefulStop:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
+        blocked = blocked_report()
+        if blocked is not None:  # the step cannot reach its end: stop now, saying why
+            raise LoopBlocked(signum, blocked)
 
     def __exit__(self, exc_type, *exc) -> None:
         for sig, handler in self._old.items():

@@ -39,6 +39,8 @@ from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_ep
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.episodes import check_rows_fit_env, env_constructor
 from plainrl.rollout.gateway import Gateway
+from plainrl.rollout.gateway.online import announce
+from plainrl.rollout.run_loop import RunLoop
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
 from plainrl.run.correction import TIS_CAP_AUTO, resolve_is_correction
@@ -82,11 +84,13 @@ class Prepared:
             self.env_factory.prestart(self.multi_turn.max_live or 0)
 
     def close(self) -> None:
-        """Stop the reward and environment workers, if any, and close the agents' gateway."""
+        """Stop the reward and environment workers, if any, and close the agents' gateway and the episodes' loop."""
         if self.reward_workers is not None:
             self.reward_workers.close()
         if self.multi_turn is not None and self.multi_turn.gateway is not None:
             self.multi_turn.gateway.close()
+        if self.multi_turn is not None and self.multi_turn.loop is not None:
+            self.multi_turn.loop.close()
         if isinstance(self.env_factory, EnvWorkers):
             self.env_factory.close()
 
@@ -146,11 +150,13 @@ def multi_turn_settings(cfg: Config) -> MultiTurn | None:
     in_flight = (live or r.prompts_per_step * r.group_size) if r.engine == "remote" else 1
     # agents written for the OpenAI API: one loopback gateway for the run (its socket bound when an
     # episode first asks for its URL, so runs whose agents never do open no port)
-    gateway = Gateway(model=cfg.model.name, max_model_len=cfg.model.max_context) if agent else None
+    gateway = Gateway(model=cfg.model.name, max_model_len=cfg.model.max_context, port=r.gateway_port,
+                      online=r.agent == "online") if agent else None
     return MultiTurn(factory, r.max_turns, r.completion_budget, cfg.data.system_prompt, cfg.data.prompt_template,
                      max_live=live, agent=agent, max_context=cfg.model.max_context if agent else None,
                      timeout_s=r.agent_timeout_s if agent else None, max_in_flight=in_flight,
-                     chat_template_kwargs=cfg.data.chat_template_kwargs, gateway=gateway)
+                     chat_template_kwargs=cfg.data.chat_template_kwargs, gateway=gateway,
+                     loop=RunLoop())  # the episodes of every step on one loop (rollout/run_loop.py)
 
 
 def load_eval_grader(ref: str) -> Callable[..., Any]:
@@ -402,6 +408,12 @@ def _announce(cfg: Config, prep: Prepared, logger: MetricsLogger, run_dir: Path,
     for note in cfg.notes:
         logger.print(f"config: {note}")
     logger.print(f"dtype: {resolve_dtype(cfg.model.dtype, device.type).reason}")
+    if note := cfg.rollout.agent_budget_note(cfg.model.max_context):
+        logger.print(note)
+    gateway = prep.multi_turn.gateway if prep.multi_turn is not None else None
+    if gateway is not None and gateway.online is not None:  # rollout.agent: online: tell the outside process
+        path = announce(run_dir, gateway.url, gateway.online.token)
+        logger.print(f"online episodes: {gateway.url}/rl/episodes (its address and token: {path})")
     if cfg.model.quantization != "none":
         logger.print(check_quantization(cfg.model.quantization, device, model_dtype(cfg.model.dtype, device)))
     for w in resume_warnings:

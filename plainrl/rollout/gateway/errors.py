@@ -3,14 +3,15 @@ status the OpenAI API gives (and the ``openai`` SDK maps to its exception classe
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
 from plainrl.rollout.gateway.schema import TAG_MARK
 
-__all__ = ["GatewayError", "error_response", "validation_error"]
+__all__ = ["GatewayError", "error_response", "parse_body", "validation_error"]
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           409: "conflict_error", 500: "server_error", 503: "service_unavailable"}
@@ -30,14 +31,9 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> JSONResponse:
-        """The error as OpenAI sends it. ``x-should-retry: false``: the ``openai`` SDK would
-        otherwise retry a 409, and no refusal here goes away by retrying."""
-        return error_response(self.status, self.message, param=self.param, code=self.code)
-
-
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
-    """A JSON error response in OpenAI's schema."""
+    """A JSON error response in OpenAI's schema. ``x-should-retry: false``: the ``openai`` SDK
+    would otherwise retry a 409, and no refusal here goes away by retrying."""
     body = {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
                       "code": code}}
     return JSONResponse(body, status_code=status, headers={"x-should-retry": "false"})
@@ -62,3 +58,23 @@ def validation_error(e: ValidationError) -> GatewayError:
     got = first.get("input")
     got = f" (got {type(got).__name__} {got!r:.60})" if "input" in first and first["type"] != "missing" else ""
     return GatewayError(400, f"{param or 'body'}: {first['msg']}{got}", param=param or None)
+
+
+async def parse_body(request: Any, model: type[BaseModel]) -> Any:
+    """The request's JSON body validated as ``model``.
+
+    Raises:
+        GatewayError: 400 for a body that is not JSON, not an object, or fails validation
+            (naming the first field at fault).
+    """
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise GatewayError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None

@@ -15,10 +15,12 @@ from typing import Annotated, Any, Literal, Union
 from openai.types.chat import ChatCompletionFunctionTool, ChatCompletionMessageFunctionToolCall
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-__all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "Message", "SamplingFields"]
+__all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "Message", "SamplingFields", "StrictModel", "TAG_MARK"]
 
 
-class _Model(BaseModel):
+class StrictModel(BaseModel):
+    """A request model of any dialect: types checked strictly, unknown fields ignored (as vLLM does)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -59,7 +61,7 @@ def _tagged(members: dict[str, Any], by: Any, expected: str) -> Any:
                                    custom_error_message=f"must be {expected}")]
 
 
-class TextPart(_Model):
+class TextPart(StrictModel):
     """A text content part (the only kind a text model can read)."""
 
     type: Literal["text"]
@@ -70,13 +72,13 @@ Content = _tagged({"string": str, "array": list[TextPart]}, _json_kind,
                   'a string or a list of text parts ({"type": "text", "text": ...})')
 
 
-class SystemMessage(_Model):
+class SystemMessage(StrictModel):
     role: Literal["system"]
     content: Content
     name: str | None = None
 
 
-class DeveloperMessage(_Model):
+class DeveloperMessage(StrictModel):
     """OpenAI's newer name for a system message; rendered as ``system``."""
 
     role: Literal["developer"]
@@ -84,13 +86,13 @@ class DeveloperMessage(_Model):
     name: str | None = None
 
 
-class UserMessage(_Model):
+class UserMessage(StrictModel):
     role: Literal["user"]
     content: Content
     name: str | None = None
 
 
-class AssistantMessage(_Model):
+class AssistantMessage(StrictModel):
     role: Literal["assistant"]
     content: Content | None = None
     tool_calls: list[ChatCompletionMessageFunctionToolCall] | None = None
@@ -98,7 +100,7 @@ class AssistantMessage(_Model):
     name: str | None = None
 
 
-class ToolMessage(_Model):
+class ToolMessage(StrictModel):
     role: Literal["tool"]
     content: Content
     tool_call_id: str | None = None
@@ -109,20 +111,20 @@ Message = _tagged({"system": SystemMessage, "developer": DeveloperMessage, "user
                   "a message whose role is system, developer, user, assistant or tool")
 
 
-class NamedFunction(_Model):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Model):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Model):
+class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class SamplingFields(_Model):
+class SamplingFields(StrictModel):
     """What every generating route shares: OpenAI's sampling fields and vLLM's extensions."""
 
     max_tokens: int | None = Field(None, ge=1)
@@ -176,7 +178,7 @@ class GenerateSampling(SamplingFields):
     logprobs: int | None = None
 
 
-class GenerateRequest(_Model):
+class GenerateRequest(StrictModel):
     """``POST /inference/v1/generate``: vLLM's token-in, token-out route."""
 
     token_ids: list[int] = Field(min_length=1)

@@ -1,7 +1,7 @@
-"""The gateway's lifetime: its loopback socket, the episodes' keys, and serving each rollout.
+"""The gateway's lifetime: its loopback socket, and serving each rollout.
 
-Where the server runs. The episodes of a rollout are tasks of one asyncio event loop (in a
-thread of its own, :func:`plainrl.rollout.episode_loop.run_episodes`), and everything a
+Where the server runs. The episodes of a rollout are tasks of one asyncio event loop (the
+run's, in a thread of its own: :class:`plainrl.rollout.run_loop.RunLoop`), and everything a
 request touches lives there: the episode's :class:`~plainrl.rollout.llm.LLM`, its trajectory,
 the request batcher. None of it is thread-safe, so uvicorn serves *on that same loop*: a
 request reaches its episode by a plain ``await``, batches with every ``llm.chat`` call of the
@@ -9,8 +9,8 @@ step, and costs no thread hand-off (a server loop in a thread of its own would h
 request to the episodes' loop and back, two busy Python threads taking turns on the GIL, up to
 its 5 ms switch interval per turn under load). The listening socket is the run's: bound once,
 on first use (``llm.base_url``), so the port stays the same for the whole run and belongs to
-the trainer process (nothing outlives it, ``kill -9`` included); each rollout serves it from
-its own loop while its episodes run, and closes what it accepted when they are done.
+the trainer process (nothing outlives it, ``kill -9`` included); each rollout serves it on
+the loop while its episodes run, and closes what it accepted when they are done.
 Connections that arrive between rollouts wait in the socket's backlog.
 """
 
@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import socket
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from plainrl.rollout.gateway.keys import Episodes
+from plainrl.rollout.gateway.online import OnlineEpisodes
 
 if TYPE_CHECKING:
     from plainrl.rollout.llm import LLM
@@ -33,31 +34,32 @@ HOST = "127.0.0.1"  # loopback only: the keys are no protection against other ma
 
 
 class Gateway:
-    """An OpenAI-compatible HTTP server in front of a run's rollouts (one per trainer process).
+    """An OpenAI- and Anthropic-compatible HTTP server in front of a run's rollouts (one per trainer process).
 
     Each episode's :class:`~plainrl.rollout.llm.LLM` gets a random key on first use
     (``llm.api_key``); a request with that key is a call of that episode, recorded on its
     trajectory exactly as ``llm.chat`` / ``llm.generate`` would record it. Routes:
-    :mod:`plainrl.rollout.gateway.routes`.
+    :mod:`plainrl.rollout.gateway.app`.
 
     Args:
         model: the model id ``GET /v1/models`` lists and responses name (``model.name``).
         max_model_len: the model's context (``model.max_context``), listed as ``max_model_len``.
-        port: the port to bind on 127.0.0.1 (0: a free one).
+        port: the port to bind on 127.0.0.1 (0: a free one; ``rollout.gateway_port``).
+        online: serve ``rollout.agent: online``'s ``/rl/`` routes (:mod:`plainrl.rollout.gateway.online`).
     """
 
-    def __init__(self, model: str, max_model_len: int | None = None, *, port: int = 0) -> None:
+    def __init__(self, model: str, max_model_len: int | None = None, *, port: int = 0, online: bool = False) -> None:
         self.model, self.max_model_len, self.port = model, max_model_len, port
+        self.episodes = Episodes(model, max_model_len)  # the keys and what is kept per episode
+        self.online = OnlineEpisodes() if online else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        self._keys: dict[str, weakref.ref[LLM]] = {}  # every key handed out this run; dead refs: ended
         self._loop: asyncio.AbstractEventLoop | None = None  # the rollout being served
         self._server: Any = None  # uvicorn.Server on that loop, once started
         self._starting: asyncio.Task | None = None
         self._app: Any = None
         self._http: list[Any] = []  # the episodes' httpx.AsyncClients, on the served loop
-        self._sync_http: Any = None  # httpx.Client for plain-function agents' (thread-safe)
-        self.sampling_overrides = 0  # requests whose temperature/top_p/top_k the run replaced
+        self._sync_http: dict[str, Any] = {}  # httpx module -> Client for plain-function agents' (thread-safe)
 
     # ------------------------------------------------------------------ addresses and keys
 
@@ -73,16 +75,12 @@ class Gateway:
         return f"http://{HOST}:{self._sock.getsockname()[1]}"
 
     def key_for(self, llm: LLM) -> str:
-        """The episode's key, made (random, 32 bytes) on first use."""
-        key = getattr(llm, "_gateway_key", None)
-        if key is None:
-            key = "sk-plainrl-" + secrets.token_urlsafe(32)
-            llm._gateway_key = key
-            self._keys[key] = weakref.ref(llm)
+        """The episode's key, made (random, 32 bytes) on first use; binds the socket."""
+        key = self.episodes.key_for(llm)
         self._bind()
         return key
 
-    def http_client(self, *, blocking: bool = False):
+    def http_client(self, *, blocking: bool = False, httpx_module: Any = None):
         """An HTTP client for an episode's ``openai`` client (``llm.openai_client()``), closed with
         the rollout.
 
@@ -94,38 +92,35 @@ class Gateway:
         routes, keys, errors and read timeout (:class:`_LoopTransport`). ``blocking``: one
         ``httpx.Client`` over the socket for plain-function agents (they run in threads of
         their own), shared by their threads, made without TLS set-up (a default client loads
-        the system's CA certificates, ~10 ms, though loopback needs none)."""
-        import httpx
+        the system's CA certificates, ~10 ms, though loopback needs none). ``httpx_module``: the
+        package the client's SDK takes its clients from (``httpx``, the default, or ``httpx2``,
+        the ``anthropic`` SDK's since 2.14)."""
+        import httpx as default
+
+        httpx = httpx_module or default
 
         # the openai SDK's own defaults: 600 s per request, 5 s to connect
         kw = dict(timeout=httpx.Timeout(600.0, connect=5.0), verify=False, trust_env=False)
         if blocking:
             with self._lock:
-                if self._sync_http is None:
-                    self._sync_http = httpx.Client(limits=httpx.Limits(max_connections=None), **kw)
-                return self._sync_http
+                if httpx.__name__ not in self._sync_http:
+                    self._sync_http[httpx.__name__] = httpx.Client(limits=httpx.Limits(max_connections=None), **kw)
+                return self._sync_http[httpx.__name__]
         self._bind()
-        client = httpx.AsyncClient(transport=_loop_transport(self._app), **kw)
+        client = httpx.AsyncClient(transport=_loop_transport(self._app, httpx), **kw)
         self._http.append(client)
         return client
 
     def lookup(self, key: str) -> tuple[LLM | None, bool]:
-        """``(the live episode's handle, known)`` for a key: ``(None, False)`` for a key never
-        handed out, ``(None, True)`` for one whose episode has ended."""
-        ref = self._keys.get(key)
-        if ref is None:
-            return None, False
-        llm = ref()
-        if llm is None or llm.closed:
-            return None, True
-        return llm, True
+        """``(the live episode's handle, known)`` for a key (:meth:`Episodes.lookup`)."""
+        return self.episodes.lookup(key)
 
     def take_metrics(self) -> dict[str, float]:
         """``rollout/sampling_overrides`` since the last call (requests whose sampling settings
         the run's replaced); {} when the gateway never served."""
         if self._sock is None:
             return {}
-        n, self.sampling_overrides = self.sampling_overrides, 0
+        n, self.episodes.sampling_overrides = self.episodes.sampling_overrides, 0
         return {"rollout/sampling_overrides": float(n)}
 
     # ------------------------------------------------------------------ serving
@@ -156,9 +151,9 @@ class Gateway:
         if self._app is None:  # built here, in the caller's thread: a missing package fails the caller
             import uvicorn  # noqa: F401
 
-            from plainrl.rollout.gateway.routes import build_app
+            from plainrl.rollout.gateway.app import build_app
 
-            self._app = build_app(self)
+            self._app = build_app(self.episodes, self.online)
         with self._lock:
             if self._sock is None:
                 # proto=IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
@@ -213,20 +208,18 @@ class Gateway:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
-            if self._sync_http is not None:
-                self._sync_http.close()
-                self._sync_http = None
+            for client in self._sync_http.values():
+                client.close()
+            self._sync_http = {}
 
 
-def _loop_transport(app: Any):
+def _loop_transport(app: Any, httpx: Any):
     """An ``httpx.ASGITransport`` to ``app`` that honours the request's read timeout (the
     in-process transport has no network to time): a call not answered within it raises
     ``httpx.ReadTimeout``, as a socket's would, and its handler is cancelled (the gateway then
     fails the episode, as for a client that disconnects mid-call)."""
-    import httpx
-
     class _LoopTransport(httpx.ASGITransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        async def handle_async_request(self, request: Any) -> Any:
             limit = request.extensions.get("timeout", {}).get("read")
             try:
                 async with asyncio.timeout(limit):

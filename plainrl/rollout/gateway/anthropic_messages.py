@@ -1,0 +1,212 @@
+"""Anthropic's Messages dialect: ``POST /v1/messages``, over the shared recorder.
+
+What an agent built on the ``anthropic`` SDK (Claude-style harnesses) sends. A request becomes
+chat messages as ``/v1/chat/completions`` would get them (``system`` a system message; a user
+turn's ``tool_result`` blocks tool messages, then its text; an assistant turn's text and
+``tool_use`` blocks one assistant message with ``tool_calls``; ``thinking`` blocks dropped),
+so a conversation trains on the same token ids in every dialect
+(:func:`~plainrl.rollout.gateway.recorder.chat_call`). The reply (a ``text`` block and
+``tool_use`` blocks parsed from the model's text) is the ``anthropic`` package's own
+``Message``; ``stream`` replays it as Anthropic's event stream. ``stop_reason``: ``tool_use``,
+``max_tokens``, ``stop_sequence`` (a request's stop sequence, left out of the text as Anthropic
+does) or ``end_turn``. The key comes as ``x-api-key`` (or a bearer token); errors are
+Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Annotated, Any, Iterator, Literal, Union
+
+from anthropic.types import Message, RawMessageStreamEvent, TextBlock, ToolUseBlock, Usage
+from pydantic import Field, TypeAdapter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from plainrl.rollout.gateway.errors import parse_body
+from plainrl.rollout.gateway.keys import Episodes
+from plainrl.rollout.gateway.messages import template_message
+from plainrl.rollout.gateway.recorder import (
+    ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format,
+)
+from plainrl.rollout.gateway.sampling import request_sampling
+from plainrl.rollout.gateway.schema import Message as ChatMessage
+from plainrl.rollout.gateway.schema import SamplingFields, StrictModel
+
+__all__ = ["MessagesRequest", "error_response", "messages"]
+
+# Anthropic's error types by status (its SDK maps the status to its exception classes)
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+          499: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
+
+
+class Text(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUse(StrictModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResult(StrictModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Text] | None = None
+    is_error: bool | None = None
+
+
+class Thinking(StrictModel):
+    """A thinking block sent back; the gateway's replies have none, so it is dropped."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+Block = Annotated[Union[Text, ToolUse, ToolResult, Thinking], Field(discriminator="type")]
+
+
+class AnthropicMessage(StrictModel):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(StrictModel):
+    """A client tool (``custom``); Anthropic's server tools (web search, ...) are not served."""
+
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+
+
+class AnthropicToolChoice(StrictModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesRequest(StrictModel):
+    """``POST /v1/messages``: the fields the gateway reads (others are ignored)."""
+
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[Text] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    stream: bool | None = None
+    thinking: dict[str, Any] | None = None
+
+
+_CHAT = TypeAdapter(ChatMessage)
+_EVENT = TypeAdapter(RawMessageStreamEvent)
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> Response:
+    """An error in Anthropic's schema (``param`` and ``code`` go into the message)."""
+    text = f"{param}: {message}" if param and not message.startswith(param) else message
+    body = {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": text}}
+    return JSONResponse(body, status_code=status, headers={"x-should-retry": "false"})
+
+
+async def messages(episodes: Episodes, request: Request) -> Response:
+    """``POST /v1/messages``."""
+    key = request.headers.get("x-api-key", "") or bearer_key(request)
+    llm = episode(episodes, key, "llm.api_key, llm.anthropic_client(), llm.anthropic_env()")
+    req = await parse_body(request, MessagesRequest)
+    fmt, renders = template_format(llm)
+    chat = [_CHAT.validate_python(m) for m in chat_messages(req)]
+    tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools] if req.tools else None
+    c = req.tool_choice
+    mode = {"auto": "auto", "any": "required", "tool": "required", "none": "none"}[c.type] if c else "auto"
+    choice = ToolChoice(mode, c.name if c is not None and c.type == "tool" else None)
+    fields = SamplingFields(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                            stop=req.stop_sequences)
+    stops = tuple(req.stop_sequences or ())
+    done = await chat_call(episodes, request, llm, [template_message(m, fmt, renders) for m in chat], tools, choice,
+                           request_sampling(fields, llm.params), cut_stop=stops)
+    out = build_message(episodes.model, done, stops)
+    if req.stream:
+        return StreamingResponse(stream_events(out), media_type="text/event-stream")
+    return JSONResponse(out.model_dump(mode="json", exclude_none=True))
+
+
+def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
+    """The request as Chat Completions messages (see the module's docstring)."""
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text(req.system)})
+    for m in req.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text = "".join(b.text for b in m.content if isinstance(b, Text))
+        if m.role == "assistant":
+            calls = [{"id": b.id, "type": "function",
+                      "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+                     for b in m.content if isinstance(b, ToolUse)]
+            out.append({"role": "assistant", "content": text or None, "tool_calls": calls or None})
+            continue
+        for b in m.content:  # a user turn: its tool results, then what the user wrote
+            if isinstance(b, ToolResult):
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+        if text or not any(isinstance(b, ToolResult) for b in m.content):
+            out.append({"role": "user", "content": text})
+    return out
+
+
+def _text(content: str | list[Text] | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def build_message(model: str, done: ChatCall, stops: tuple[str, ...]) -> Message:
+    """The ``Message`` for a recorded call: a ``text`` block (when the reply has text) and one
+    ``tool_use`` block per parsed tool call, with Anthropic's ``stop_reason``."""
+    turn, reply = done.turn, done.reply
+    content: list[Any] = [TextBlock(type="text", text=reply.content)] if reply.content else []
+    content += [ToolUseBlock(type="tool_use", id=i, name=c.name, input=c.arguments) for i, c in reply.calls]
+    c = turn.completion
+    stop = next((s for s in stops if c.text.endswith(s)), None) if c.finish_reason == "stop" else None
+    reason = ("max_tokens" if c.finish_reason == "length" else "tool_use" if reply.calls
+              else "stop_sequence" if stop is not None else "end_turn")
+    return Message(id=f"msg_{secrets.token_hex(12)}", type="message", role="assistant", model=model,
+                   content=content, stop_reason=reason, stop_sequence=stop,
+                   usage=Usage(input_tokens=len(turn.context), output_tokens=len(c.token_ids)))
+
+
+def stream_events(done: Message) -> Iterator[str]:
+    """Anthropic's event stream of a finished message, replayed: ``message_start``, per block
+    ``content_block_start`` / one ``content_block_delta`` / ``content_block_stop``, then
+    ``message_delta`` (the stop reason, the output tokens) and ``message_stop``."""
+
+    def event(type: str, **fields: Any) -> str:
+        ev = _EVENT.validate_python({"type": type, **fields})
+        return f"event: {type}\ndata: {json.dumps(ev.model_dump(mode='json', exclude_none=True))}\n\n"
+
+    start = done.model_copy(update={"content": [], "stop_reason": None, "stop_sequence": None,
+                                    "usage": Usage(input_tokens=done.usage.input_tokens, output_tokens=0)})
+    yield event("message_start", message=start)
+    for i, block in enumerate(done.content):
+        if isinstance(block, TextBlock):
+            yield event("content_block_start", index=i, content_block={"type": "text", "text": ""})
+            yield event("content_block_delta", index=i, delta={"type": "text_delta", "text": block.text})
+        else:
+            yield event("content_block_start", index=i,
+                        content_block={"type": "tool_use", "id": block.id, "name": block.name, "input": {}})
+            yield event("content_block_delta", index=i,
+                        delta={"type": "input_json_delta", "partial_json": json.dumps(block.input, ensure_ascii=False)})
+        yield event("content_block_stop", index=i)
+    yield event("message_delta", delta={"stop_reason": done.stop_reason, "stop_sequence": done.stop_sequence},
+                usage={"output_tokens": done.usage.output_tokens})
+    yield event("message_stop")

@@ -1,0 +1,171 @@
+"""Online episodes (``rollout.agent: online``): a process outside the run drives them.
+
+The run's episodes are handed out instead of run by an agent function: each waits until an
+outside process claims it (``POST /rl/episodes`` -> its id, its key, its data row, the base URLs
+of every dialect), talks to the model through any dialect with that key (recorded as any
+agent's calls, whatever prompt the process sends), and ends it with a reward
+(``POST /rl/episodes/{id}/reward``). The run trains on what arrives; an episode that is never
+claimed or never ended fails after ``rollout.agent_timeout_s`` of its own time, as any agent's.
+Groups: a claim may name a ``group`` of its own; the first claim of a name takes one of the
+run's groups (the ``rollout.group_size`` episodes of one row), and later claims of that name
+get the rest of it, so the episodes a client plays as one group share their advantage baseline. The routes are guarded by the run's
+token (``Authorization: Bearer TOKEN``), written with the address to ``RUN_DIR/gateway.json``
+(:func:`announce`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from plainrl.rollout.gateway.errors import GatewayError, parse_body
+from plainrl.rollout.gateway.recorder import bearer_key
+from plainrl.rollout.gateway.schema import StrictModel
+
+__all__ = ["OnlineEpisodes", "announce", "claim", "online_agent", "reward"]
+
+
+@dataclass
+class _Waiting:
+    id: str
+    llm: Any
+    ended: asyncio.Future = field(repr=False)
+
+
+class ClaimRequest(StrictModel):
+    wait_s: float = Field(30.0, ge=0, le=600)
+    group: str | None = None
+
+
+class RewardRequest(StrictModel):
+    reward: float | None
+    info: dict[str, Any] | None = None
+
+
+class OnlineEpisodes:
+    """The episodes waiting for an outside process, the claimed ones, and the run's token.
+
+    Args:
+        token: the secret the ``/rl/`` routes ask for (random when None).
+    """
+
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token or secrets.token_urlsafe(32)
+        self._changed: asyncio.Condition | None = None  # made on the episodes' loop
+        self._waiting: list[_Waiting] = []
+        self._claimed: dict[str, _Waiting] = {}
+        # a client's group name -> the run's group it took (the id of the row its episodes share)
+        self._groups: dict[str, int] = {}
+
+    def changed(self) -> asyncio.Condition:
+        """Notified whenever an episode starts waiting."""
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    def take(self, group: str | None) -> _Waiting | None:
+        """The waiting episode a claim gets, or None: of the client's ``group`` when it named
+        one (a new name takes a run's group no other name holds), else preferably of a run's
+        group no name holds. Episodes that ended while waiting (timed out) are dropped."""
+        self._waiting = [w for w in self._waiting if not w.llm.closed]
+        live_rows = {id(w.llm.row) for w in self._waiting} | {id(w.llm.row) for w in self._claimed.values()}
+        self._groups = {g: r for g, r in self._groups.items() if r in live_rows}  # finished groups let go
+        held = set(self._groups.values())
+        if group is not None and group in self._groups:
+            pick = [w for w in self._waiting if id(w.llm.row) == self._groups[group]]
+        else:
+            pick = [w for w in self._waiting if id(w.llm.row) not in held]
+            if group is None:
+                pick = pick or self._waiting
+        if not pick:
+            return None
+        if group is not None:
+            self._groups[group] = id(pick[0].llm.row)
+        self._waiting.remove(pick[0])
+        return pick[0]
+
+    def check(self, request: Request) -> None:
+        """Raises GatewayError 401 unless the request carries the run's token."""
+        if not hmac.compare_digest(bearer_key(request).encode(), self.token.encode()):
+            raise GatewayError(401, "the /rl/ routes need the run's token (Authorization: Bearer TOKEN, from "
+                                    "RUN_DIR/gateway.json)", code="invalid_api_key")
+
+
+async def online_agent(llm, row: dict[str, Any]) -> Any:
+    """``rollout.agent: online``: wait for an outside process to claim this episode and post its
+    reward; the reward (and its ``info``) is the episode's."""
+    online: OnlineEpisodes | None = getattr(llm.gateway, "online", None)
+    if online is None:
+        raise RuntimeError("rollout.agent: online needs a gateway with online episodes (plainrl.run.setup makes one)")
+    llm.api_key  # noqa: B018 (the key, made now: the claim hands it out)
+    waiting = _Waiting(secrets.token_hex(8), llm, asyncio.get_running_loop().create_future())
+    async with online.changed():
+        online._waiting.append(waiting)
+        online.changed().notify_all()
+    try:
+        return await waiting.ended
+    finally:
+        online._claimed.pop(waiting.id, None)
+        if waiting in online._waiting:
+            online._waiting.remove(waiting)
+
+
+async def claim(online: OnlineEpisodes, episodes: Any, request: Request) -> Response:
+    """``POST /rl/episodes``: the next waiting episode (of the ``group`` named, see the module's
+    docstring); waits up to ``wait_s``, 204 when none came."""
+    online.check(request)
+    req = await parse_body(request, ClaimRequest) if await request.body() else ClaimRequest()
+    changed = online.changed()
+    try:
+        async with asyncio.timeout(req.wait_s):
+            async with changed:
+                while (waiting := online.take(req.group)) is None:
+                    await changed.wait()
+    except TimeoutError:
+        return Response(status_code=204)
+    online._claimed[waiting.id] = waiting
+    llm, root = waiting.llm, str(request.base_url).rstrip("/")
+    return JSONResponse({"id": waiting.id, "group": req.group, "api_key": episodes.key_for(llm),
+                         "base_url": f"{root}/v1",
+                         "anthropic_base_url": root, "row": _jsonable(llm.row),
+                         "prompt_messages": llm.prompt_messages})
+
+
+async def reward(online: OnlineEpisodes, episodes: Any, request: Request) -> Response:
+    """``POST /rl/episodes/{id}/reward``: end a claimed episode with ``reward`` (and ``info``)."""
+    online.check(request)
+    episode_id = request.path_params["id"]
+    waiting = online._claimed.get(episode_id)
+    if waiting is None:
+        raise GatewayError(404, f"no claimed episode {episode_id!r} is running (ended, timed out, or never claimed)",
+                           code="not_found")
+    req = await parse_body(request, RewardRequest)
+    if not waiting.ended.done():
+        waiting.ended.set_result({"reward": req.reward, **(req.info or {})})
+    return JSONResponse({"id": episode_id, "ended": True})
+
+
+def announce(run_dir: Path, url: str, token: str) -> Path:
+    """Write ``RUN_DIR/gateway.json`` (the address, the token; readable by the owner only),
+    atomically. Returns its path."""
+    path = Path(run_dir) / "gateway.json"
+    tmp = path.with_suffix(".json.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": url, "episodes": f"{url}/rl/episodes", "token": token, "pid": os.getpid()}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(row, default=str))

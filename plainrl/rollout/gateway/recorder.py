@@ -1,0 +1,186 @@
+"""The one path every dialect's request takes to its episode's record.
+
+A route (chat completions, the Responses API, Anthropic Messages) turns its request into chat
+messages as the chat template gets them, tools in OpenAI's function shape and the sampling
+settings; :func:`chat_call` then runs the call on the episode's handle
+(:meth:`plainrl.rollout.llm.LLM.chat_turn`): a request that extends what the episode was last
+handed back appends only its new part; anything else opens a segment. So the same
+conversation trains on the same token ids whichever dialect carried it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Awaitable
+
+from openai.types.chat import ChatCompletionFunctionTool
+from starlette.requests import Request
+
+from plainrl.rollout.batcher import EngineFailure
+from plainrl.rollout.gateway.errors import GatewayError
+from plainrl.rollout.gateway.keys import Episodes
+from plainrl.rollout.gateway.messages import Reply, make_reply
+from plainrl.rollout.gateway.sampling import RequestSampling
+from plainrl.rollout.gateway.toolcalls import ToolFormat, forced_call_prefix, renders_tool_calls, tool_format
+from plainrl.rollout.llm import LLM, AgentCancelled, ContextLengthError, Turn
+
+__all__ = ["ChatCall", "ToolChoice", "bearer_key", "chat_call", "episode", "function_tool", "model_call",
+           "template_format"]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A request's tool choice in one shape for every dialect.
+
+    mode: ``"auto"``, ``"none"`` or ``"required"`` (a call of some tool); name: the function
+    a call must be of (its mode ``"required"``), else None.
+    """
+
+    mode: str = "auto"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """What a chat-shaped call recorded: the turn and the reply handed back."""
+
+    turn: Turn
+    reply: Reply
+
+
+def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None,
+                  strict: bool | None = None) -> dict[str, Any]:
+    """A function tool as the chat template gets it, written the same whatever the dialect
+    (the ``openai`` package's ``ChatCompletionFunctionTool``, None fields left out): the
+    tools are rendered into the prompt, so one byte of difference is a different context."""
+    fn = {"name": name, "description": description, "parameters": parameters, "strict": strict}
+    return ChatCompletionFunctionTool.model_validate({"type": "function", "function": fn}).model_dump(
+        mode="json", exclude_none=True)
+
+
+def bearer_key(request: Request) -> str:
+    """The key of ``Authorization: Bearer KEY``, or ""."""
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+
+def episode(episodes: Episodes, key: str, how: str = "llm.api_key, llm.openai_client(), llm.openai_env()") -> LLM:
+    """The live episode of ``key``.
+
+    Raises:
+        GatewayError: 401 for an unknown (or missing) key, 409 for an episode that has ended.
+    """
+    llm, known = episodes.lookup(key) if key else (None, False)
+    if llm is not None:
+        return llm
+    if known:
+        raise GatewayError(409, "this key's episode has ended; a request belongs to a live episode",
+                           code="episode_ended")
+    raise GatewayError(401, f"unknown API key: use the episode's own ({how})", code="invalid_api_key")
+
+
+def template_format(llm: LLM) -> tuple[ToolFormat, bool]:
+    """The model's tool-call format and whether its chat template renders ``tool_calls``."""
+    return tool_format(llm.tokenizer), renders_tool_calls(llm.tokenizer)
+
+
+async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None, choice: ToolChoice, sampling: RequestSampling, *,
+                    param: str = "messages", cut_stop: tuple[str, ...] = ()) -> ChatCall:
+    """One chat call of ``llm``'s episode, recorded token-exactly.
+
+    Args:
+        messages: the conversation as the chat template gets it (:func:`~plainrl.rollout.gateway.messages.template_message`).
+        tools: OpenAI function tools (``{"type": "function", "function": {...}}``), None for none.
+        choice: the tool choice; ``required`` or a named function writes the call's start into
+            the context (:func:`~plainrl.rollout.gateway.toolcalls.forced_call_prefix`).
+        param: the request field a context-length error names.
+        cut_stop: stop strings the reply leaves out of its text when the completion ended on
+            one (Anthropic's ``stop_sequences``; the record keeps every sampled token).
+    Raises:
+        GatewayError: 400 for a tool choice the tools cannot meet, and as :func:`model_call`.
+    """
+    names = {t["function"]["name"] for t in tools or []}
+    if choice.mode == "required" and not names:
+        raise GatewayError(400, 'tool_choice "required" needs tools: the request has none', param="tool_choice")
+    if choice.name is not None and choice.name not in names:
+        raise GatewayError(400, f"tool_choice names the function {choice.name!r}, which is not among the "
+                                f"request's tools {sorted(names)}", param="tool_choice")
+    fmt, renders = template_format(llm)
+    parse = bool(tools) and choice.mode != "none"
+    made: list[Reply] = []
+
+    def reply(c) -> dict[str, Any]:
+        text = c.text
+        if c.finish_reason == "stop":
+            text = next((text[: -len(s)] for s in cut_stop if text.endswith(s)), text)
+        made.append(make_reply(text, fmt, renders, parse))
+        return made[-1].template
+
+    prefix = forced_call_prefix(choice.mode if choice.name is None else None, choice.name, fmt) if tools else ""
+    turn = await model_call(episodes, request, llm, sampling.overridden,
+                            llm.chat_turn(messages, tools, sampling.params, reply=reply,
+                                          stop_token_ids=sampling.stop_token_ids, prefix=prefix), param=param)
+    return ChatCall(turn, made[-1])
+
+
+async def model_call(episodes: Episodes, request: Request, llm: LLM, overridden: bool, call: Awaitable[Turn], *,
+                     param: str = "messages") -> Turn:
+    """Run one model call of ``llm``'s episode; a client that goes away mid-call fails the episode.
+
+    Calls of one episode are taken one at a time, in arrival order (the trajectory is one
+    sequence); a request whose call cannot run is refused with a :class:`GatewayError`
+    (400 ``context_length_exceeded``, 409 ended, 503 engine failure, 400 bad input).
+    """
+    task = asyncio.ensure_future(_serialised(episodes.call_lock(llm), call))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # an in-process client gave up (its timeout, its task cancelled)
+        _client_gone(llm, request)
+        raise
+    finally:
+        if not task.done():  # the client went away, or this handler is being cancelled
+            task.cancel()
+            task.add_done_callback(_consume)
+        gone.cancel()
+    if not task.done() or task.cancelled():
+        _client_gone(llm, request)
+        raise GatewayError(499, "client disconnected")
+    try:
+        turn = task.result()
+    except ContextLengthError as e:
+        raise GatewayError(400, f"{e}", param=param, code="context_length_exceeded") from None
+    except AgentCancelled as e:
+        raise GatewayError(409, f"this key's episode has ended: {e}", code="episode_ended") from None
+    except EngineFailure as e:
+        raise GatewayError(503, f"{e}") from None
+    except (ValueError, TypeError) as e:
+        raise GatewayError(400, f"{type(e).__name__}: {e}") from None
+    if overridden:
+        episodes.sampling_overrides += 1
+    return turn
+
+
+def _client_gone(llm: LLM, request: Request) -> None:
+    if not llm.closed:
+        llm.abort("rollout.gateway: the client disconnected or gave up before its response was ready "
+                  f"({request.url.path}); the episode's record ends mid-call")
+
+
+async def _serialised(lock: asyncio.Lock, call: Awaitable[Turn]) -> Turn:
+    async with lock:
+        return await call
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _consume(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
