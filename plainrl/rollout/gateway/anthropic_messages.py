@@ -32,7 +32,7 @@ from plainrl.rollout.gateway.recorder import (
 )
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import Message as ChatMessage
-from plainrl.rollout.gateway.schema import SamplingFields, StrictModel
+from plainrl.rollout.gateway.schema import SamplingFields, StrictModel, json_kind, tagged
 
 __all__ = ["MessagesRequest", "error_response", "messages"]
 
@@ -70,9 +70,13 @@ class Thinking(StrictModel):
 Block = Annotated[Union[Text, ToolUse, ToolResult, Thinking], Field(discriminator="type")]
 
 
+Content = tagged({"string": str, "array": list[Block]}, json_kind, "a string or a list of content blocks")
+System = tagged({"string": str, "array": list[Text]}, json_kind, "a string or a list of text blocks")
+
+
 class AnthropicMessage(StrictModel):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: Content
 
 
 class Tool(StrictModel):
@@ -96,7 +100,7 @@ class MessagesRequest(StrictModel):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[Text] | None = None
+    system: System | None = None
     tools: list[Tool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     stop_sequences: list[str] | None = None

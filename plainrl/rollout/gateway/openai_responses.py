@@ -44,7 +44,7 @@ from plainrl.rollout.gateway.recorder import (
     ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format,
 )
 from plainrl.rollout.gateway.sampling import request_sampling
-from plainrl.rollout.gateway.schema import Message, SamplingFields, StrictModel
+from plainrl.rollout.gateway.schema import TAG_MARK, Message, SamplingFields, StrictModel, json_kind, tagged
 
 __all__ = ["ResponsesRequest", "responses"]
 
@@ -84,12 +84,16 @@ class ReasoningItem(StrictModel):
 
 
 def _item_kind(v: Any) -> str:
-    return (v.get("type") or "message") if isinstance(v, dict) else "message"
+    return TAG_MARK + ((v.get("type") or "message") if isinstance(v, dict) else "message")
 
 
-Item = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                       Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                       Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_kind)]
+# tags marked with TAG_MARK: errors.py keeps them out of an error's param (the request's own path)
+Item = tagged({"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+               "reasoning": ReasoningItem}, _item_kind,
+              "an input item: a message, function_call, function_call_output or reasoning")
+
+
+Input = tagged({"string": str, "array": list[Item]}, json_kind, "a string or a list of input items")
 
 
 class NamedFunction(StrictModel):
@@ -101,7 +105,7 @@ class ResponsesRequest(SamplingFields):
     """``POST /v1/responses``: the fields the gateway reads (others are ignored, as vLLM does)."""
 
     model: str
-    input: str | list[Item]
+    input: Input
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None

@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal, Union
 from openai.types.chat import ChatCompletionFunctionTool, ChatCompletionMessageFunctionToolCall
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-__all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "Message", "SamplingFields", "StrictModel", "TAG_MARK"]
+__all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "Message", "SamplingFields", "StrictModel", "TAG_MARK", "json_kind",
+           "tagged"]
 
 
 class StrictModel(BaseModel):
@@ -30,7 +31,7 @@ class StrictModel(BaseModel):
 TAG_MARK = "="
 
 
-def _json_kind(value: Any) -> str | None:
+def json_kind(value: Any) -> str | None:
     """The tag of a value's JSON kind: ``=string``, ``=array`` or ``=object`` (None: another kind)."""
     for kind, types in (("string", str), ("array", list), ("object", dict)):
         if isinstance(value, types):
@@ -53,7 +54,7 @@ def _role(value: Any) -> str | None:
     return TAG_MARK + role if isinstance(role, str) else None
 
 
-def _tagged(members: dict[str, Any], by: Any, expected: str) -> Any:
+def tagged(members: dict[str, Any], by: Any, expected: str) -> Any:
     """A union of ``members`` (tag -> type) whose member ``by(value)`` picks; anything else is
     refused with "must be {expected}"."""
     return Annotated[Union[tuple(Annotated[t, Tag(TAG_MARK + tag)] for tag, t in members.items())],
@@ -68,7 +69,7 @@ class TextPart(StrictModel):
     text: str
 
 
-Content = _tagged({"string": str, "array": list[TextPart]}, _json_kind,
+Content = tagged({"string": str, "array": list[TextPart]}, json_kind,
                   'a string or a list of text parts ({"type": "text", "text": ...})')
 
 
@@ -106,7 +107,7 @@ class ToolMessage(StrictModel):
     tool_call_id: str | None = None
 
 
-Message = _tagged({"system": SystemMessage, "developer": DeveloperMessage, "user": UserMessage,
+Message = tagged({"system": SystemMessage, "developer": DeveloperMessage, "user": UserMessage,
                    "assistant": AssistantMessage, "tool": ToolMessage}, _role,
                   "a message whose role is system, developer, user, assistant or tool")
 
@@ -136,7 +137,7 @@ class SamplingFields(StrictModel):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    stop: _tagged({"string": str, "array": list[str]}, _json_kind, "a string or a list of strings") | None = None
+    stop: tagged({"string": str, "array": list[str]}, json_kind, "a string or a list of strings") | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     n: int | None = Field(None, ge=1)
@@ -149,7 +150,7 @@ class ChatRequest(SamplingFields):
     model: str
     messages: list[Message] = Field(min_length=1)
     tools: list[ChatCompletionFunctionTool] | None = None
-    tool_choice: _tagged({"string": Literal["none", "auto", "required"], "object": NamedToolChoice}, _json_kind,
+    tool_choice: tagged({"string": Literal["none", "auto", "required"], "object": NamedToolChoice}, json_kind,
                          '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}') | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -163,7 +164,7 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt, text or token ids."""
 
     model: str
-    prompt: _tagged({"text": str, "ids": list[int], "texts": list[str], "id-lists": list[list[int]]}, _prompt_kind,
+    prompt: tagged({"text": str, "ids": list[int], "texts": list[str], "id-lists": list[list[int]]}, _prompt_kind,
                     "a string, a list of token ids, a list of strings or a list of lists of token ids")
     logprobs: int | None = Field(None, ge=0, le=5)
     stream: bool | None = None
