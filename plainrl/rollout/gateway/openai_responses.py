@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Annotated, Any, Iterator, Literal, Union
+from typing import Any, Iterator, Literal
 
 from openai.types.responses import (
     FunctionTool,
@@ -31,7 +31,7 @@ from openai.types.responses import (
     ResponseStreamEvent,
     ResponseUsage,
 )
-from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
