@@ -9,7 +9,7 @@ from plainrl.train.optim import MasterAdamW
 
 def _step(device: str, dtype: torch.dtype) -> tuple[MasterAdamW, torch.nn.Parameter]:
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(4, 3, device=device).to(dtype))
+    p = torch.nn.Parameter(torch.randn(4, 3).to(device=device, dtype=dtype))  # the CPU generator: the same w0 on every device
     opt = MasterAdamW([p], TrainConfig(steps=1, lr=0.1, warmup_steps=0, max_grad_norm=None))
     p.grad = torch.ones_like(p)
     opt.step()
