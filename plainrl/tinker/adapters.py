@@ -1,0 +1,205 @@
+"""One base model and the LoRA adapters of the service's training clients and sampler snapshots,
+as named peft adapters on the same module (Tinker's "several training clients on one base").
+
+Each training client owns adapter ``m<k>``; a sampler snapshot saved to disk is loaded as adapter
+``s<k>`` when sampled from (at most :data:`SNAPSHOTS_LOADED` at once, least recently used
+evicted). :meth:`Adapters.use` makes one adapter the active one (peft's ``set_adapter``), or none
+(the base model); every computation runs inside it, on the service's one worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from plainrl.checkpoint.files import torch_load, torch_save
+from plainrl.config import ModelConfig
+from plainrl.models import load_policy, load_tokenizer, resolve_model_path
+from plainrl.models.portable import describe_base, record_base
+from plainrl.tinker.errors import UserError
+
+SNAPSHOTS_LOADED = 4
+
+# Tinker's layer groups (create_lora_training_client's train_attn / train_mlp / train_unembed) as the
+# module names of Llama-family decoders (Llama, Qwen2/3, Mistral, SmolLM)
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+WEIGHTS_FILE = "adapter_model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def lora_targets(model: torch.nn.Module, *, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+    """The module names LoRA wraps for Tinker's three switches, those that exist in ``model``.
+
+    Raises:
+        UserError: no such module exists (an architecture with other names).
+    """
+    wanted = (ATTN if attn else ()) + (MLP if mlp else ()) + (UNEMBED if unembed else ())
+    present = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    targets = [t for t in wanted if t in present]
+    if not targets:
+        raise UserError(f"lora_config: none of {list(wanted)} is a linear layer of this model "
+                        f"(it has {sorted(present)})")
+    return targets
+
+
+class Adapters:
+    """The base model (``model.name`` of the config, LoRA off) and its named adapters.
+
+    Args:
+        model_cfg: the config's ``model`` section (name, dtype, cache_dir, attention).
+        device: where the model lives.
+    Raises:
+        ModelLoadError: as :func:`plainrl.models.load_policy`.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, device: torch.device):
+        self.name = model_cfg.name
+        local = resolve_model_path(model_cfg.name, model_cfg.cache_dir)
+        self.base_ref = describe_base(model_cfg.name, local)
+        self.tokenizer = load_tokenizer(model_cfg.name, model_cfg.cache_dir)
+        no_lora = model_cfg.lora.model_copy(update={"enabled": False})
+        self.base = load_policy(model_cfg.model_copy(update={"lora": no_lora, "adapter": None}), device)
+        self.base.eval()
+        self.model: torch.nn.Module = self.base  # the PeftModel once an adapter exists
+        self.local_path = local
+        config = self.base.config
+        self.vocab_size = int(config.vocab_size)
+        self.context = int(getattr(config, "max_position_embeddings", 0) or model_cfg.max_context)
+        self.arch = (config.architectures or [config.model_type])[0]
+        self._snapshots: OrderedDict[str, str] = OrderedDict()  # directory -> adapter name, LRU order
+        self._counter = 0
+
+    # -- adapters ---------------------------------------------------------------------------------
+
+    def _add(self, name: str, peft_cfg) -> None:
+        from peft import get_peft_model
+
+        if self.model is self.base:
+            self.model = get_peft_model(self.base, peft_cfg, adapter_name=name, autocast_adapter_dtype=False)
+        else:
+            self.model.add_adapter(name, peft_cfg)
+        self.model.eval()
+
+    def create(self, name: str, *, rank: int, targets: list[str], seed: int | None) -> None:
+        """A new LoRA adapter ``name`` (rank ``rank``, alpha = 32 as Tinker's, on ``targets``); with
+        ``seed`` its initialisation is reproducible (peft draws lora_A from torch's generator, B = 0)."""
+        from peft import LoraConfig
+
+        cfg = LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            self._add(name, cfg)
+
+    def create_from(self, name: str, directory: Path) -> None:
+        """A new trainable adapter ``name`` with the config and weights saved in ``directory``."""
+        from peft import PeftConfig
+
+        self._add(name, PeftConfig.from_pretrained(str(directory)))
+        self.load_weights(name, directory)
+
+    def load_weights(self, name: str, directory: Path) -> None:
+        """Put the weights saved in ``directory`` into adapter ``name``.
+
+        Raises:
+            UserError: the saved adapter's shapes do not fit (another rank or other layers).
+        """
+        from peft import set_peft_model_state_dict
+
+        saved = load_file(str(directory / WEIGHTS_FILE))
+        mine = self.state_dict(name)
+        if set(saved) != set(mine) or any(saved[k].shape != mine[k].shape for k in saved):
+            raise UserError(f"the checkpoint at {directory} is an adapter of another shape (LoRA rank or "
+                            "layers) than this training client's; load it with create_training_client_from_state")
+        set_peft_model_state_dict(self.model, saved, adapter_name=name)
+
+    def state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        """Adapter ``name``'s weights under peft's saved names (no adapter name in them)."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.model, adapter_name=name)
+
+    def parameters(self, name: str) -> list[torch.nn.Parameter]:
+        """Adapter ``name``'s parameters (peft names them ``...lora_A.<name>.weight``)."""
+        return [p for n, p in self.model.named_parameters() if f".{name}." in n]
+
+    def rank(self, name: str) -> int:
+        return int(self.model.peft_config[name].r)
+
+    @contextlib.contextmanager
+    def use(self, name: str | None):
+        """Run the block with adapter ``name`` active (None: the base model, adapters off). Only
+        the active adapter's parameters require gradients inside it."""
+        if name is None:
+            ctx = self.model.disable_adapter() if self.model is not self.base else contextlib.nullcontext()
+            with ctx:
+                yield self.model
+            return
+        self.model.set_adapter(name)
+        yield self.model
+
+    def snapshot(self, directory: Path) -> str:
+        """The adapter name of the sampler checkpoint in ``directory``, loaded (frozen) if it is not."""
+        key = str(directory)
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+            return self._snapshots[key]
+        if len(self._snapshots) >= SNAPSHOTS_LOADED:
+            _, old = self._snapshots.popitem(last=False)
+            self.model.delete_adapter(old)
+        self._counter += 1
+        name = f"s{self._counter}"
+        from peft import PeftConfig
+
+        self._add(name, PeftConfig.from_pretrained(key))
+        self.load_weights(name, directory)
+        for p in self.parameters(name):
+            p.requires_grad_(False)
+        self._snapshots[key] = name
+        return name
+
+    # -- saving -----------------------------------------------------------------------------------
+
+    def save(self, name: str, directory: Path, *, card: str, extra: dict[str, object] | None = None,
+             optimizer_state: dict | None = None) -> int:
+        """Write adapter ``name`` as a peft adapter directory (``adapter_config.json`` naming the base
+        portably, ``adapter_model.safetensors``, tokenizer, ``plainrl_base.json``, ``README.md``),
+        plus ``optimizer.pt`` when given; atomically (a temporary directory renamed).
+
+        Returns:
+            the directory's size in bytes.
+        """
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
+        try:
+            self.model.peft_config[name].save_pretrained(str(tmp))
+            save_file({k: v.detach().contiguous() for k, v in self.state_dict(name).items()}, str(tmp / WEIGHTS_FILE))
+            self.tokenizer.save_pretrained(str(tmp))
+            record_base(tmp, self.base_ref)
+            (tmp / "README.md").write_text(card)
+            if extra is not None:
+                (tmp / "tinker.json").write_text(json.dumps(extra, indent=2))
+            if optimizer_state is not None:
+                torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+        return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def read_optimizer(directory: Path) -> dict | None:
+    """The optimizer state saved beside an adapter by ``save_state``, or None."""
+    path = directory / OPTIMIZER_FILE
+    return torch_load(path) if path.is_file() else None
