@@ -108,6 +108,10 @@ def _cmd_tinker(args) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).is_file():  # no CONFIG, overrides only
         config, overrides = None, [config, *overrides]
+    if config is None:
+        # the service reads no rows and scores nothing, but a config must name both to validate
+        overrides[:0] = ["run_dir=runs/tinker", "data.task=arithmetic",
+                         "rewards=[{fn: 'plainrl.rewards.builtins:correctness'}]"]
     serve(load_config(config, overrides), host=args.host, port=args.port)
     return 0
 

@@ -126,7 +126,8 @@ class Adapters:
         """Adapter ``name``'s weights under peft's saved names (no adapter name in them)."""
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.model, adapter_name=name)
+        # the LoRA weights only: a LoRA on a tied LM head would otherwise carry the whole embedding too
+        return get_peft_model_state_dict(self.model, adapter_name=name, save_embedding_layers=False)
 
     def parameters(self, name: str) -> list[torch.nn.Parameter]:
         """Adapter ``name``'s parameters (peft names them ``...lora_A.<name>.weight``)."""

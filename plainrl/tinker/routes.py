@@ -160,8 +160,8 @@ def build_app(service: Service) -> Starlette:
             raise UserError(f"sample: {unsupported} are not computed by this service")
         call = check_sample(req, vocab_size=s.adapters.vocab_size, context=s.adapters.context)
         fut = s.sample(sampler, call)
-        fut.sample_sequence_ids = [f"{fut.request_id}:{i}" for i in range(call.num_samples)]
-        return _json(fut)
+        ids = [f"{fut.request_id}:{i}" for i in range(call.num_samples)]
+        return _json(fut.model_copy(update={"sample_sequence_ids": ids}))
 
     async def retrieve_future(request: Request):
         req = await _parse(request, types.FutureRetrieveRequest)

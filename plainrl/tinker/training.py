@@ -95,7 +95,7 @@ def target_logprobs(model: torch.nn.Module, rows: list[tuple[np.ndarray, np.ndar
     targets = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for r, (tok, tgt) in enumerate(rows):
-        ids[r, : len(tok)] = torch.from_numpy(tok)
+        ids[r, : len(tok)] = torch.from_numpy(np.array(tok))
         targets[r, : len(tok)] = torch.from_numpy(tgt.astype(np.int64))
         mask[r, : len(tok)] = 1
     ids, targets, mask = ids.to(device), targets.to(device), mask.to(device)
@@ -126,7 +126,7 @@ def forward_backward(adapters: Adapters, tm: TrainingModel, call: ForwardBackwar
             logps = target_logprobs(model, rows, pad)
             losses = []
             for d, lp in zip(batch, logps):
-                inputs = {k: torch.from_numpy(np.asarray(d.inputs[k], dtype=np.float32)).to(device)
+                inputs = {k: torch.from_numpy(np.array(d.inputs[k], dtype=np.float32)).to(device)
                           for k in INPUTS[call.loss_fn]}
                 losses.append(elementwise_loss(call.loss_fn, lp, inputs, call.loss_fn_config))
             loss = torch.stack([x.sum() for x in losses]).sum()
