@@ -36,14 +36,14 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-def lora_targets(model: torch.nn.Module, *, attn: bool, mlp: bool, unembed: bool) -> list[str]:
-    """The module names LoRA wraps for Tinker's three switches, those that exist in ``model``.
+def lora_targets(present: set[str], *, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+    """The module names LoRA wraps for Tinker's three switches, those in ``present`` (the model's
+    linear layers, :attr:`Adapters.linear_names`).
 
     Raises:
         UserError: no such module exists (an architecture with other names).
     """
     wanted = (ATTN if attn else ()) + (MLP if mlp else ()) + (UNEMBED if unembed else ())
-    present = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     targets = [t for t in wanted if t in present]
     if not targets:
         raise UserError(f"lora_config: none of {list(wanted)} is a linear layer of this model "
@@ -71,6 +71,8 @@ class Adapters:
         self.base.eval()
         self.model: torch.nn.Module = self.base  # the PeftModel once an adapter exists
         self.local_path = local
+        # read before peft wraps any of them
+        self.linear_names = {n.rsplit(".", 1)[-1] for n, m in self.base.named_modules() if isinstance(m, torch.nn.Linear)}
         config = self.base.config
         self.vocab_size = int(config.vocab_size)
         self.context = int(getattr(config, "max_position_embeddings", 0) or model_cfg.max_context)

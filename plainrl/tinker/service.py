@@ -124,7 +124,7 @@ class Service:
         lora = req.lora_config or types.LoraConfig(rank=32)
         if lora.rank < 1:
             raise UserError(f"lora_config.rank={lora.rank} must be at least 1")
-        targets = lora_targets(self.adapters.base, attn=lora.train_attn, mlp=lora.train_mlp,
+        targets = lora_targets(self.adapters.linear_names, attn=lora.train_attn, mlp=lora.train_mlp,
                                unembed=lora.train_unembed)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
 
