@@ -90,7 +90,7 @@ def _peft(base_path, adapter_dir):
 
 def _local(server, tinker_path: str) -> Path:
     model_id, kind, name = tinker_path[len("tinker://"):].split("/")
-    return Path(server[1]) / model_id.replace(":", "_") / kind / name
+    return Path(server[1]) / model_id.replace(":", "_") / kind / name / "final"
 
 
 def _logps(model, ids):
@@ -204,6 +204,15 @@ def test_sample_logprobs_equal_a_forward_of_the_sampled_tokens(server, client, r
     np.testing.assert_allclose(_logps(model, prompt).detach().numpy(),
                                tc.forward([_datum(prompt)], "cross_entropy").result()
                                .loss_fn_outputs[0]["logprobs"].to_numpy(), atol=2e-4)
+    # ... and a plainrl run directory (config.yaml + final/) that `plainrl export --merge` merges
+    from transformers import AutoModelForCausalLM
+
+    from plainrl.run.export import export_merged
+
+    merged = AutoModelForCausalLM.from_pretrained(str(export_merged(d.parent, d.parent.parent / "merged")),
+                                                  dtype=torch.float32)
+    np.testing.assert_allclose(_logps(merged, prompt).detach().numpy(), _logps(model, prompt).detach().numpy(),
+                               atol=2e-4)
     base_sampler = client.create_sampling_client(base_model=BASE)
     assert base_sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[0] is None
 

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from plainrl.checkpoint.files import torch_load, torch_save
+from plainrl.checkpoint.files import torch_load
 from plainrl.config import ModelConfig
 from plainrl.models import load_policy, load_tokenizer, resolve_model_path
 from plainrl.models.portable import describe_base, record_base
@@ -33,7 +31,6 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
 WEIGHTS_FILE = "adapter_model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
 
 
 def lora_targets(present: set[str], *, attn: bool, mlp: bool, unembed: bool) -> list[str]:
@@ -74,6 +71,9 @@ class Adapters:
         # read before peft wraps any of them
         self.linear_names = {n.rsplit(".", 1)[-1] for n, m in self.base.named_modules() if isinstance(m, torch.nn.Linear)}
         config = self.base.config
+        # a tied LM head is the input embedding: a LoRA on it would be merged into both (peft
+        # cannot keep it on the output alone), so exports would differ from the trained model
+        self.tied_head = bool(getattr(config, "tie_word_embeddings", False))
         self.vocab_size = int(config.vocab_size)
         self.context = int(getattr(config, "max_position_embeddings", 0) or model_cfg.max_context)
         self.arch = (config.architectures or [config.model_type])[0]
@@ -172,37 +172,19 @@ class Adapters:
 
     # -- saving -----------------------------------------------------------------------------------
 
-    def save(self, name: str, directory: Path, *, card: str, extra: dict[str, object] | None = None,
-             optimizer_state: dict | None = None) -> int:
-        """Write adapter ``name`` as a peft adapter directory (``adapter_config.json`` naming the base
-        portably, ``adapter_model.safetensors``, tokenizer, ``plainrl_base.json``, ``README.md``),
-        plus ``optimizer.pt`` when given; atomically (a temporary directory renamed).
-
-        Returns:
-            the directory's size in bytes.
-        """
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
-        try:
-            self.model.peft_config[name].save_pretrained(str(tmp))
-            save_file({k: v.detach().contiguous() for k, v in self.state_dict(name).items()}, str(tmp / WEIGHTS_FILE))
-            self.tokenizer.save_pretrained(str(tmp))
-            record_base(tmp, self.base_ref)
-            (tmp / "README.md").write_text(card)
-            if extra is not None:
-                (tmp / "tinker.json").write_text(json.dumps(extra, indent=2))
-            if optimizer_state is not None:
-                torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-        return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    def save(self, name: str, directory: Path, *, card: str, extra: dict[str, object]) -> None:
+        """Write adapter ``name`` into the existing ``directory`` as a peft adapter directory
+        (``adapter_config.json`` naming the base portably, ``adapter_model.safetensors``, tokenizer,
+        ``plainrl_base.json``, ``README.md`` = ``card``, ``tinker.json`` = ``extra``)."""
+        self.model.peft_config[name].save_pretrained(str(directory))
+        save_file({k: v.detach().contiguous() for k, v in self.state_dict(name).items()},
+                  str(directory / WEIGHTS_FILE))
+        self.tokenizer.save_pretrained(str(directory))
+        record_base(directory, self.base_ref)
+        (directory / "README.md").write_text(card)
+        (directory / "tinker.json").write_text(json.dumps(extra, indent=2))
 
 
-def read_optimizer(directory: Path) -> dict | None:
-    """The optimizer state saved beside an adapter by ``save_state``, or None."""
-    path = directory / OPTIMIZER_FILE
-    return torch_load(path) if path.is_file() else None
+def read_optimizer(path: Path) -> dict:
+    """The optimizer state ``save_state`` wrote (``optimizer.pt``)."""
+    return torch_load(path)

@@ -188,7 +188,7 @@ def build_app(service: Service) -> Starlette:
     async def weights_info(request: Request):
         body = await request.json()
         _, _, directory = s.resolve(str(body.get("tinker_path", "")))
-        cfg = json.loads((directory / "adapter_config.json").read_text())
+        cfg = json.loads((directory / "final" / "adapter_config.json").read_text())
         return _json(types.WeightsInfoResponse(base_model=s.base_model, is_lora=True, lora_rank=cfg.get("r")))
 
     def guard(handler):

@@ -20,6 +20,7 @@ def build_service(cfg: Config):
     each ``create_lora_training_client`` call), checkpoints under ``cfg.run_dir``."""
     import torch
 
+    from plainrl.config.loading import dump_config
     from plainrl.models import resolve_device
     from plainrl.tinker.adapters import Adapters
     from plainrl.tinker.service import Service
@@ -27,6 +28,7 @@ def build_service(cfg: Config):
     torch.manual_seed(cfg.seed)
     adapters = Adapters(cfg.model, resolve_device(cfg.device))
     return Service(adapters, Path(cfg.run_dir), model_names=model_names(cfg.model.name, adapters.base_ref.hub_id),
+                   config_yaml=dump_config(cfg),
                    micro_batch_tokens=cfg.train.micro_batch_tokens)
 
 

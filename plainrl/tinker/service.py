@@ -7,9 +7,12 @@ switched safely and a ``forward_backward`` followed by an ``optim_step`` applies
 A request is checked when it arrives (a bad one is a 4xx at once and queues nothing); its work
 is queued and its future id returned; ``retrieve_future`` waits for it.
 
-Checkpoints: ``tinker://<model_id>/weights/<name>`` (``save_state``: adapter and optimizer) and
-``tinker://<model_id>/sampler_weights/<name>`` (``save_weights_for_sampler``: adapter) are the
-directories ``ROOT/<model_id with ':' as '_'>/weights/<name>`` and ``.../sampler_weights/<name>``.
+Checkpoints: ``tinker://<model_id>/weights/<name>`` (``save_state``) and
+``tinker://<model_id>/sampler_weights/<name>`` (``save_weights_for_sampler``) are the directories
+``ROOT/<model_id with ':' as '_'>/weights/<name>`` and ``.../sampler_weights/<name>``, each a plainrl
+run directory: ``config.yaml`` (the service's config) and ``final/`` (the peft adapter with its
+model card), so ``plainrl eval DIR`` and ``plainrl export DIR --merge OUT`` take it; ``save_state``
+adds ``optimizer.pt`` (AdamW's state) beside them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import concurrent.futures
 import itertools
 import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -30,6 +36,7 @@ from typing import Any, Callable
 import torch
 from tinker import types
 
+from plainrl.checkpoint.files import torch_save
 from plainrl.tinker.adapters import Adapters, lora_targets, read_optimizer
 from plainrl.tinker.errors import UserError, not_found
 from plainrl.tinker.sampling import SampleCall, sample
@@ -40,6 +47,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KINDS = {"weights": "training", "sampler_weights": "sampler"}
+OPTIMIZER_FILE = "optimizer.pt"
 MAX_FUTURES = 10_000
 
 
@@ -61,11 +69,14 @@ class Service:
         root: where training models' checkpoints go (``tinker://`` paths resolve under it).
         model_names: the names ``create_lora_training_client(base_model=...)`` accepts for the base
             (its hub id and plainrl's name).
+        config_yaml: the service's config as YAML, written into every checkpoint as ``config.yaml``.
         micro_batch_tokens: padded tokens per forward/backward micro-batch.
     """
 
-    def __init__(self, adapters: Adapters, root: Path, *, model_names: list[str], micro_batch_tokens: int = 4096):
+    def __init__(self, adapters: Adapters, root: Path, *, model_names: list[str], config_yaml: str,
+                 micro_batch_tokens: int = 4096):
         self.adapters = adapters
+        self.config_yaml = config_yaml
         self.root = Path(root)
         self.model_names = model_names
         self.base_model = model_names[0]
@@ -124,8 +135,12 @@ class Service:
         lora = req.lora_config or types.LoraConfig(rank=32)
         if lora.rank < 1:
             raise UserError(f"lora_config.rank={lora.rank} must be at least 1")
+        if lora.train_unembed and self.adapters.tied_head and not (lora.train_attn or lora.train_mlp):
+            raise UserError("lora_config: train_unembed alone on a model whose LM head is tied to its input "
+                            "embedding; this service trains no LoRA on a tied head (docs/tinker.md): set "
+                            "train_attn or train_mlp")
         targets = lora_targets(self.adapters.linear_names, attn=lora.train_attn, mlp=lora.train_mlp,
-                               unembed=lora.train_unembed)
+                               unembed=lora.train_unembed and not self.adapters.tied_head)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
 
         def run() -> types.CreateModelResponse:
@@ -212,7 +227,7 @@ class Service:
             raise UserError(f"path={tinker_path!r} is not a checkpoint path; give "
                             "tinker://<model_id>/weights/<name> or tinker://<model_id>/sampler_weights/<name>")
         _, directory = self.checkpoint_path(parts[0], parts[1], parts[2])
-        if not (directory / "adapter_config.json").is_file():
+        if not (directory / "final" / "adapter_config.json").is_file():
             raise not_found("checkpoint", tinker_path, f"nothing is saved at {directory}")
         return parts[0], parts[1], directory
 
@@ -231,14 +246,25 @@ class Service:
         path, directory = self.checkpoint_path(model_id, kind, name)
 
         def run() -> tuple[str, Path]:
-            opt = None
-            if with_optimizer:
-                o = tm.optimizer
-                opt = {"optimizer": o.optimizer.state_dict(), "steps": tm.steps,
-                       "masters": [m.detach() for m, p in zip(o.master, o.params) if m is not p]}
-            self.adapters.save(tm.adapter, directory, card=self._card(model_id, path, tm), optimizer_state=opt,
-                               extra={"model_id": model_id, "base_model": self.base_model, "steps": tm.steps,
-                                      "tinker_path": path})
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
+            try:
+                (tmp / "config.yaml").write_text(self.config_yaml)
+                (tmp / "final").mkdir()
+                self.adapters.save(tm.adapter, tmp / "final", card=self._card(model_id, path, tm),
+                                   extra={"model_id": model_id, "base_model": self.base_model, "steps": tm.steps,
+                                          "tinker_path": path})
+                if with_optimizer:
+                    o = tm.optimizer
+                    torch_save({"optimizer": o.optimizer.state_dict(), "steps": tm.steps,
+                                "masters": [m.detach() for m, p in zip(o.master, o.params) if m is not p]},
+                               tmp / OPTIMIZER_FILE)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            if directory.exists():  # save_state to a name used before: the newer replaces it
+                shutil.rmtree(directory)
+            os.replace(tmp, directory)
             return path, directory
 
         return run
@@ -246,7 +272,7 @@ class Service:
     def load(self, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
         """``load_state`` into an existing model, or a new model created from a checkpoint."""
         _, kind, directory = self.resolve(req.path)
-        if req.optimizer and not read_optimizer_exists(directory):
+        if req.optimizer and not (directory / OPTIMIZER_FILE).is_file():
             raise UserError(f"path={req.path!r} holds no optimizer state (a sampler checkpoint); load it without "
                             "the optimizer, or save with save_state")
         if req.model_id is not None:
@@ -263,13 +289,13 @@ class Service:
             target = tm
             if target is None:
                 name = f"m{next(self._adapter_ids)}"
-                self.adapters.create_from(name, directory)
+                self.adapters.create_from(name, directory / "final")
                 target = self._register(model_id, name, self.adapters.rank(name),
                                         sorted(self.adapters.model.peft_config[name].target_modules))
             else:
-                self.adapters.load_weights(target.adapter, directory)
+                self.adapters.load_weights(target.adapter, directory / "final")
             if req.optimizer:
-                state = read_optimizer(directory)
+                state = read_optimizer(directory / OPTIMIZER_FILE)
                 o = target.optimizer
                 o.optimizer.load_state_dict(state["optimizer"])
                 masters = [m for m, p in zip(o.master, o.params) if m is not p]
@@ -286,7 +312,7 @@ class Service:
         for kind, ctype in _KINDS.items():
             base = self.model_dir(model_id) / kind
             for d in sorted(base.iterdir()) if base.is_dir() else []:
-                if not (d / "adapter_config.json").is_file():
+                if not (d / "final" / "adapter_config.json").is_file():
                     continue  # a temporary directory of a save under way
                 stat = d.stat()
                 out.append(types.Checkpoint(
@@ -305,7 +331,8 @@ class Service:
             _, _, directory = self.resolve(model_path)
         else:
             self.check_base(base_model)
-        sampler = Sampler(f"{session_id}:sample:{seq}", self.base_model, model_path, directory)
+        sampler = Sampler(f"{session_id}:sample:{seq}", self.base_model, model_path,
+                          None if directory is None else directory / "final")
         self.samplers[sampler.sampler_id] = sampler
         return sampler
 
@@ -323,8 +350,3 @@ class Service:
             return encode_sample_response(seqs, prompt_lp)
 
         return self.submit(run)
-
-
-def read_optimizer_exists(directory: Path) -> bool:
-    """Whether ``save_state`` left optimizer state in ``directory``."""
-    return (directory / "optimizer.pt").is_file()
