@@ -103,6 +103,11 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_tinker(args) -> int:
+    try:
+        import tinker  # noqa: F401  (the service speaks the SDK's own types)
+    except ImportError:
+        print("plainrl: plainrl tinker needs the tinker SDK: pip install 'plainrl[tinker]'", file=sys.stderr)
+        return 2
     from plainrl.tinker import serve
 
     config, overrides = args.config, list(args.overrides)
