@@ -238,3 +238,30 @@ def test_bad_input_is_a_4xx_naming_the_field(client, reference):
     out = tc.forward_backward([_datum(ids)], "cross_entropy").result()
     assert np.isfinite(out.metrics["loss:sum"])
     assert tc.optim_step(types.AdamParams(learning_rate=1e-4)).result().metrics["skipped"] == 0.0
+
+
+def test_forward_backward_custom_runs_as_cross_entropy_weights(client, reference):
+    _, tok = reference
+    ids = tok.encode("Two plus two is four.")
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+
+    def neg_sum_sq(data, logprobs_list):  # C = sum(lp^2): dC/dlp = 2 lp, sent as weights -2 lp
+        loss = sum((lp ** 2).sum() for lp in logprobs_list)
+        return loss, {"custom:sum": float(loss)}
+
+    out = tc.forward_backward_custom([_datum(ids)], neg_sum_sq).result()
+    lp = tc.forward([_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert out.metrics["loss:sum"] == pytest.approx(float((lp ** 2).sum()), rel=1e-4)
+    # the backward pass was the surrogate sum(-w * lp) with w = -2 lp, i.e. sum(2 lp^2)
+    assert out.metrics["surrogate_loss:sum"] == pytest.approx(float(2 * (lp ** 2).sum()), rel=1e-4)
+
+
+@pytest.mark.parametrize("script, args", [("tinker_sl.py", ["--steps", "2", "--batch-size", "2", "--rank", "4"]),
+                                          ("tinker_rl.py", ["--steps", "1", "--problems", "2", "--group-size", "2",
+                                                            "--max-tokens", "4", "--rank", "4"])])
+def test_examples_run_against_the_service(server, script, args):
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / script), "--base-url", server[0], *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 0:" in proc.stdout
