@@ -213,6 +213,9 @@ def test_sample_logprobs_equal_a_forward_of_the_sampled_tokens(server, client, r
                                                   dtype=torch.float32)
     np.testing.assert_allclose(_logps(merged, prompt).detach().numpy(), _logps(model, prompt).detach().numpy(),
                                atol=2e-4)
+    from_path = client.create_sampling_client(model_path=path)
+    np.testing.assert_allclose(from_path.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:],
+                               _logps(model, prompt).detach().numpy(), atol=2e-4)
     base_sampler = client.create_sampling_client(base_model=BASE)
     assert base_sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[0] is None
 
@@ -231,6 +234,10 @@ def test_bad_input_is_a_4xx_naming_the_field(client, reference):
         tc.forward_backward([_datum(ids)], "dro").result()
     with pytest.raises(tinker.BadRequestError, match="advantages"):
         tc.forward_backward([_datum(ids)], "ppo").result()
+    with pytest.raises(tinker.BadRequestError, match="over the model's context of 8192"):
+        tc.forward([_datum(ids[:1] * 8194)], "cross_entropy").result()
+    with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
+        client.create_training_client_from_state("tinker://nobody:train:0/weights/none").result()
     sampler = client.create_sampling_client(base_model=BASE)
     with pytest.raises(tinker.BadRequestError, match="context"):
         sampler.sample(types.ModelInput.from_ints(ids), 1, types.SamplingParams(max_tokens=10**6)).result()

@@ -109,6 +109,11 @@ class Adapters:
         self._add(name, PeftConfig.from_pretrained(str(directory)))
         self.load_weights(name, directory)
 
+    def drop(self, name: str) -> None:
+        """Delete adapter ``name`` (peft keeps at least one adapter: the last one stays, inactive)."""
+        if len(self.model.peft_config) > 1:
+            self.model.delete_adapter(name)
+
     def load_weights(self, name: str, directory: Path) -> None:
         """Put the weights saved in ``directory`` into adapter ``name``.
 
@@ -158,7 +163,7 @@ class Adapters:
             return self._snapshots[key]
         if len(self._snapshots) >= SNAPSHOTS_LOADED:
             _, old = self._snapshots.popitem(last=False)
-            self.model.delete_adapter(old)
+            self.drop(old)
         self._counter += 1
         name = f"s{self._counter}"
         from peft import PeftConfig

@@ -176,7 +176,7 @@ class Service:
 
         def run() -> None:
             for n in names:
-                self.adapters.model.delete_adapter(n)
+                self.adapters.drop(n)
 
         if names:
             self._worker.submit(run)
