@@ -151,6 +151,11 @@ def test_train_step_matches_transformers_peft_and_adamw(server, client, referenc
     a_again = load_file(str(_local(server, tc.save_state("a3").result().path) / "adapter_model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], a_again[k], atol=0, rtol=0)
+    # load_state puts the saved weights back: the first forward's logprobs again
+    tc.load_state(before).result()
+    again = tc.forward([_datum(ids, weights)], "cross_entropy").result()
+    np.testing.assert_allclose(again.loss_fn_outputs[0]["logprobs"].to_numpy(),
+                               out.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-5)
     ckpts = tinker.RestClient(base_url=server[0], api_key="tml-local").list_checkpoints(tc.model_id).result()
     assert {c.checkpoint_id for c in ckpts.checkpoints} >= {"weights/before", "weights/after", "weights/a3"}
 
@@ -263,6 +268,7 @@ def test_forward_backward_custom_runs_as_cross_entropy_weights(client, reference
     assert out.metrics["surrogate_loss:sum"] == pytest.approx(float(2 * (lp ** 2).sum()), rel=1e-4)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("script, args", [("tinker_sl.py", ["--steps", "2", "--batch-size", "2", "--rank", "4"]),
                                           ("tinker_rl.py", ["--steps", "1", "--problems", "2", "--group-size", "2",
                                                             "--max-tokens", "4", "--rank", "4"])])
