@@ -294,6 +294,11 @@ class Service:
                                         sorted(self.adapters.model.peft_config[name].target_modules))
             else:
                 self.adapters.load_weights(target.adapter, directory / "final")
+                o = target.optimizer
+                with torch.no_grad():  # 16-bit adapters: the fp32 masters follow the loaded weights
+                    for m, p in zip(o.master, o.params):
+                        if m is not p:
+                            m.copy_(p.float())
             if req.optimizer:
                 state = read_optimizer(directory / OPTIMIZER_FILE)
                 o = target.optimizer
