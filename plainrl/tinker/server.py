@@ -4,6 +4,7 @@ bound; the worker thread dies with the process)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from plainrl.config import Config
@@ -25,6 +26,9 @@ def build_service(cfg: Config):
     from plainrl.tinker.adapters import Adapters
     from plainrl.tinker.service import Service
 
+    if cfg.rollout.engine != "hf":
+        print(f"plainrl tinker: rollout.engine={cfg.rollout.engine} is not used; the service samples with the "
+              "embedded engine on the trained adapters (docs/tinker.md)", file=sys.stderr)
     torch.manual_seed(cfg.seed)
     adapters = Adapters(cfg.model, resolve_device(cfg.device))
     return Service(adapters, Path(cfg.run_dir), model_names=model_names(cfg.model.name, adapters.base_ref.hub_id),
