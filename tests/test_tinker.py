@@ -221,6 +221,14 @@ def test_sample_logprobs_equal_a_forward_of_the_sampled_tokens(server, client, r
     from_path = client.create_sampling_client(model_path=path)
     np.testing.assert_allclose(from_path.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:],
                                _logps(model, prompt).detach().numpy(), atol=2e-4)
+    # saved again under the same name after a step: a sampler of that path samples the new weights
+    tc.forward_backward([_datum(prompt)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert tc.save_weights_for_sampler("named").result().path == path
+    now = tc.forward([_datum(prompt)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(client.create_sampling_client(model_path=path).compute_logprobs(
+        types.ModelInput.from_ints(prompt)).result()[1:], now, atol=2e-4)
+    assert np.abs(now - _logps(model, prompt).detach().numpy()).max() > 1e-3
     base_sampler = client.create_sampling_client(base_model=BASE)
     assert base_sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[0] is None
 

@@ -77,7 +77,7 @@ class Adapters:
         self.vocab_size = int(config.vocab_size)
         self.context = int(getattr(config, "max_position_embeddings", 0) or model_cfg.max_context)
         self.arch = (config.architectures or [config.model_type])[0]
-        self._snapshots: OrderedDict[str, str] = OrderedDict()  # directory -> adapter name, LRU order
+        self._snapshots: OrderedDict[str, str] = OrderedDict()  # directory@mtime -> adapter name, LRU order
         self._counter = 0
 
     # -- adapters ---------------------------------------------------------------------------------
@@ -157,7 +157,8 @@ class Adapters:
 
     def snapshot(self, directory: Path) -> str:
         """The adapter name of the sampler checkpoint in ``directory``, loaded (frozen) if it is not."""
-        key = str(directory)
+        # a checkpoint saved again under the same name is a new directory: its file's mtime tells them apart
+        key = f"{directory}@{(directory / WEIGHTS_FILE).stat().st_mtime_ns}"
         if key in self._snapshots:
             self._snapshots.move_to_end(key)
             return self._snapshots[key]
@@ -168,7 +169,7 @@ class Adapters:
         name = f"s{self._counter}"
         from peft import PeftConfig
 
-        self._add(name, PeftConfig.from_pretrained(key))
+        self._add(name, PeftConfig.from_pretrained(str(directory)))
         self.load_weights(name, directory)
         for p in self.parameters(name):
             p.requires_grad_(False)
