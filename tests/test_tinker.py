@@ -156,8 +156,12 @@ def test_train_step_matches_transformers_peft_and_adamw(server, client, referenc
     again = tc.forward([_datum(ids, weights)], "cross_entropy").result()
     np.testing.assert_allclose(again.loss_fn_outputs[0]["logprobs"].to_numpy(),
                                out.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-5)
-    ckpts = tinker.RestClient(base_url=server[0], api_key="tml-local").list_checkpoints(tc.model_id).result()
+    rest = tinker.RestClient(base_url=server[0], api_key="tml-local")
+    ckpts = rest.list_checkpoints(tc.model_id).result()
     assert {c.checkpoint_id for c in ckpts.checkpoints} >= {"weights/before", "weights/after", "weights/a3"}
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.lora_rank == 4 and run.last_checkpoint.checkpoint_id == "weights/a3"
+    assert tc2.model_id in {r.training_run_id for r in rest.list_training_runs().result().training_runs}
 
 
 def test_policy_gradient_losses_against_hand_computed(client, reference):

@@ -185,6 +185,16 @@ def build_app(service: Service) -> Starlette:
     async def list_checkpoints(request: Request):
         return _json(s.list_checkpoints(request.path_params["model_id"]))
 
+    async def training_run(request: Request):
+        return _json(s.training_run(request.path_params["model_id"]))
+
+    async def training_runs(request: Request):
+        try:
+            offset, limit = int(request.query_params.get("offset", 0)), int(request.query_params.get("limit", 20))
+        except ValueError as e:
+            raise UserError(f"training_runs: offset and limit are integers ({e})") from e
+        return _json(s.training_runs(offset, limit))
+
     async def weights_info(request: Request):
         body = await request.json()
         _, _, directory = s.resolve(str(body.get("tinker_path", "")))
@@ -219,6 +229,8 @@ def build_app(service: Service) -> Starlette:
         ("/api/v1/samplers/{sampler_id}", get_sampler, ["GET"]),
         ("/api/v1/asample", asample, ["POST"]),
         ("/api/v1/retrieve_future", retrieve_future, ["POST"]),
+        ("/api/v1/training_runs", training_runs, ["GET"]),
+        ("/api/v1/training_runs/{model_id}", training_run, ["GET"]),
         ("/api/v1/training_runs/{model_id}/checkpoints", list_checkpoints, ["GET"]),
         ("/api/v1/weights_info", weights_info, ["POST"]),
     ]

@@ -328,6 +328,28 @@ class Service:
             raise not_found("training run", model_id, "training run ids are the model_id of a training client")
         return types.CheckpointsListResponse(checkpoints=out)
 
+    def training_run(self, model_id: str) -> types.TrainingRun:
+        """What ``RestClient.get_training_run`` returns, from ``ROOT/<model>/training_run.json`` and
+        the checkpoints there (so also for models of an earlier process)."""
+        record = self.model_dir(model_id) / "training_run.json"
+        if not record.is_file():
+            raise not_found("training run", model_id, "training run ids are the model_id of a training client")
+        info = json.loads(record.read_text())
+        ckpts = sorted(self.list_checkpoints(model_id).checkpoints, key=lambda c: c.time)
+        last = {t: next((c for c in reversed(ckpts) if c.checkpoint_type == t), None) for t in ("training", "sampler")}
+        return types.TrainingRun(
+            training_run_id=model_id, base_model=info["base_model"], model_owner="local", is_lora=True,
+            lora_rank=info["lora_rank"], last_request_time=datetime.fromtimestamp(record.stat().st_mtime, tz=timezone.utc),
+            last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"])
+
+    def training_runs(self, offset: int, limit: int) -> types.TrainingRunsResponse:
+        """Every training run under ROOT, newest first, ``limit`` of them from ``offset``."""
+        records = sorted(self.root.glob("*/training_run.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        ids = [json.loads(r.read_text())["model_id"] for r in records]
+        runs = [self.training_run(i) for i in ids[offset : offset + limit]]
+        return types.TrainingRunsResponse(training_runs=runs,
+                                          cursor=types.Cursor(offset=offset, limit=limit, total_count=len(ids)))
+
     # -- sampling ---------------------------------------------------------------------------------
 
     def add_sampler(self, session_id: str, seq: int, model_path: str | None, base_model: str | None) -> Sampler:
