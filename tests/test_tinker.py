@@ -161,6 +161,8 @@ def test_train_step_matches_transformers_peft_and_adamw(server, client, referenc
     assert {c.checkpoint_id for c in ckpts.checkpoints} >= {"weights/before", "weights/after", "weights/a3"}
     run = rest.get_training_run(tc.model_id).result()
     assert run.lora_rank == 4 and run.last_checkpoint.checkpoint_id == "weights/a3"
+    info = rest.get_weights_info_by_tinker_path(before).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == (BASE, True, 4)
     assert tc2.model_id in {r.training_run_id for r in rest.list_training_runs().result().training_runs}
 
 
