@@ -1,7 +1,8 @@
 """Command line: ``plainrl train CONFIG [key=value ...]`` (RL, or SFT/DPO/RM when
 ``algorithm.name`` is sft, dpo or rm), ``plainrl eval CONFIG_OR_RUN_DIR [key=value ...]``,
 ``plainrl report RUN_DIR [RUN_DIR ...] [-o OUT.html]``, ``plainrl export RUN_DIR --merge OUT``,
-``plainrl cache list|clear`` and ``plainrl examples [copy NAME [DIR]]``. A CONFIG that is not a file
+``plainrl cache list|clear``, ``plainrl examples [copy NAME [DIR]]`` and ``plainrl tinker [CONFIG]`` (Tinker's
+training API served for the config's model). A CONFIG that is not a file
 may name a packaged example (``plainrl train arithmetic_grpo``)."""
 
 from __future__ import annotations
