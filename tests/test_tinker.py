@@ -224,6 +224,11 @@ def test_sample_logprobs_equal_a_forward_of_the_sampled_tokens(server, client, r
                                                   dtype=torch.float32)
     np.testing.assert_allclose(_logps(merged, prompt).detach().numpy(), _logps(model, prompt).detach().numpy(),
                                atol=2e-4)
+    evaluated = subprocess.run([sys.executable, "-m", "plainrl", "eval", str(d.parent), "data.eval_size=2",
+                                "eval.max_new_tokens=4"], capture_output=True, text=True, timeout=600,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert '"eval/n": 2' in evaluated.stdout and str(d) in evaluated.stdout
     from_path = client.create_sampling_client(model_path=path)
     np.testing.assert_allclose(from_path.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:],
                                _logps(model, prompt).detach().numpy(), atol=2e-4)
