@@ -1,7 +1,8 @@
 """Command line: ``plainrl train CONFIG [key=value ...]`` (RL, or SFT/DPO/RM when
 ``algorithm.name`` is sft, dpo or rm), ``plainrl eval CONFIG_OR_RUN_DIR [key=value ...]``,
 ``plainrl report RUN_DIR [RUN_DIR ...] [-o OUT.html]``, ``plainrl export RUN_DIR --merge OUT``,
-``plainrl cache list|clear`` and ``plainrl examples [copy NAME [DIR]]``. A CONFIG that is not a file
+``plainrl cache list|clear``, ``plainrl examples [copy NAME [DIR]]`` and ``plainrl tinker [CONFIG]`` (Tinker's
+training API served for the config's model). A CONFIG that is not a file
 may name a packaged example (``plainrl train arithmetic_grpo``)."""
 
 from __future__ import annotations
@@ -102,6 +103,25 @@ def _cmd_serve(args) -> int:
     return 0  # (serve replaces this process)
 
 
+def _cmd_tinker(args) -> int:
+    try:
+        import tinker  # noqa: F401  (the service speaks the SDK's own types)
+    except ImportError:
+        print("plainrl: plainrl tinker needs the tinker SDK: pip install 'plainrl[tinker]'", file=sys.stderr)
+        return 2
+    from plainrl.tinker import serve
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).is_file():  # no CONFIG, overrides only
+        config, overrides = None, [config, *overrides]
+    if config is None:
+        # the service reads no rows and scores nothing, but a config must name both to validate
+        overrides[:0] = ["run_dir=runs/tinker", "data.task=arithmetic",
+                         "rewards=[{fn: 'plainrl.rewards.builtins:correctness'}]"]
+    serve(load_config(config, overrides), host=args.host, port=args.port)
+    return 0
+
+
 def _cmd_report(args) -> int:
     from plainrl.report import RunDirError, read_runs, write_report
     from plainrl.report.plots import curves_png
@@ -197,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server shares the trainer's GPU: the config's rollout.vllm.gpu_memory_utilization (a "
                         "number) and sleep mode (default: a GPU of its own, 0.9 of its memory, no sleep mode)")
     p.set_defaults(func=_cmd_serve)
+    p = sub.add_parser("tinker", help="Tinker's training API on this machine: the tinker SDK's ServiceClient("
+                                      "base_url=...) trains LoRA adapters of the config's model (docs/tinker.md)")
+    p.add_argument("config", nargs="?", help="a YAML config or packaged example (default: the embedded model)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.name=... run_dir=...")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: the API has no "
+                                                       "authentication, any client can train and read checkpoints)")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=_cmd_tinker)
     p = sub.add_parser("report", help="a self-contained HTML report of one or several runs (curves overlaid, "
                                       "eval, config diff, rollout browser, errors)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -156,6 +156,34 @@ def shared_prompt_hidden(
     return joined.gather(1, column[..., None].expand(-1, -1, joined.shape[-1]))
 
 
+def head_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, *,
+               temperature: float = 1.0, with_entropy: bool = False) -> list[torch.Tensor]:
+    """Float32 log pi_T(target | hidden state) of K positions through the LM head, in chunks of
+    :data:`LOGIT_BLOCK_ELEMENTS` logits (a frozen head's chunk with its gradient computed in the
+    forward pass, a trainable head's checkpointed; see :func:`sequence_logps`).
+
+    Args:
+        hidden: [K, H] the decoder's last hidden states at the K positions.
+        targets: [K] the token each position is scored on, or [K, m]: m tokens per position
+            (the chosen one and a teacher's top-k; checkpointed: the fused gradient covers one token).
+    Returns:
+        ``[logps]`` ([K] or [K, m]), or ``[logps, entropy]`` with ``with_entropy``.
+    """
+    chunk = max(1, LOGIT_BLOCK_ELEMENTS // lm_head.weight.shape[0])
+    fused = torch.is_grad_enabled() and hidden.requires_grad and _frozen_head(lm_head) and targets.dim() == 1
+    outs = []
+    for s in range(0, hidden.shape[0], chunk):
+        h, y = hidden[s : s + chunk], targets[s : s + chunk]
+        if fused:
+            out = _FrozenHeadLogps.apply(h, lm_head.weight, lm_head.bias, y, temperature, with_entropy)
+        elif torch.is_grad_enabled():
+            out = checkpoint(_target_logps, h, lm_head, y, temperature, with_entropy, use_reentrant=False)
+        else:
+            out = _target_logps(h, lm_head, y, temperature, with_entropy)
+        outs.append(out if with_entropy else (out,))
+    return [torch.cat(c) for c in zip(*outs)] or [hidden.new_zeros(0, dtype=torch.float32)] * (1 + with_entropy)
+
+
 def sequence_logps(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -210,20 +238,8 @@ def sequence_logps(
     if positions is not None:
         index = positions.reshape(-1).nonzero().squeeze(-1)  # [K]
         hidden, targets = hidden[index], targets[index]
-    lm_head = base.get_output_embeddings()
-    chunk = max(1, LOGIT_BLOCK_ELEMENTS // lm_head.weight.shape[0])
-    fused = torch.is_grad_enabled() and hidden.requires_grad and _frozen_head(lm_head) and extra_targets is None
-    outs = []
-    for s in range(0, hidden.shape[0], chunk):
-        h, y = hidden[s : s + chunk], targets[s : s + chunk]
-        if fused:
-            out = _FrozenHeadLogps.apply(h, lm_head.weight, lm_head.bias, y, temperature, with_entropy)
-        elif torch.is_grad_enabled():
-            out = checkpoint(_target_logps, h, lm_head, y, temperature, with_entropy, use_reentrant=False)
-        else:
-            out = _target_logps(h, lm_head, y, temperature, with_entropy)
-        outs.append(out if with_entropy else (out,))
-    columns = [torch.cat(c) for c in zip(*outs)] or [hidden.new_zeros(0, dtype=torch.float32)] * (1 + with_entropy)
+    columns = head_logps(hidden, base.get_output_embeddings(), targets, temperature=temperature,
+                         with_entropy=with_entropy)
 
     def unflatten(flat: torch.Tensor) -> torch.Tensor:
         if index is None:

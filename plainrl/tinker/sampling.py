@@ -1,0 +1,123 @@
+"""Tinker's ``sample`` and ``compute_logprobs`` through plainrl's embedded engine
+(:class:`plainrl.rollout.engines.hf.HFEngine`) on the sampler's weights: token ids in, token ids
+and their logprobs out.
+
+Stop conditions (``SamplingParams.stop``): None stops at the model's EOS; stop strings stop at
+EOS or the string; a list of token ids stops at those ids only (``[]``: at none, so at
+``max_tokens``), as Tinker documents it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from plainrl.models import sequence_logps
+from plainrl.rollout.engines.hf import HFEngine
+from plainrl.tinker.errors import UserError
+from plainrl.types import SamplingParams
+
+
+@dataclass
+class SampleCall:
+    """A ``SampleRequest`` checked: prompt ids, sampling settings, and what to return."""
+
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_strings: tuple[str, ...]
+    stop_ids: list[int] | None  # None: the model's EOS ids
+    seed: int | None
+    prompt_logprobs: bool
+    last_n: int | None
+
+
+def check_sample(request, *, vocab_size: int, context: int) -> SampleCall:
+    """Turn a ``tinker.types.SampleRequest`` into a :class:`SampleCall`.
+
+    Raises:
+        UserError: a prompt chunk that is not tokens, an empty prompt, a token id outside the
+            vocabulary, a prompt plus ``max_tokens`` over the context, or an out-of-range setting.
+    """
+    ids: list[int] = []
+    for chunk in request.prompt.chunks:
+        if getattr(chunk, "type", None) != "encoded_text":
+            raise UserError(f"prompt: a {getattr(chunk, 'type', type(chunk).__name__)} chunk; this service "
+                            "takes token chunks only (text models)")
+        ids.extend(int(t) for t in chunk.tokens)
+    if not ids:
+        raise UserError("prompt: no tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise UserError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    p = request.sampling_params
+    max_tokens = p.max_tokens if p.max_tokens is not None else context - len(ids)
+    if max_tokens < 1:
+        raise UserError(f"sampling_params.max_tokens={p.max_tokens}: the prompt's {len(ids)} tokens leave no room "
+                        f"in the model's context of {context}" if p.max_tokens is None else
+                        f"sampling_params.max_tokens={p.max_tokens} must be at least 1")
+    if len(ids) + max_tokens > context:
+        raise UserError(f"prompt ({len(ids)} tokens) + sampling_params.max_tokens ({max_tokens}) is over the "
+                        f"model's context of {context}")
+    if not 1 <= request.num_samples <= 1024:
+        raise UserError(f"num_samples={request.num_samples} must be between 1 and 1024")
+    if p.temperature < 0 or not 0 < p.top_p <= 1:
+        raise UserError(f"sampling_params: temperature={p.temperature} must be >= 0 and top_p={p.top_p} in (0, 1]")
+    stop = p.stop
+    strings: tuple[str, ...] = ()
+    stop_ids = None
+    if isinstance(stop, str):
+        strings = (stop,)
+    elif stop is not None:
+        items = list(stop)
+        if all(isinstance(s, str) for s in items) and items:
+            strings = tuple(items)
+        elif all(isinstance(s, int) for s in items):
+            stop_ids = items
+        else:
+            raise UserError("sampling_params.stop: give strings or token ids, not both")
+    last_n = request.prompt_logprobs_last_n
+    if last_n is not None and not 1 <= last_n <= len(ids) - 1:
+        raise UserError(f"prompt_logprobs_last_n={last_n} must be between 1 and len(prompt) - 1 = {len(ids) - 1}")
+    return SampleCall(ids, request.num_samples, max_tokens, p.temperature, p.top_p,
+                      p.top_k if p.top_k and p.top_k > 0 else 0, strings, stop_ids, p.seed,
+                      bool(request.prompt_logprobs), last_n)
+
+
+def sample(model: torch.nn.Module, tokenizer, call: SampleCall) -> tuple[list[tuple[list[int], list[float], str]],
+                                                                         np.ndarray | None]:
+    """Sample ``call.num_samples`` completions of ``call.prompt`` with ``model`` as it is (the caller
+    has made the sampler's adapter active).
+
+    Returns:
+        per sample (token ids, logprobs of the tempered policy, ``stop`` | ``length``), and, with
+        ``call.prompt_logprobs``, the prompt's logprobs [P] (NaN at position 0 and before
+        ``last_n``).
+    """
+    engine = HFEngine(model, tokenizer, batch_size=min(64, call.num_samples), decoder="transformers",
+                      merge_lora=False)
+    if call.stop_ids is not None:
+        engine.eos_ids = torch.tensor(call.stop_ids, dtype=torch.long)
+    params = SamplingParams(max_new_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
+                            top_k=call.top_k, stop=call.stop_strings)
+    base_seed = call.seed if call.seed is not None else random.SystemRandom().randrange(2**31)
+    seeds = [base_seed + i for i in range(call.num_samples)]
+    gens = engine.generate([call.prompt] * call.num_samples, params, seeds=seeds)
+    seqs = [(g.token_ids, g.logprobs, "length" if g.finish_reason == "length" else "stop") for g in gens]
+    prompt_lp = None
+    if call.prompt_logprobs:
+        prompt_lp = np.full(len(call.prompt), np.nan, dtype=np.float32)
+        if len(call.prompt) > 1:
+            ids = torch.tensor([call.prompt], device=engine.device)
+            with torch.no_grad():
+                lp = sequence_logps(model, ids, torch.ones_like(ids))[0].float().cpu().numpy()  # [P-1]
+            prompt_lp[1:] = lp
+            if call.last_n is not None:
+                prompt_lp[: len(call.prompt) - call.last_n] = np.nan
+    return seqs, prompt_lp

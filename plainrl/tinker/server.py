@@ -1,0 +1,55 @@
+"""``plainrl tinker``: load the config's model once and serve Tinker's API on it with uvicorn
+until the process is stopped (Ctrl-C or SIGTERM: uvicorn closes the socket, so no port stays
+bound; the worker thread dies with the process)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from plainrl.config import Config
+
+
+def model_names(name: str, hub_id: str | None) -> list[str]:
+    """The names the service answers to for its base: the hub id first (what Tinker code names),
+    then plainrl's ``model.name``."""
+    return [n for n in dict.fromkeys([hub_id, name]) if n]
+
+
+def build_service(cfg: Config):
+    """The :class:`~plainrl.tinker.service.Service` of ``cfg``: its ``model`` (LoRA settings come from
+    each ``create_lora_training_client`` call), checkpoints under ``cfg.run_dir``."""
+    import torch
+
+    from plainrl.config.loading import dump_config
+    from plainrl.models import resolve_device
+    from plainrl.tinker.adapters import Adapters
+    from plainrl.tinker.service import Service
+
+    if cfg.rollout.engine != "hf":
+        print(f"plainrl tinker: rollout.engine={cfg.rollout.engine} is not used; the service samples with the "
+              "embedded engine on the trained adapters (docs/tinker.md)", file=sys.stderr)
+    torch.manual_seed(cfg.seed)
+    adapters = Adapters(cfg.model, resolve_device(cfg.device))
+    return Service(adapters, Path(cfg.run_dir), model_names=model_names(cfg.model.name, adapters.base_ref.hub_id),
+                   config_yaml=dump_config(cfg),
+                   micro_batch_tokens=cfg.train.micro_batch_tokens)
+
+
+def serve(cfg: Config, *, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve until interrupted; prints the base URL and the names of the model once listening."""
+    import uvicorn
+
+    from plainrl.tinker.routes import build_app
+
+    service = build_service(cfg)
+    config = uvicorn.Config(build_app(service), host=host, port=port, log_level="warning", access_log=False,
+                            timeout_keep_alive=75)
+    server = uvicorn.Server(config)
+    print(f"plainrl tinker: serving {service.model_names} at http://{host}:{port} "
+          f"(checkpoints under {service.root}); tinker.ServiceClient(base_url='http://{host}:{port}', "
+          "api_key='tml-local')", flush=True)
+    try:
+        server.run()
+    finally:
+        service.close()

@@ -1,0 +1,379 @@
+"""The Tinker service's state: sessions, training models, samplers, checkpoints on disk, and the
+futures the SDK polls.
+
+Every computation on the model runs on one worker thread, in the order the requests arrived (the
+SDK sends a training client's requests one after another, in its own order), so adapters can be
+switched safely and a ``forward_backward`` followed by an ``optim_step`` applies in that order.
+A request is checked when it arrives (a bad one is a 4xx at once and queues nothing); its work
+is queued and its future id returned; ``retrieve_future`` waits for it.
+
+Checkpoints: ``tinker://<model_id>/weights/<name>`` (``save_state``) and
+``tinker://<model_id>/sampler_weights/<name>`` (``save_weights_for_sampler``) are the directories
+``ROOT/<model_id with ':' as '_'>/weights/<name>`` and ``.../sampler_weights/<name>``, each a plainrl
+run directory: ``config.yaml`` (the service's config) and ``final/`` (the peft adapter with its
+model card), so ``plainrl eval DIR`` and ``plainrl export DIR --merge OUT`` take it; ``save_state``
+adds ``optimizer.pt`` (AdamW's state) beside them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tinker import types
+
+from plainrl.checkpoint.files import torch_save
+from plainrl.tinker.adapters import Adapters, lora_targets, read_optimizer
+from plainrl.tinker.errors import UserError, not_found
+from plainrl.tinker.sampling import SampleCall, sample
+from plainrl.tinker.training import TrainingModel, forward_backward, make_optimizer, optim_step
+from plainrl.tinker.wire import ForwardBackwardCall, encode_sample_response
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+OPTIMIZER_FILE = "optimizer.pt"
+MAX_FUTURES = 10_000
+
+
+@dataclass
+class Sampler:
+    """A sampling session: the base model (``directory`` None) or a sampler checkpoint."""
+
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+    directory: Path | None
+
+
+class Service:
+    """Everything the routes act on.
+
+    Args:
+        adapters: the base model and its adapters.
+        root: where training models' checkpoints go (``tinker://`` paths resolve under it).
+        model_names: the names ``create_lora_training_client(base_model=...)`` accepts for the base
+            (its hub id and plainrl's name).
+        config_yaml: the service's config as YAML, written into every checkpoint as ``config.yaml``.
+        micro_batch_tokens: padded tokens per forward/backward micro-batch.
+    """
+
+    def __init__(self, adapters: Adapters, root: Path, *, model_names: list[str], config_yaml: str,
+                 micro_batch_tokens: int = 4096):
+        self.adapters = adapters
+        self.config_yaml = config_yaml
+        self.root = Path(root)
+        self.model_names = model_names
+        self.base_model = model_names[0]
+        self.micro_batch_tokens = micro_batch_tokens
+        self.sessions: dict[str, float] = {}  # id -> last heartbeat (time.time())
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.futures: dict[str, concurrent.futures.Future] = {}
+        self._ids = itertools.count(1)
+        self._adapter_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-worker")
+
+    def close(self) -> None:
+        """Stop the worker after the queued work (the process is exiting)."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    # -- futures ----------------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[[], Any], model_id: str | None = None) -> types.UntypedAPIFuture:
+        """Queue ``fn`` on the worker; the SDK's handle to its result."""
+        with self._lock:
+            request_id = f"req-{next(self._ids)}"
+            self.futures[request_id] = self._worker.submit(fn)
+            while len(self.futures) > MAX_FUTURES:
+                self.futures.pop(next(iter(self.futures)))
+        return types.UntypedAPIFuture(request_id=request_id, model_id=model_id)
+
+    # -- sessions and models ----------------------------------------------------------------------
+
+    def create_session(self) -> str:
+        session_id = uuid.uuid4().hex[:16]
+        self.sessions[session_id] = time.time()
+        return session_id
+
+    def check_session(self, session_id: str) -> None:
+        if session_id not in self.sessions:
+            raise not_found("session", session_id, "create one with tinker.ServiceClient")
+        self.sessions[session_id] = time.time()
+
+    def model(self, model_id: str) -> TrainingModel:
+        tm = self.models.get(model_id)
+        if tm is None:
+            raise not_found("training model", model_id, "create one with create_lora_training_client")
+        return tm
+
+    def check_base(self, base_model: str | None) -> str:
+        if base_model is not None and base_model not in self.model_names:
+            raise UserError(f"base_model={base_model!r} is not served here; this service trains {self.model_names} "
+                            "(start `plainrl tinker` with model.name=... for another)")
+        return self.base_model
+
+    def create_model(self, req: types.CreateModelRequest) -> types.UntypedAPIFuture:
+        self.check_session(req.session_id)
+        self.check_base(req.base_model)
+        lora = req.lora_config or types.LoraConfig(rank=32)
+        if lora.rank < 1:
+            raise UserError(f"lora_config.rank={lora.rank} must be at least 1")
+        if lora.train_unembed and self.adapters.tied_head and not (lora.train_attn or lora.train_mlp):
+            raise UserError("lora_config: train_unembed alone on a model whose LM head is tied to its input "
+                            "embedding; this service trains no LoRA on a tied head (docs/tinker.md): set "
+                            "train_attn or train_mlp")
+        targets = lora_targets(self.adapters.linear_names, attn=lora.train_attn, mlp=lora.train_mlp,
+                               unembed=lora.train_unembed and not self.adapters.tied_head)
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+
+        def run() -> types.CreateModelResponse:
+            name = f"m{next(self._adapter_ids)}"
+            self.adapters.create(name, rank=lora.rank, targets=targets, seed=lora.seed)
+            self._register(model_id, name, lora.rank, targets)
+            return types.CreateModelResponse(model_id=model_id)
+
+        return self.submit(run, model_id)
+
+    def _register(self, model_id: str, adapter: str, rank: int, targets: list[str]) -> TrainingModel:
+        tm = TrainingModel(model_id, adapter, self.base_model, rank, targets,
+                           make_optimizer(self.adapters.parameters(adapter)))
+        self.models[model_id] = tm
+        d = self.model_dir(model_id)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "training_run.json").write_text(json.dumps(
+            {"model_id": model_id, "base_model": self.base_model, "lora_rank": rank, "targets": targets}))
+        return tm
+
+    def info(self, model_id: str) -> types.GetInfoResponse:
+        tm = self.model(model_id)
+        return types.GetInfoResponse(
+            model_id=model_id, is_lora=True, lora_rank=tm.rank, model_name=self.base_model,
+            model_data=types.ModelData(arch=self.adapters.arch, model_name=self.base_model,
+                                       tokenizer_id=self.adapters.local_path))
+
+    def finish_session(self, session_id: str) -> None:
+        """Drop the session's training models; their adapters are deleted on the worker."""
+        self.sessions.pop(session_id, None)
+        gone = [m for m in self.models if m.startswith(f"{session_id}:")]
+        names = [self.models.pop(m).adapter for m in gone]
+
+        def run() -> None:
+            for n in names:
+                self.adapters.drop(n)
+
+        if names:
+            self._worker.submit(run)
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def forward_backward(self, call: ForwardBackwardCall) -> types.UntypedAPIFuture:
+        tm = self.model(call.model_id)
+        return self.submit(lambda: forward_backward(self.adapters, tm, call,
+                                                    micro_batch_tokens=self.micro_batch_tokens), call.model_id)
+
+    def optim_step(self, req: types.OptimStepRequest) -> types.UntypedAPIFuture:
+        tm = self.model(req.model_id)
+        p = req.optim_params
+        if not isinstance(p, types.AdamParams):
+            raise UserError(f"optim_params of type {getattr(p, 'type', '?')!r}: this service steps AdamW only "
+                            "(pass types.AdamParams)")
+        if p.learning_rate < 0 or not (0 <= p.beta1 < 1 and 0 <= p.beta2 < 1) or p.eps <= 0:
+            raise UserError(f"adam_params: learning_rate={p.learning_rate} must be >= 0, beta1={p.beta1} and "
+                            f"beta2={p.beta2} in [0, 1), eps={p.eps} > 0")
+
+        def run() -> types.OptimStepResponse:
+            return types.OptimStepResponse(metrics=optim_step(
+                tm, learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
+                weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm))
+
+        return self.submit(run, req.model_id)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def model_dir(self, model_id: str) -> Path:
+        return self.root / model_id.replace(":", "_")
+
+    def checkpoint_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
+        if not _NAME.match(name):
+            raise UserError(f"path={name!r}: a checkpoint name is letters, digits, '.', '_' and '-' "
+                            "(up to 128, not starting with '.')")
+        return f"tinker://{model_id}/{kind}/{name}", self.model_dir(model_id) / kind / name
+
+    def resolve(self, tinker_path: str) -> tuple[str, str, Path]:
+        """``tinker://<model_id>/<kind>/<name>`` -> (model_id, kind, directory).
+
+        Raises:
+            UserError: not such a path, or no checkpoint there (404).
+        """
+        parts = tinker_path[len("tinker://"):].split("/") if tinker_path.startswith("tinker://") else []
+        if len(parts) != 3 or parts[1] not in _KINDS:
+            raise UserError(f"path={tinker_path!r} is not a checkpoint path; give "
+                            "tinker://<model_id>/weights/<name> or tinker://<model_id>/sampler_weights/<name>")
+        _, directory = self.checkpoint_path(parts[0], parts[1], parts[2])
+        if not (directory / "final" / "adapter_config.json").is_file():
+            raise not_found("checkpoint", tinker_path, f"nothing is saved at {directory}")
+        return parts[0], parts[1], directory
+
+    def _card(self, model_id: str, tinker_path: str, tm: TrainingModel) -> str:
+        base = self.adapters.base_ref.portable_name
+        return (f"---\nbase_model: {base}\nlibrary_name: peft\ntags: [plainrl, tinker, lora]\n---\n\n"
+                f"# {tinker_path}\n\nA LoRA adapter (rank {tm.rank}, on {', '.join(tm.targets)}) of `{base}`, trained "
+                f"through plainrl's Tinker service ({tm.steps} optimizer steps).\n\n```python\n"
+                "from peft import AutoPeftModelForCausalLM\n\n"
+                "model = AutoPeftModelForCausalLM.from_pretrained(\"<this directory>\")\n```\n")
+
+    def save(self, model_id: str, kind: str, name: str | None, *, with_optimizer: bool) -> Callable[[], tuple[str, Path]]:
+        """The work that saves ``model_id``'s adapter (and optimizer) as checkpoint ``name``; checked now."""
+        tm = self.model(model_id)
+        name = name or f"ephemeral-{uuid.uuid4().hex[:8]}"
+        path, directory = self.checkpoint_path(model_id, kind, name)
+
+        def run() -> tuple[str, Path]:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
+            try:
+                (tmp / "config.yaml").write_text(self.config_yaml)
+                (tmp / "final").mkdir()
+                self.adapters.save(tm.adapter, tmp / "final", card=self._card(model_id, path, tm),
+                                   extra={"model_id": model_id, "base_model": self.base_model, "steps": tm.steps,
+                                          "tinker_path": path})
+                if with_optimizer:
+                    o = tm.optimizer
+                    torch_save({"optimizer": o.optimizer.state_dict(), "steps": tm.steps,
+                                "masters": [m.detach() for m, p in zip(o.master, o.params) if m is not p]},
+                               tmp / OPTIMIZER_FILE)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            if directory.exists():  # save_state to a name used before: the newer replaces it
+                shutil.rmtree(directory)
+            os.replace(tmp, directory)
+            return path, directory
+
+        return run
+
+    def load(self, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
+        """``load_state`` into an existing model, or a new model created from a checkpoint."""
+        _, kind, directory = self.resolve(req.path)
+        if req.optimizer and not (directory / OPTIMIZER_FILE).is_file():
+            raise UserError(f"path={req.path!r} holds no optimizer state (a sampler checkpoint); load it without "
+                            "the optimizer, or save with save_state")
+        if req.model_id is not None:
+            tm = self.model(req.model_id)
+        else:
+            if req.session_id is None or req.model_seq_id is None:
+                raise UserError("load_weights: give model_id, or session_id and model_seq_id")
+            self.check_session(req.session_id)
+            self.check_base(req.base_model)
+            tm = None
+        model_id = req.model_id or f"{req.session_id}:train:{req.model_seq_id}"
+
+        def run() -> types.LoadWeightsResponse:
+            target = tm
+            if target is None:
+                name = f"m{next(self._adapter_ids)}"
+                self.adapters.create_from(name, directory / "final")
+                target = self._register(model_id, name, self.adapters.rank(name),
+                                        sorted(self.adapters.model.peft_config[name].target_modules))
+            else:
+                self.adapters.load_weights(target.adapter, directory / "final")
+                o = target.optimizer
+                with torch.no_grad():  # 16-bit adapters: the fp32 masters follow the loaded weights
+                    for m, p in zip(o.master, o.params):
+                        if m is not p:
+                            m.copy_(p.float())
+            if req.optimizer:
+                state = read_optimizer(directory / OPTIMIZER_FILE)
+                o = target.optimizer
+                o.optimizer.load_state_dict(state["optimizer"])
+                masters = [m for m, p in zip(o.master, o.params) if m is not p]
+                with torch.no_grad():
+                    for m, saved in zip(masters, state["masters"]):
+                        m.copy_(saved)
+                target.steps = int(state["steps"])
+            return types.LoadWeightsResponse(path=req.path, model_id=model_id)
+
+        return self.submit(run, model_id)
+
+    def list_checkpoints(self, model_id: str) -> types.CheckpointsListResponse:
+        out = []
+        for kind, ctype in _KINDS.items():
+            base = self.model_dir(model_id) / kind
+            for d in sorted(base.iterdir()) if base.is_dir() else []:
+                if not (d / "final" / "adapter_config.json").is_file():
+                    continue  # a temporary directory of a save under way
+                stat = d.stat()
+                out.append(types.Checkpoint(
+                    checkpoint_id=f"{kind}/{d.name}", checkpoint_type=ctype, tinker_path=f"tinker://{model_id}/{kind}/{d.name}",
+                    time=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc),
+                    size_bytes=sum(f.stat().st_size for f in d.rglob("*") if f.is_file())))
+        if not out and not self.model_dir(model_id).is_dir():
+            raise not_found("training run", model_id, "training run ids are the model_id of a training client")
+        return types.CheckpointsListResponse(checkpoints=out)
+
+    def training_run(self, model_id: str) -> types.TrainingRun:
+        """What ``RestClient.get_training_run`` returns, from ``ROOT/<model>/training_run.json`` and
+        the checkpoints there (so also for models of an earlier process)."""
+        record = self.model_dir(model_id) / "training_run.json"
+        if not record.is_file():
+            raise not_found("training run", model_id, "training run ids are the model_id of a training client")
+        info = json.loads(record.read_text())
+        ckpts = sorted(self.list_checkpoints(model_id).checkpoints, key=lambda c: c.time)
+        last = {t: next((c for c in reversed(ckpts) if c.checkpoint_type == t), None) for t in ("training", "sampler")}
+        return types.TrainingRun(
+            training_run_id=model_id, base_model=info["base_model"], model_owner="local", is_lora=True,
+            lora_rank=info["lora_rank"], last_request_time=datetime.fromtimestamp(record.stat().st_mtime, tz=timezone.utc),
+            last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"])
+
+    def training_runs(self, offset: int, limit: int) -> types.TrainingRunsResponse:
+        """Every training run under ROOT, newest first, ``limit`` of them from ``offset``."""
+        records = sorted(self.root.glob("*/training_run.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        ids = [json.loads(r.read_text())["model_id"] for r in records]
+        runs = [self.training_run(i) for i in ids[offset : offset + limit]]
+        return types.TrainingRunsResponse(training_runs=runs,
+                                          cursor=types.Cursor(offset=offset, limit=limit, total_count=len(ids)))
+
+    # -- sampling ---------------------------------------------------------------------------------
+
+    def add_sampler(self, session_id: str, seq: int, model_path: str | None, base_model: str | None) -> Sampler:
+        directory = None
+        if model_path is not None:
+            _, _, directory = self.resolve(model_path)
+        else:
+            self.check_base(base_model)
+        sampler = Sampler(f"{session_id}:sample:{seq}", self.base_model, model_path,
+                          None if directory is None else directory / "final")
+        self.samplers[sampler.sampler_id] = sampler
+        return sampler
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        s = self.samplers.get(sampler_id)
+        if s is None:
+            raise not_found("sampling session", sampler_id, "create one with create_sampling_client")
+        return s
+
+    def sample(self, sampler: Sampler, call: SampleCall) -> types.UntypedAPIFuture:
+        def run() -> bytes:
+            name = None if sampler.directory is None else self.adapters.snapshot(sampler.directory)
+            with self.adapters.use(name) as model:
+                seqs, prompt_lp = sample(model, self.adapters.tokenizer, call)
+            return encode_sample_response(seqs, prompt_lp)
+
+        return self.submit(run)

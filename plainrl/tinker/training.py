@@ -1,0 +1,169 @@
+"""Tinker's training primitives on one adapter: ``forward_backward`` / ``forward`` (the built-in
+losses of :mod:`plainrl.algorithms.tinker_losses` on exact token ids) and ``optim_step`` (AdamW
+with the step's ``AdamParams``), with the checks that turn bad input into a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from plainrl.algorithms.tinker_losses import CONFIG_KEYS, INPUTS, LOSSES, elementwise_loss
+from plainrl.config import TrainConfig
+from plainrl.models.forward import head_logps
+from plainrl.models.loading import unwrap
+from plainrl.tinker.adapters import Adapters
+from plainrl.tinker.errors import UserError
+from plainrl.tinker.wire import ForwardBackwardCall, encode_forward_backward_output
+from plainrl.train.optim import MasterAdamW
+
+
+@dataclass
+class TrainingModel:
+    """One training client: its adapter on the shared base and its own optimizer state.
+
+    ``optimizer`` is plainrl's :class:`MasterAdamW` (fp32 masters of 16-bit adapters); each
+    ``optim_step`` sets its hyperparameters from the request's ``AdamParams``.
+    """
+
+    model_id: str
+    adapter: str
+    base_model: str
+    rank: int
+    targets: list[str]
+    optimizer: MasterAdamW
+    steps: int = 0
+
+
+def make_optimizer(params: list[torch.nn.Parameter]) -> MasterAdamW:
+    """An AdamW for ``params`` whose settings every ``optim_step`` replaces (no schedule, no clipping
+    until asked)."""
+    return MasterAdamW(params, TrainConfig(lr=1e-4, max_grad_norm=None, warmup_steps=0))
+
+
+def check_call(call: ForwardBackwardCall, *, vocab_size: int, context: int) -> None:
+    """Reject a ``forward_backward`` / ``forward`` request the model cannot run, before it is queued.
+
+    Raises:
+        UserError: an unknown loss or config key, no data, an empty or over-long sequence, a token id
+            outside the vocabulary, a missing input, or an input whose shape is not the sequence's [N].
+    """
+    if call.loss_fn not in INPUTS:
+        raise UserError(f"loss_fn={call.loss_fn!r} is not one this service computes; use one of {list(LOSSES)}")
+    unknown = sorted(set(call.loss_fn_config) - set(CONFIG_KEYS[call.loss_fn]))
+    if unknown:
+        raise UserError(f"loss_fn_config keys {unknown} do not apply to loss_fn={call.loss_fn!r}; "
+                        f"it takes {list(CONFIG_KEYS[call.loss_fn]) or 'none'}")
+    if not call.data:
+        raise UserError("data: no Datum given")
+    for i, d in enumerate(call.data):
+        n = len(d.tokens)
+        if n == 0:
+            raise UserError(f"data[{i}].model_input: no tokens")
+        if n > context:
+            raise UserError(f"data[{i}].model_input: {n} tokens, over the model's context of {context}")
+        _check_ids(d.tokens, vocab_size, f"data[{i}].model_input")
+        for key in ("target_tokens", *INPUTS[call.loss_fn]):
+            if key not in d.inputs:
+                raise UserError(f"data[{i}].loss_fn_inputs: {key!r} is missing; loss_fn={call.loss_fn!r} needs "
+                                f"{['target_tokens', *INPUTS[call.loss_fn]]}")
+            shape = tuple(d.inputs[key].shape)
+            if shape != (n,):
+                raise UserError(f"data[{i}].loss_fn_inputs[{key!r}]: shape {shape}, but model_input has {n} "
+                                f"tokens; every loss input is one value per input position, shape ({n},)")
+        _check_ids(d.inputs["target_tokens"], vocab_size, f"data[{i}].loss_fn_inputs['target_tokens']")
+
+
+def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise UserError(f"{where}: token id {int(ids[bad][0])} at position {int(np.argmax(bad))} is outside "
+                        f"the vocabulary [0, {vocab_size})")
+
+
+def target_logprobs(model: torch.nn.Module, rows: list[tuple[np.ndarray, np.ndarray]],
+                    pad_id: int) -> list[torch.Tensor]:
+    """log p(target_i | input_<=i) for each row (input ids [N], target ids [N]): float32 [N] per row,
+    differentiable when grad is enabled. Rows are right-padded into one [B, T] forward."""
+    base = unwrap(model)
+    device = next(model.parameters()).device
+    lengths = [len(t) for t, _ in rows]
+    width = max(lengths)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, (tok, tgt) in enumerate(rows):
+        ids[r, : len(tok)] = torch.from_numpy(np.array(tok))
+        targets[r, : len(tok)] = torch.from_numpy(tgt.astype(np.int64))
+        mask[r, : len(tok)] = 1
+    ids, targets, mask = ids.to(device), targets.to(device), mask.to(device)
+    hidden = base.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
+    keep = mask.reshape(-1).bool()
+    flat = head_logps(hidden.reshape(-1, hidden.shape[-1])[keep], base.get_output_embeddings(),
+                      targets.reshape(-1)[keep])[0]  # [sum N]
+    return list(torch.split(flat, lengths))
+
+
+def forward_backward(adapters: Adapters, tm: TrainingModel, call: ForwardBackwardCall, *,
+                     micro_batch_tokens: int) -> bytes:
+    """Run ``call`` on ``tm``'s adapter: per datum the target logprobs and the elementwise loss;
+    unless ``call.forward_only``, the gradient of the summed loss added to the adapter's ``.grad``
+    (micro-batches of at most ``micro_batch_tokens`` padded tokens, each backpropagated at once).
+
+    Returns:
+        the protobuf ``ForwardBackwardOutput``: per datum ``logprobs`` and ``elementwise_loss`` [N],
+        metric ``loss:sum``.
+    """
+    outputs: list[dict[str, np.ndarray]] = []
+    total = 0.0
+    pad = adapters.tokenizer.pad_token_id or 0
+    with adapters.use(tm.adapter) as model, torch.set_grad_enabled(not call.forward_only):
+        device = next(model.parameters()).device
+        for batch in _micro_batches(call, micro_batch_tokens):
+            rows = [(d.tokens, d.inputs["target_tokens"]) for d in batch]
+            logps = target_logprobs(model, rows, pad)
+            losses = []
+            for d, lp in zip(batch, logps):
+                inputs = {k: torch.from_numpy(np.array(d.inputs[k], dtype=np.float32)).to(device)
+                          for k in INPUTS[call.loss_fn]}
+                losses.append(elementwise_loss(call.loss_fn, lp, inputs, call.loss_fn_config))
+            loss = torch.stack([x.sum() for x in losses]).sum()
+            if not call.forward_only:
+                loss.backward()
+            total += float(loss.detach())
+            outputs.extend({"logprobs": lp.detach().float().cpu().numpy(),
+                            "elementwise_loss": x.detach().float().cpu().numpy()} for lp, x in zip(logps, losses))
+    return encode_forward_backward_output(outputs, {"loss:sum": total})
+
+
+def _micro_batches(call: ForwardBackwardCall, budget: int):
+    batch, width = [], 0
+    for d in call.data:
+        w = max(width, len(d.tokens))
+        if batch and w * (len(batch) + 1) > budget:
+            yield batch
+            batch, w = [], len(d.tokens)
+        batch.append(d)
+        width = w
+    if batch:
+        yield batch
+
+
+def optim_step(tm: TrainingModel, *, learning_rate: float, beta1: float, beta2: float, eps: float,
+               weight_decay: float, grad_clip_norm: float) -> dict[str, float]:
+    """One AdamW step (decoupled weight decay; Loshchilov & Hutter 2019) on the gradients that
+    ``forward_backward`` accumulated, clipped to a global norm of ``grad_clip_norm`` when it is
+    positive; the gradients are then cleared. A non-finite gradient norm skips the update.
+
+    Returns:
+        metrics ``grad_norm`` (before clipping), ``learning_rate``, ``skipped`` (1.0 or 0.0).
+    """
+    opt = tm.optimizer
+    for group in opt.optimizer.param_groups:
+        group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    opt.max_grad_norm = grad_clip_norm if grad_clip_norm > 0 else None
+    grad_norm, skipped = opt.step()
+    tm.steps += 0 if skipped else 1
+    return {"grad_norm": grad_norm, "learning_rate": learning_rate, "skipped": float(skipped)}
