@@ -13,7 +13,7 @@ student's size"):
 The ways alternate round by round (ABBA order), so a drift of the machine falls on all of them.
 Prints the CPU, then seconds per step and the ratio to the student forward per way.
 
-    .venv/bin/python benchmarks/teacher.py [--rounds 6] [--topk 20] [--json out.json]
+    .venv/bin/python benchmarks/teacher.py [--repeats 6] [--topk 20] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--topk", type=int, default=20)
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=48)
@@ -86,14 +86,14 @@ def main() -> int:
         times: dict[str, list[float]] = {n: [] for n in names}
         for n in names:  # warm-up
             ways[n](eps) if n != "student forward" else ways[n]()
-        for r in range(args.rounds):
+        for r in range(args.repeats):
             for n in (names if r % 2 == 0 else names[::-1]):
                 t = time.perf_counter()
                 ways[n](eps) if n != "student forward" else ways[n]()
                 times[n].append(time.perf_counter() - t)
     unit = statistics.median(times["student forward"])
     print(f"cpu: {cpu_summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.dtype}; "
-          f"{args.samples} samples x {args.tokens} tokens, {args.rounds} rounds (ABBA)")
+          f"{args.samples} samples x {args.tokens} tokens, {args.repeats} repeats (ABBA)")
     rows = []
     for n in names:
         med = statistics.median(times[n])
