@@ -186,9 +186,7 @@ def compute_advantages(
         # unscorable rows stay out of the statistics and at exactly 0
         m = x.mask * valid[:, None] if adv.dim() == 2 else valid
         adv = whiten_advantages(adv, m)
-    per_episode = adv if adv.dim() == 1 else (adv * x.mask).sum(1) / x.mask.sum(1).clamp(min=1)
-    for e, value in zip(episodes, per_episode.tolist()):
-        e.advantage = value
+    _record(episodes, adv, x.mask)
     return Advantages(adv, returns)
 
 
@@ -211,7 +209,12 @@ def with_teacher(adv: Advantages, episodes: list[Episode], frame: CompletionFram
     else:
         out = mix_advantages(reverse_kl_advantages(teacher_logps, frame.logprobs, frame.mask), adv.advantages,
                              frame.mask, distill_coef=distill_coef, reward_coef=reward_coef)
-    per_episode = out if out.dim() == 1 else (out * frame.mask).sum(1) / frame.mask.sum(1).clamp(min=1)
+    _record(episodes, out, frame.mask)
+    return Advantages(out, adv.returns)
+
+
+def _record(episodes: list[Episode], adv: torch.Tensor, mask: torch.Tensor) -> None:
+    """``Episode.advantage`` for the logs: the sequence advantage, or the mean over the loss tokens."""
+    per_episode = adv if adv.dim() == 1 else (adv * mask).sum(1) / mask.sum(1).clamp(min=1)
     for e, value in zip(episodes, per_episode.tolist()):
         e.advantage = value
-    return Advantages(out, adv.returns)
