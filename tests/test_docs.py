@@ -142,6 +142,26 @@ def test_site_build_fails_on_a_broken_anchor(tmp_path):
     assert proc.returncode != 0 and "no-such-heading" in proc.stdout + proc.stderr
 
 
+def test_navigation_lists_each_page_once():
+    import yaml
+
+    def pages(node):
+        if isinstance(node, str):
+            yield node
+        elif isinstance(node, list):
+            for item in node:
+                yield from pages(item)
+        elif isinstance(node, dict):
+            for value in node.values():
+                yield from pages(value)
+
+    # mkdocs.yml's material extensions use !!python tags; the nav is plain YAML
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = yaml.safe_load(text[text.index("\nnav:"):].split("\n\n", 1)[0])["nav"]
+    listed = list(pages(nav))
+    assert sorted({p for p in listed if listed.count(p) > 1}) == [], "a page is in mkdocs.yml's nav twice"
+
+
 def test_benchmarks_readme_lists_every_script():
     listed = (ROOT / "benchmarks" / "README.md").read_text()
     missing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if f"`{p.name}`" not in listed]
