@@ -20,6 +20,7 @@ from plainrl.config import ConfigError, load_config
 from plainrl.config.curriculum import CurriculumConfig
 from plainrl.data import PromptSampler
 from plainrl.data.curriculum import CurriculumSampler
+from plainrl.report.render import write_report
 from plainrl.rewards import build_reward_fns, score_episodes
 from plainrl.run.collect import dynamic_sampling
 from plainrl.types import Episode
@@ -222,6 +223,13 @@ def test_prompts_every_sample_solves_are_drawn_less(tiny_model_dir, tmp_path):
     assert all("data/curriculum_zero_signal" in r for r in rows)
     assert not any(k.startswith("data/") for k in json.loads((tmp_path / "uni" / "metrics.jsonl").read_text()
                                                               .splitlines()[0]))
+    assert all(sum(v for k, v in r.items() if k.startswith("data/curriculum_pass_rate/")) == pytest.approx(1.0)
+               for r in rows)  # the histogram and the unseen share cover every prompt
+
+    # the report: the distribution over time as one stacked chart among the headline curves
+    html = write_report([tmp_path / "cur"]).read_text()
+    assert 'id="chart-curriculum-0"' in html and "Pass rates of the training prompts" in html
+    assert "m-data_curriculum_pass_rate_0_0-0_2" not in html  # not again under "all other metrics"
 
 
 def _metrics(run_dir):

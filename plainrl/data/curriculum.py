@@ -130,8 +130,8 @@ class CurriculumSampler:
         the groups drawn), ``zero_signal`` (share of them whose rewards were all equal), ``groups``
         (groups drawn), ``seen`` (prompts with a pass rate), ``pool/{unseen,hard,medium,easy}``
         (prompts per pool, the seen ones by their pass rate) and ``pass_rate/<bin>`` (share of all
-        training prompts whose pass rate falls in each bin of :data:`PASS_RATE_BINS`; unseen ones
-        are in ``pool/unseen``)."""
+        training prompts whose pass rate falls in each bin of :data:`PASS_RATE_BINS`, and
+        ``pass_rate/unseen``, the share not drawn yet: together 1)."""
         t, self._tally = self._tally, _Tally()
         seen = torch.tensor([r for r in self.rates if r is not None], dtype=torch.float64)
         n = len(self.rates)
@@ -148,6 +148,7 @@ class CurriculumSampler:
                               minlength=len(PASS_RATE_BINS))
         for label, count in zip(PASS_RATE_BINS, bins.tolist()):
             out[f"data/curriculum_pass_rate/{label}"] = count / n
+        out["data/curriculum_pass_rate/unseen"] = (n - seen.numel()) / n
         return out
 
     # ------------------------------------------------------------------ resume

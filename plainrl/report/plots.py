@@ -246,8 +246,39 @@ _HEADLINE = (
 )
 
 
+PASS_RATE_PREFIX = "data/curriculum_pass_rate/"  # data.curriculum: share of prompts per pass-rate bin
+_BIN_COLORS = ("#d62728", "#ff7f0e", "#bcbd22", "#2ca02c", "#1f77b4")  # never solved ... always solved
+
+
+def pass_rate_chart(chart_id: str, run: RunData, named: bool = False) -> Chart | None:
+    """``data.curriculum``: how the training prompts' pass rates are distributed over the steps, as
+    stacked shares (prompts not drawn yet, then each pass-rate bin, ``data/curriculum_pass_rate/<bin>``);
+    None when the run logged none. ``named``: the title names the run (a report of several)."""
+    unseen = PASS_RATE_PREFIX + "unseen"
+    bins = sorted(k for k in run.metric_names() if k.startswith(PASS_RATE_PREFIX) and k != unseen)
+    if not bins:
+        return None
+    keys = [unseen, *bins]
+    steps = [row["step"] + 1 for row in run.train if isinstance(row.get(bins[0]), (int, float))]
+    shares = []
+    for key in keys:
+        values = {s + 1: v for s, v in zip(*run.series(key))}
+        shares.append([values.get(s, 0.0) for s in steps])
+    title = "Pass rates of the training prompts" + (f" ({run.name})" if named else "")
+    fig, ax = _figure(title, "step")
+    ax.stackplot(steps, shares, labels=["not drawn yet", *(k[len(PASS_RATE_PREFIX):] for k in bins)],
+                 colors=["#dddddd", *(_BIN_COLORS[i % len(_BIN_COLORS)] for i in range(len(bins)))])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("share of prompts", fontsize=8)
+    ax.legend(fontsize=6.5, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="pass rate",
+              title_fontsize=6.5)
+    fig.subplots_adjust(right=0.76)
+    return Chart(chart_id, title, _svg(fig, chart_id), keys)
+
+
 def training_charts(runs: list[RunData]) -> tuple[list[Chart], list[Chart]]:
-    """``(headline charts, one chart per other numeric metric)`` for the runs."""
+    """``(headline charts, one chart per other numeric metric)`` for the runs; with
+    ``data.curriculum``, each run's pass-rate distribution follows the reward curves."""
     headline, used = [], set()
     for chart_id, title, keys in _HEADLINE:
         if keys is None:
@@ -255,6 +286,11 @@ def training_charts(runs: list[RunData]) -> tuple[list[Chart], list[Chart]]:
         if keys and (chart := curve_chart(chart_id, title, runs, keys)):
             headline.append(chart)
             used.update(chart.keys)
+        if chart_id == "reward_fns":
+            for i, run in enumerate(runs):
+                if chart := pass_rate_chart(f"curriculum-{i}", run, named=len(runs) > 1):
+                    headline.append(chart)
+                    used.update(chart.keys)
     other_keys: dict[str, None] = {}
     for run in runs:
         for k in run.metric_names():
