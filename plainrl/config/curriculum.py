@@ -65,7 +65,7 @@ class CurriculumConfig(_Section):
     """`weighting: pools`: the share of draws per pool."""
     redraws: int = Field(0, ge=0)
     """Zero-signal gate: a step's groups whose rewards are all equal (zero advantage) are replaced by newly drawn
-    prompts, at most this many rounds a step, each drawing only as many prompts as groups were dropped
+    prompts, at most this many times a step, each time drawing only as many prompts as groups were dropped
     (`sampling/*` metrics); 0: off. Not with `algorithm.dynamic_sampling`, which re-draws whole batches."""
 
     @model_validator(mode="after")
