@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from plainrl.intervals import interval_method, method_label
 from plainrl.report.data import RunData
 
 SMOOTHING = 0.6  # the EMA weight w
@@ -158,10 +159,23 @@ def eval_metric_names(runs: list[RunData]) -> list[str]:
 def eval_chart(chart_id: str, runs: list[RunData], key: str) -> Chart | None:
     """An evaluation metric against training steps done, with its 95% interval
     (``<key>_ci_low``/``_ci_high``) as error bars when logged; None without values."""
-    fig, ax = _figure(key, "steps trained")
+    title = eval_title(runs, key)
+    fig, ax = _figure(title, "steps trained")
     if not _draw_eval(ax, runs, key):
         return None
-    return Chart(chart_id, key, _svg(fig, chart_id), [key])
+    return Chart(chart_id, title, _svg(fig, chart_id), [key])
+
+
+def eval_title(runs: list[RunData], key: str) -> str:
+    """``key`` with what its error bars are and over how many prompts: ``eval/pass@1 (Wilson 95%,
+    n=100)``; several n (runs or evaluations over other held-out sets) are listed, ``n=50/100``."""
+    rows = [r for run in runs for r in run.evals if isinstance(r.get(key), (int, float))]
+    ns = sorted({int(r["eval/n"]) for r in rows if isinstance(r.get("eval/n"), (int, float))})
+    n_text = "n=" + "/".join(map(str, ns)) if ns else ""
+    if rows and all(isinstance(r.get(f"{key}_ci_low"), (int, float)) for r in rows):
+        methods = sorted({method_label(interval_method(key, int(r.get("eval/n") or 0))) for r in rows})
+        return f"{key} ({', '.join([*methods, n_text] if n_text else methods)})"
+    return f"{key} ({', '.join(filter(None, ('no interval', n_text)))})"
 
 
 def _draw_eval(ax: Axes, runs: list[RunData], key: str) -> bool:
@@ -209,7 +223,7 @@ def curves_png(runs: list[RunData], out, keys: list[str], eval_key: str = "eval/
         ax = _styled(fig.add_subplot(1, n, i + 1), key, "step")
         _draw_curves(ax, f"png-{i}", runs, [key])
     if has_eval:
-        _draw_eval(_styled(fig.add_subplot(1, n, n), eval_key, "steps trained"), runs, eval_key)
+        _draw_eval(_styled(fig.add_subplot(1, n, n), eval_title(runs, eval_key), "steps trained"), runs, eval_key)
     fig.savefig(out, format="png", dpi=150)
     return panels + ([eval_key] if has_eval else [])
 
