@@ -161,6 +161,8 @@ def eval_chart(chart_id: str, runs: list[RunData], key: str) -> Chart | None:
     (``<key>_ci_low``/``_ci_high``) as error bars when logged; None without values."""
     title = eval_title(runs, key)
     fig, ax = _figure(title, "steps trained")
+    if len(title) > 40:  # the method and n beside a mean@k: smaller, so the title fits the chart
+        ax.title.set_fontsize(8)
     if not _draw_eval(ax, runs, key):
         return None
     return Chart(chart_id, title, _svg(fig, chart_id), [key])
