@@ -100,7 +100,7 @@ def test_sampler_weights_follow_hand_computed_pass_rates():
     assert m["data/curriculum_groups"] == 4 and m["data/curriculum_zero_signal"] == 0.25
     assert m["data/curriculum_pass_rate"] == pytest.approx((1 + 0.25 + 2 / 3 + 0.75) / 4)
     assert m["data/curriculum_seen"] == 3 and m["data/curriculum_pool/unseen"] == 1
-    assert (m["data/curriculum_pool/hard"], m["data/curriculum_pool/medium"], m["data/curriculum_pool/easy"]) == (0, 2, 1)
+    assert [m[f"data/curriculum_pool/{k}"] for k in ("hard", "medium", "easy")] == [0, 2, 1]
     assert m["data/curriculum_pass_rate/0.4-0.6"] == 0.25 and m["data/curriculum_pass_rate/0.8-1.0"] == 0.25
     assert s.take_metrics()["data/curriculum_groups"] == 0  # taken
 
@@ -187,12 +187,16 @@ def test_default_is_off():
 # ----------------------------------------------------------------------------- runs
 
 
-def _cfg(tiny_model_dir, run_dir, *extra):
-    over = tiny_overrides(tiny_model_dir, run_dir) + [
+def _cfg_overrides(tiny_model_dir, run_dir) -> list[str]:
+    return tiny_overrides(tiny_model_dir, run_dir) + [
         "data.task=null", f"data.source={ROWS}:rows", "data.eval_size=0", "eval.before=false", "eval.after=false",
         f"rewards=[{{fn: '{ROWS}:easy_or_parity'}}]", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "log.rollouts_per_step=16", "log.tensorboard=false", *extra,
+        "log.rollouts_per_step=16", "log.tensorboard=false",
     ]
+
+
+def _cfg(tiny_model_dir, run_dir, *extra):
+    over = _cfg_overrides(tiny_model_dir, run_dir) + list(extra)
     return load_config(REPO / "examples" / "arithmetic_grpo.yaml", over)
 
 
@@ -253,3 +257,17 @@ def test_resume_draws_what_an_uninterrupted_run_draws(tiny_model_dir, tmp_path, 
     loop.train(_cfg(tiny_model_dir, cut, *over))
     assert _metrics(cut) == _metrics(full)
     assert (cut / "rollouts.jsonl").read_text() == (full / "rollouts.jsonl").read_text()
+
+
+def test_two_ranks_draw_by_pass_rate_and_regroup_a_redraw(tiny_model_dir, tmp_path):
+    """Under torchrun every rank keeps the table from the gathered batch and draws the same prompts
+    (its share of them); a re-draw of one missing group is rounded up to one prompt per rank."""
+    from test_distributed import torchrun
+
+    run = tmp_path / "run"
+    torchrun("-m", "plainrl", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+             *_cfg_overrides(tiny_model_dir, run), "train.steps=3", "train.strategy=ddp",
+             "data.curriculum={redraws: 1}", "train.collective_timeout_s=120")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["data/curriculum_groups"] in (4, 6) for r in rows)  # 4, + 2 on a re-draw
+    assert any(r["sampling/tries"] == 2 for r in rows) and rows[-1]["data/curriculum_seen"] >= 8
