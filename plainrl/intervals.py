@@ -13,7 +13,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CONFIDENCE", "T_BELOW", "eval_figures", "eval_keys", "figure", "interval_method", "method_label"]
+__all__ = [
+    "CONFIDENCE", "T_BELOW", "eval_figures", "eval_keys", "figure", "interval_method", "mean_interval_method",
+    "method_label",
+]
 
 CONFIDENCE = 0.95  # every eval interval's level
 T_BELOW = 30  # fewer values: Student's t; from here the normal quantile (1.960, t's is 2.045 at n = 30: 4% apart)
@@ -21,13 +24,17 @@ N_KEY = "eval/n"
 _BOUNDS = ("_ci_low", "_ci_high")
 
 
+def mean_interval_method(n: int) -> str:
+    """How :func:`plainrl.metrics.mean_interval` computes the interval of ``n`` values: ``"student-t"``
+    below :data:`T_BELOW` values, ``"normal"`` from there."""
+    return "student-t" if n < T_BELOW else "normal"
+
+
 def interval_method(metric: str, n: int) -> str:
     """How the interval of eval metric ``metric`` (``pass@1``, ``mean@4``, with or without ``eval/``)
     over ``n`` prompts is computed: ``"wilson"`` for pass@1 (a share of n pass/fail prompts),
     otherwise a mean over prompts: ``"student-t"`` below :data:`T_BELOW` prompts, ``"normal"`` from there."""
-    if metric.removeprefix("eval/") == "pass@1":
-        return "wilson"
-    return "student-t" if n < T_BELOW else "normal"
+    return "wilson" if metric.removeprefix("eval/") == "pass@1" else mean_interval_method(n)
 
 
 def method_label(method: str) -> str:
