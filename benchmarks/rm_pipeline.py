@@ -24,6 +24,7 @@ from pathlib import Path
 
 from plainrl.config import load_config
 from plainrl.data.tasks import make_task_rows
+from plainrl.intervals import figure
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "{prompt} End your reply with 'Answer: <number>'."  # arithmetic_grpo.yaml's data.prompt_template
@@ -80,11 +81,11 @@ def main() -> None:
         vals = [r[key] for r in steps]
         return f"{statistics.fmean(vals[:5]):.3f} -> {statistics.fmean(vals[-5:]):.3f}"
 
-    print(f"reward model: held-out pair accuracy {rm_eval[0]['eval/accuracy']:.3f} -> "
-          f"{rm_eval[-1]['eval/accuracy']:.3f} ({args.rm_steps} steps)")
+    print(f"reward model: held-out pair accuracy {figure(rm_eval[0], 'eval/accuracy')} -> "
+          f"{figure(rm_eval[-1], 'eval/accuracy')} ({args.rm_steps} steps)")
     print(f"RL, mean of the first 5 -> last 5 of {len(steps)} steps: reward model {first_last('reward/rm/mean')}, "
           f"correctness (weight 0) {first_last('reward/correctness/mean')}")
-    print(f"held-out pass@1: {evals[0]['eval/pass@1']:.3f} -> {evals[-1]['eval/pass@1']:.3f}")
+    print(f"held-out pass@1: {figure(evals[0], 'eval/pass@1')} -> {figure(evals[-1], 'eval/pass@1')}")
     print(f"median s/step: RL {statistics.median(r['time/step'] for r in steps):.2f}")
 
 

@@ -92,7 +92,11 @@ def _cmd_eval(args) -> int:
             prep.close()
             engine.close()
     label = f"{engine.models[0]} at {cfg.rollout.remote.urls[0]}" if model is None else str(final or cfg.model.name)
-    print(json.dumps({"model": label, **result, "intervals": interval_methods(result)}, indent=2))
+    from plainrl.intervals import eval_keys, figure
+
+    # "figures": each result as printed elsewhere, with its interval's method and n
+    figures = {k.removeprefix("eval/"): figure(result, k) for k in eval_keys(result)}
+    print(json.dumps({"model": label, **result, "intervals": interval_methods(result), "figures": figures}, indent=2))
     return 0
 
 

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Protocol
 from rich.console import Console
 
 from plainrl.durable import write_atomic
+from plainrl.intervals import T_BELOW, eval_figures, mean_interval_method  # noqa: F401  (re-exported)
 from plainrl.types import Episode, SampleError
 
 
@@ -119,9 +120,6 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-T_BELOW = 30  # fewer values: Student's t; from here the normal quantile (1.960, t's is 2.045 at n = 30: 4% apart)
-
-
 def student_t_two_sided(t: float, df: int) -> float:
     """P(|T| <= t) for Student's t with ``df`` (>= 1) degrees of freedom, ``t >= 0``.
 
@@ -170,12 +168,6 @@ def student_t_quantile(confidence: float, df: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if student_t_two_sided(mid, df) < confidence else (lo, mid)
     return (lo + hi) / 2
-
-
-def mean_interval_method(n: int) -> str:
-    """How :func:`mean_interval` computes the interval of ``n`` values: ``"student-t"`` below
-    :data:`T_BELOW` values, ``"normal"`` from there."""
-    return "student-t" if n < T_BELOW else "normal"
 
 
 def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
@@ -377,7 +369,8 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.log(step, metrics)
         if self.progress:
-            self.console.print(" ".join(f"{k} {v:.3f}" for k, v in metrics.items()), highlight=False, markup=False)
+            # each figure with its interval, the interval's method and n (plainrl.intervals)
+            self.console.print(eval_figures(metrics), highlight=False, markup=False)
 
     def log_rollouts(self, step: int, episodes: list[Episode], count: int, tokenizer) -> None:
         """Write ``count`` episodes spread over the step's groups (:func:`rollout_record`)."""

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -79,7 +80,8 @@ def test_demo_console_shows_only_what_the_user_needs(tiny_model_dir, tmp_path):
     assert lines[0].startswith("config (") and any(line.startswith("dtype: ") for line in lines)
     assert sum(line.startswith("step 1/1 ") for line in lines) == 1
     evals = [line for line in lines if line.startswith("eval/pass@1 ")]
-    assert len(evals) == 2 and all("eval/n " in line for line in evals)  # before and after, one line each
+    assert len(evals) == 2  # before and after, one line each, naming the interval's method and n
+    assert all(re.match(r"eval/pass@1 \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \(Wilson 95%, n=4\)", line) for line in evals), evals
     log = (run / LOG_NAME).read_text()
     from transformers import PreTrainedModel
 

@@ -99,6 +99,8 @@ def test_cli_eval_on_config_and_run_dir(tiny_model_dir, tmp_path, capsys):
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["eval/n"] == 4 and 0.0 <= out["eval/pass@1"] <= 1.0 and "eval/mean@2" in out
+    assert out["figures"]["pass@1"].endswith("(Wilson 95%, n=4)")
+    assert out["figures"]["mean@2"].endswith("(Student's t 95% over prompts, n=4)")
     # off a terminal the progress is a line per chunk of prompts (rich's live bar draws nothing there)
     assert re.search(r"eval pass@1: 4/4 rows, \d+s, ~0s left", captured.err), captured.err
     assert "eval mean@2: 4/4 rows" in captured.err

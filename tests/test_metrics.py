@@ -98,3 +98,26 @@ def test_eval_names_each_interval_method():
               "eval/mean@4": 0.5, "eval/mean@4_ci_low": 0.3, "eval/mean@4_ci_high": 0.7}
     assert interval_methods(result) == {"pass@1": "wilson", "mean@4": "student-t"}
     assert interval_methods({**result, "eval/n": 30})["mean@4"] == "normal"
+
+
+def test_every_eval_figure_names_its_interval_method_and_n(tmp_path, capsys):
+    from plainrl.intervals import eval_figures, figure, method_label
+    from plainrl.metrics import MetricsLogger
+
+    row = {"step": 3, "eval/pass@1": 0.42, "eval/pass@1_ci_low": 0.33, "eval/pass@1_ci_high": 0.52, "eval/n": 100,
+           "eval/mean@4": 0.41, "eval/mean@4_ci_low": 0.35, "eval/mean@4_ci_high": 0.47, "eval/env/tool_calls": 1.5}
+    assert figure(row, "eval/pass@1") == "0.420 [0.330, 0.520] (Wilson 95%, n=100)"
+    assert figure(row, "eval/mean@4") == "0.410 [0.350, 0.470] (normal 95% over prompts, n=100)"
+    assert figure({**row, "eval/n": 12}, "eval/mean@4") == "0.410 [0.350, 0.470] (Student's t 95% over prompts, n=12)"
+    assert figure(row, "eval/env/tool_calls") == "1.500 (no interval, n=100)"
+    assert figure({"eval/loss": 1.25}, "eval/loss") == "1.250 (no interval)"
+    assert eval_figures(row) == ("eval/pass@1 0.420 [0.330, 0.520] (Wilson 95%, n=100)  "
+                                 "eval/mean@4 0.410 [0.350, 0.470] (normal 95% over prompts, n=100)  "
+                                 "eval/env/tool_calls 1.500 (no interval, n=100)")
+    with pytest.raises(ValueError, match="unknown interval method 'bootstrap'"):
+        method_label("bootstrap")
+    # the run's eval line on the console
+    logger = MetricsLogger(tmp_path, total_steps=10, tensorboard=False, progress=True)
+    logger.log_eval(3, {k: v for k, v in row.items() if k != "step"})
+    logger.close()
+    assert "eval/pass@1 0.420 [0.330, 0.520] (Wilson 95%, n=100)" in capsys.readouterr().err  # (rich: stderr)

@@ -109,7 +109,7 @@ def test_final_names_the_hub_id_and_carries_a_model_card(run):
     from plainrl import __version__
 
     for text in ("length_bonus", f"plainrl {__version__}", "name: smollm2-135m-instruct", "| steps | 1 |",
-                 "sha256 `"):
+                 "sha256 `", "(Wilson 95%, n="):
         assert text in card.text, text
     # plainrl itself resolves the hub-named adapter to the exact local base, offline
     assert local_base(final) == MODEL

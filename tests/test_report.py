@@ -90,7 +90,9 @@ def test_report_is_one_self_contained_file_with_every_section(report):
         assert f'<section id="{section}">' in html
     for chart in ("reward", "reward_fns", "length", "kl", "clip", "times"):
         assert f'id="chart-{chart}"' in html
-    assert re.search(r"0\.\d{3} \[0\.\d{3}, 0\.\d{3}\]", html)  # pass@1 with its interval
+    # pass@1 with its interval, the interval's method and n: in the table, the overview and the chart's title
+    assert len(re.findall(r"0\.\d{3} \[0\.\d{3}, 0\.\d{3}\] \(Wilson 95%, n=4\)", html)) >= 4
+    assert "eval/pass@1 (Wilson 95%, n=4)" in html
     diff = html[html.index('id="config-diff"'):]
     diff = diff[:diff.index("</table>")]
     assert "rollout.env" in diff and "run_dir" not in diff  # the runs differ in their environment

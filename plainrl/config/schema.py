@@ -18,6 +18,7 @@ from plainrl.config.algorithm import (  # noqa: F401  (re-exported)
     KLPlacement,
 )
 from plainrl.config.chat import ChatTemplateKwargs
+from plainrl.config.curriculum import CurriculumConfig
 from plainrl.config.rollout import BUILTIN_ENVS, RemoteConfig, RolloutConfig, VLLMConfig, agent_budget  # noqa: F401
 from plainrl.config.train import TrainConfig, strategy_problem
 
@@ -141,6 +142,9 @@ class DataConfig(_Section):
     shuffle: bool = True
     """Visit the training rows in a new order each epoch, drawn from `seed` (false: in file order); a resumed run
     continues the same order."""
+    curriculum: CurriculumConfig | None = None
+    """A section (even `{}`) draws RL training prompts by their running pass rate instead of epoch by epoch (see
+    the data page); null: every row once per epoch."""
 
     @model_validator(mode="after")
     def _source_settings(self) -> "DataConfig":
@@ -374,6 +378,8 @@ class Config(_Section):
                 "rollout.temperature=0 (greedy) makes every sample of a group identical, so every "
                 "advantage is 0; use a temperature > 0 for training"
             )
+        if (problem := self._curriculum_problem()) is not None:
+            raise ValueError(problem)
         episodes = self.rollout.prompts_per_step * self.rollout.group_size
         if a.mini_batches > episodes:
             raise ValueError(
@@ -404,6 +410,18 @@ class Config(_Section):
         if steps is not None and (problem := self.critic_warmup_problem(steps, f"train.steps={steps}")):
             raise ValueError(problem)
         return self
+
+    def _curriculum_problem(self) -> str | None:
+        c = self.data.curriculum
+        if c is None or not c.redraws:
+            return None
+        if self.algorithm.dynamic_sampling:
+            return ("data.curriculum.redraws and algorithm.dynamic_sampling both re-draw groups whose rewards are "
+                    "all equal; keep one (set data.curriculum.redraws=0 or algorithm.dynamic_sampling=false)")
+        if self.rollout.group_size < 2:
+            return (f"data.curriculum.redraws re-draws groups whose rewards are all equal, which a group of "
+                    f"rollout.group_size={self.rollout.group_size} always is; set rollout.group_size>=2")
+        return None
 
     def critic_warmup_problem(self, steps: int, what: str) -> str | None:
         """Why ``critic.warmup_steps`` leaves no policy step out of ``steps`` (``what``: where
@@ -439,6 +457,9 @@ class Config(_Section):
                 f"data.path={d.path!r}, data.source={d.source!r}, data.task={d.task!r}: set one of data.path and "
                 "data.source (and not data.task)"
             )
+        if d.curriculum is not None:
+            raise ValueError(f"data.curriculum draws RL prompts by their pass rate; algorithm.name={a.name!r} has no "
+                             "rewards to pass; remove data.curriculum")
         if self.rewards:
             raise ValueError(
                 f"rewards: algorithm.name={a.name!r} learns from data rows, not reward functions; remove rewards"

@@ -84,6 +84,9 @@ class PromptSampler:
                 shuffle setting (the data or config changed since the checkpoint),
                 or its position is out of range.
         """
+        if state.get("curriculum"):
+            raise ValueError("the checkpoint was written with data.curriculum, whose prompt draws an epoch-by-epoch "
+                             "sampler cannot continue; resume with the same data.curriculum, or start a new run_dir")
         for key, mine in (("num_rows", len(self.rows)), ("seed", self.seed), ("shuffle", self.shuffle)):
             if key in state and state[key] != mine:
                 raise ValueError(

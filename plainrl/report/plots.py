@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from plainrl.intervals import interval_method, method_label
 from plainrl.report.data import RunData
 
 SMOOTHING = 0.6  # the EMA weight w
@@ -158,10 +159,25 @@ def eval_metric_names(runs: list[RunData]) -> list[str]:
 def eval_chart(chart_id: str, runs: list[RunData], key: str) -> Chart | None:
     """An evaluation metric against training steps done, with its 95% interval
     (``<key>_ci_low``/``_ci_high``) as error bars when logged; None without values."""
-    fig, ax = _figure(key, "steps trained")
+    title = eval_title(runs, key)
+    fig, ax = _figure(title, "steps trained")
+    if len(title) > 40:  # the method and n beside a mean@k: smaller, so the title fits the chart
+        ax.title.set_fontsize(8)
     if not _draw_eval(ax, runs, key):
         return None
-    return Chart(chart_id, key, _svg(fig, chart_id), [key])
+    return Chart(chart_id, title, _svg(fig, chart_id), [key])
+
+
+def eval_title(runs: list[RunData], key: str) -> str:
+    """``key`` with what its error bars are and over how many prompts: ``eval/pass@1 (Wilson 95%,
+    n=100)``; several n (runs or evaluations over other held-out sets) are listed, ``n=50/100``."""
+    rows = [r for run in runs for r in run.evals if isinstance(r.get(key), (int, float))]
+    ns = sorted({int(r["eval/n"]) for r in rows if isinstance(r.get("eval/n"), (int, float))})
+    n_text = "n=" + "/".join(map(str, ns)) if ns else ""
+    if rows and all(isinstance(r.get(f"{key}_ci_low"), (int, float)) for r in rows):
+        methods = sorted({method_label(interval_method(key, int(r.get("eval/n") or 0))) for r in rows})
+        return f"{key} ({', '.join([*methods, n_text] if n_text else methods)})"
+    return f"{key} ({', '.join(filter(None, ('no interval', n_text)))})"
 
 
 def _draw_eval(ax: Axes, runs: list[RunData], key: str) -> bool:
@@ -209,7 +225,7 @@ def curves_png(runs: list[RunData], out, keys: list[str], eval_key: str = "eval/
         ax = _styled(fig.add_subplot(1, n, i + 1), key, "step")
         _draw_curves(ax, f"png-{i}", runs, [key])
     if has_eval:
-        _draw_eval(_styled(fig.add_subplot(1, n, n), eval_key, "steps trained"), runs, eval_key)
+        _draw_eval(_styled(fig.add_subplot(1, n, n), eval_title(runs, eval_key), "steps trained"), runs, eval_key)
     fig.savefig(out, format="png", dpi=150)
     return panels + ([eval_key] if has_eval else [])
 
@@ -246,8 +262,39 @@ _HEADLINE = (
 )
 
 
+PASS_RATE_PREFIX = "data/curriculum_pass_rate/"  # data.curriculum: share of prompts per pass-rate bin
+_BIN_COLORS = ("#d62728", "#ff7f0e", "#bcbd22", "#2ca02c", "#1f77b4")  # never solved ... always solved
+
+
+def pass_rate_chart(chart_id: str, run: RunData, named: bool = False) -> Chart | None:
+    """``data.curriculum``: how the training prompts' pass rates are distributed over the steps, as
+    stacked shares (prompts not drawn yet, then each pass-rate bin, ``data/curriculum_pass_rate/<bin>``);
+    None when the run logged none. ``named``: the title names the run (a report of several)."""
+    unseen = PASS_RATE_PREFIX + "unseen"
+    bins = sorted(k for k in run.metric_names() if k.startswith(PASS_RATE_PREFIX) and k != unseen)
+    if not bins:
+        return None
+    keys = [unseen, *bins]
+    steps = [row["step"] + 1 for row in run.train if isinstance(row.get(bins[0]), (int, float))]
+    shares = []
+    for key in keys:
+        values = {s + 1: v for s, v in zip(*run.series(key))}
+        shares.append([values.get(s, 0.0) for s in steps])
+    title = "Pass rates of the training prompts" + (f" ({run.name})" if named else "")
+    fig, ax = _figure(title, "step")
+    ax.stackplot(steps, shares, labels=["not drawn yet", *(k[len(PASS_RATE_PREFIX):] for k in bins)],
+                 colors=["#dddddd", *(_BIN_COLORS[i % len(_BIN_COLORS)] for i in range(len(bins)))])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("share of prompts", fontsize=8)
+    ax.legend(fontsize=6.5, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="pass rate",
+              title_fontsize=6.5)
+    fig.subplots_adjust(right=0.76)
+    return Chart(chart_id, title, _svg(fig, chart_id), keys)
+
+
 def training_charts(runs: list[RunData]) -> tuple[list[Chart], list[Chart]]:
-    """``(headline charts, one chart per other numeric metric)`` for the runs."""
+    """``(headline charts, one chart per other numeric metric)`` for the runs; with
+    ``data.curriculum``, each run's pass-rate distribution follows the reward curves."""
     headline, used = [], set()
     for chart_id, title, keys in _HEADLINE:
         if keys is None:
@@ -255,6 +302,11 @@ def training_charts(runs: list[RunData]) -> tuple[list[Chart], list[Chart]]:
         if keys and (chart := curve_chart(chart_id, title, runs, keys)):
             headline.append(chart)
             used.update(chart.keys)
+        if chart_id == "reward_fns":
+            for i, run in enumerate(runs):
+                if chart := pass_rate_chart(f"curriculum-{i}", run, named=len(runs) > 1):
+                    headline.append(chart)
+                    used.update(chart.keys)
     other_keys: dict[str, None] = {}
     for run in runs:
         for k in run.metric_names():

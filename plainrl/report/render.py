@@ -13,6 +13,7 @@ import yaml
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from plainrl.durable import write_atomic
+from plainrl.intervals import figure
 from plainrl.report.data import RunData, config_diff, read_runs
 from plainrl.report.plots import eval_chart, eval_metric_names, training_charts
 
@@ -65,6 +66,11 @@ def _summary(run: RunData, metric: str) -> dict[str, Any]:
     return {"first": sum(values[:n]) / n, "last": sum(values[-n:]) / n, "n": n}
 
 
+def _eval_point(row: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation's pass@1 for the overview: the figure with its interval, method and n."""
+    return {"step": row["step"], "pass1": figure(row, "eval/pass@1")}
+
+
 def _overview(idx: int, run: RunData) -> dict[str, Any]:
     cfg = run.config
     evals = [r for r in run.evals if isinstance(r.get("eval/pass@1"), (int, float))]
@@ -73,14 +79,16 @@ def _overview(idx: int, run: RunData) -> dict[str, Any]:
         "idx": idx, "name": run.name, "path": str(run.path), "algorithm": (cfg.get("algorithm") or {}).get("name"),
         "model": (cfg.get("model") or {}).get("name"), "steps_done": len(run.train), "steps": run.total_steps,
         "reward": _summary(run, "reward/mean"), "rollouts": len(run.rollouts), "errors": len(run.errors),
-        "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if len(evals) > 1 else None,
+        "eval_first": _eval_point(evals[0]) if evals else None,
+        "eval_last": _eval_point(evals[-1]) if len(evals) > 1 else None,
         "median_step_s": sorted(step_time)[len(step_time) // 2] if step_time else None,
         "train_s": sum(step_time) if step_time else None, "notes": run.notes,
     }
 
 
 def _eval_table(runs: list[RunData], keys: list[str]) -> list[dict[str, Any]]:
-    """One row per (run, eval): each metric as ``value [low, high]`` when it has an interval."""
+    """One row per (run, eval): each metric as ``value [low, high] (method, n=...)`` when it has an
+    interval, ``value (no interval, n=...)`` otherwise (:func:`plainrl.intervals.figure`)."""
     rows = []
     for idx, run in enumerate(runs):
         for r in run.evals:
@@ -89,10 +97,8 @@ def _eval_table(runs: list[RunData], keys: list[str]) -> list[dict[str, Any]]:
                 v = r.get(k)
                 if not isinstance(v, (int, float)):
                     cells.append("")
-                elif isinstance(r.get(f"{k}_ci_low"), (int, float)):
-                    cells.append(f"{v:.3f} [{r[f'{k}_ci_low']:.3f}, {r[f'{k}_ci_high']:.3f}]")
-                else:
-                    cells.append(_fmt(float(v)))
+                else:  # with its interval, the interval's method and n
+                    cells.append(figure(r, k))
             rows.append({"run": run.name, "idx": idx, "step": r["step"], "n": r.get("eval/n"), "cells": cells})
     return rows
 

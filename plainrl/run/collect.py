@@ -1,15 +1,17 @@
 """Collecting one step's scored episodes: a rollout batch, or DAPO's dynamic sampling
-(batches drawn until enough groups are informative); DAPO's overlong shaping of the
-step's training samples."""
+(batches drawn until enough groups are informative; ``data.curriculum.redraws``: only the
+missing groups re-drawn), the curriculum's pass rates learnt from each scored batch; DAPO's
+overlong shaping of the step's training samples."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from plainrl.algorithms import informative_episode_groups, overlong_penalty
 from plainrl.config import AlgorithmConfig
+from plainrl.data.curriculum import CurriculumSampler
 from plainrl.samples import sample_rewards
 from plainrl.types import Episode, RewardOutput
 
@@ -21,10 +23,13 @@ def dynamic_sampling(
     group_size: int,
     num_groups: int,
     max_tries: int,
+    redraw: Callable[[int], list[Episode]] | None = None,
 ) -> tuple[list[Episode], RewardOutput, dict[str, float]]:
     """DAPO's dynamic sampling: keep only groups whose rewards are not all equal
     (they alone have non-zero group-relative advantages), drawing and scoring more
     rollout batches until ``num_groups`` are kept or ``max_tries`` batches were drawn.
+    With ``redraw`` (the curriculum's zero-signal gate, ``data.curriculum.redraws``), every
+    batch after the first holds only as many prompts as groups are still missing.
 
     Groups are kept whole and in the order drawn, renumbered from 0; extra kept groups
     beyond ``num_groups`` are dropped. When every group of every try was filtered, the
@@ -39,6 +44,7 @@ def dynamic_sampling(
         group_size, num_groups: the batch the step wants (``rollout.group_size``,
             ``rollout.prompts_per_step``).
         max_tries: the most batches to draw (``algorithm.dynamic_sampling_tries``).
+        redraw: (groups wanted) -> a batch of that many prompts' groups; None: ``draw`` each time.
     Returns:
         ``(episodes, rewards of every episode drawn, metrics)``; metrics:
         ``sampling/tries``, ``sampling/filtered_frac`` (groups dropped / groups drawn),
@@ -51,7 +57,7 @@ def dynamic_sampling(
     drawn = tries = 0
     batch: list[Episode] = []
     while len(kept) < num_groups and tries < max_tries:
-        batch = draw()
+        batch = draw() if redraw is None or not tries else redraw(num_groups - len(kept))
         tries += 1
         outs.append(score(batch))
         groups = [batch[i : i + group_size] for i in range(0, len(batch), group_size)]
@@ -80,6 +86,13 @@ def _informative(batch: list[Episode], group_size: int) -> list[bool]:
             episode.append(i)
     r = torch.tensor(rewards)
     return informative_episode_groups(r, torch.tensor(group), torch.tensor(episode), valid=~r.isnan()).tolist()
+
+
+def observe_curriculum(sampler: CurriculumSampler, rows: Sequence[Any], episodes: list[Episode],
+                       group_size: int) -> None:
+    """The curriculum's pass rates learn from a scored batch (``rows`` as the sampler drew them, every
+    rank's episodes), with each group's zero-signal flag judged as dynamic sampling judges it."""
+    sampler.observe(rows, episodes, _informative(episodes, group_size))
 
 
 def shape_overlong(episodes: list[Episode], cfg: AlgorithmConfig, budget: int) -> dict[str, float]:

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plainrl.data import PromptRow
-from plainrl.metrics import format_duration, mean_interval, mean_interval_method, wilson_interval
+from plainrl.intervals import interval_method
+from plainrl.metrics import format_duration, mean_interval, wilson_interval
 from plainrl.rewards import correctness
 from plainrl.rollout import Engine, MultiTurn, env_metrics, rollout
 from plainrl.rollout.seeding import episode_seeds
@@ -180,11 +181,7 @@ def evaluate(
 
 def interval_methods(result: dict[str, float]) -> dict[str, str]:
     """How each interval of an :func:`evaluate` result was computed, by metric: ``"wilson"``
-    for pass@1, ``"student-t"`` or ``"normal"`` (by the number of prompts) for mean@k."""
-    out = {}
-    for key in result:
-        if key.endswith("_ci_low"):
-            metric = key[len("eval/"):-len("_ci_low")]
-            out[metric] = "wilson" if metric == "pass@1" else mean_interval_method(int(result["eval/n"]))
-    return out
-
+    for pass@1, ``"student-t"`` or ``"normal"`` (by the number of prompts) for mean@k
+    (:func:`plainrl.intervals.interval_method`)."""
+    return {key[len("eval/"):-len("_ci_low")]: interval_method(key[:-len("_ci_low")], int(result["eval/n"]))
+            for key in result if key.endswith("_ci_low")}

@@ -5,7 +5,6 @@ rewards, steps, evaluation, plainrl version and config), made with huggingface_h
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +38,7 @@ _TEMPLATE = """---
 ## Evaluation
 
 On the run's held-out data ({{ eval_source }}), as logged in `metrics.jsonl` (`step`: optimiser steps done
-when it ran; `[low, high]`: the 95% interval).
+when it ran; `[low, high]`: the 95% interval, with its method and the number of prompts n beside it).
 
 | {{ eval_keys | join(" | ") }} |
 |{% for _ in eval_keys %}---|{% endfor %}
@@ -90,6 +89,7 @@ def save_final(cfg: Config, model, tokenizer, run_dir: Path, *, role: Role = "po
 
 
 def _eval_table(run_dir: Path) -> tuple[list[str], list[list[str]], dict[str, float]]:
+    from plainrl.intervals import figure
     from plainrl.report.data import read_jsonl
 
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl", []) if any(k.startswith("eval/") for k in r)]
@@ -99,10 +99,10 @@ def _eval_table(run_dir: Path) -> tuple[list[str], list[list[str]], dict[str, fl
         cells = [str(r.get("step", ""))]
         for k in keys:
             v = r.get(k)
-            if isinstance(v, float) and math.isfinite(v) and f"{k}_ci_low" in r:
-                cells.append(f"{v:.3f} [{r[f'{k}_ci_low']:.3f}, {r[f'{k}_ci_high']:.3f}]")
-            else:
-                cells.append(f"{v:.4g}" if isinstance(v, float) else str(v if v is not None else ""))
+            if k == "eval/n" or not isinstance(v, float):
+                cells.append(str(v if v is not None else ""))
+            else:  # with its interval, the interval's method and n (plainrl.intervals)
+                cells.append(figure(r, k))
         table.append(cells)
     last = {k: v for k, v in (rows[-1] if rows else {}).items() if isinstance(v, (int, float)) and k in keys}
     return ["step", *keys], table, last

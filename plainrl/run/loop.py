@@ -15,7 +15,7 @@ from plainrl.perf import throughput
 from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
 from plainrl.rollout.reaper import Reaper
-from plainrl.run.collect import dynamic_sampling, shape_overlong
+from plainrl.run.collect import dynamic_sampling, observe_curriculum, shape_overlong
 from plainrl.run.distributed import gather_episodes, join, leave, local_rows
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
 from plainrl.run.overlap import Rollouts
@@ -60,20 +60,24 @@ def step_metrics(
 
 def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], RewardOutput, dict[str, float]]:
     """This step's scored episodes: one rollout batch, or DAPO's dynamic sampling
-    (``algorithm.dynamic_sampling``). Engine time goes to ``timer``'s ``generate`` phase,
-    scoring to ``reward``.
+    (``algorithm.dynamic_sampling``) or the curriculum's zero-signal gate (``data.curriculum.redraws``).
+    Engine time goes to ``timer``'s ``generate`` phase, scoring to ``reward``; under
+    ``data.curriculum`` every scored batch updates the pass rates before the next is drawn.
 
     Returns:
         ``(episodes, rewards of every episode drawn, metrics)``.
     """
     cfg, prep = run.cfg, run.prep
+    curriculum = cfg.data.curriculum
     scored: list[RewardOutput] = []
 
-    def draw() -> list[Episode]:
-        """A rollout batch, scored; under torchrun each rank samples and scores its share of the
-        prompt groups, then every rank gets the whole batch (so every later stage sees it all)."""
+    def draw(n: int | None = None) -> list[Episode]:
+        """A rollout batch (``n`` prompts: the curriculum's re-draw), scored; under torchrun each rank
+        samples and scores its share of the prompt groups, then every rank gets the whole batch (so
+        every later stage sees it all)."""
+        rows = run.sampler.next_batch() if n is None else run.sampler.next_batch(n)
         with timer("generate"):
-            episodes = rollout(run.engine, local_rows(run.parallel, run.sampler.next_batch()), run.params,
+            episodes = rollout(run.engine, local_rows(run.parallel, rows), run.params,
                                prep.tokenizer, group_size=cfg.rollout.group_size, step=step,
                                multi_turn=prep.multi_turn, generator=run.generator)
         with timer("reward"):
@@ -81,6 +85,8 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
                                      timeout_s=cfg.rollout.reward_timeout_s, pool=prep.reward_workers,
                                      fail_fast=cfg.rollout.fail_fast, combine=prep.reward_combine)
         episodes, rewards = gather_episodes(run.parallel, episodes, rewards)
+        if curriculum is not None:
+            observe_curriculum(run.sampler, rows, episodes, cfg.rollout.group_size)
         scored.append(rewards)
         return episodes
 
@@ -94,9 +100,16 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
         episodes, rewards_out, metrics = dynamic_sampling(
             draw, score, group_size=cfg.rollout.group_size, num_groups=cfg.rollout.prompts_per_step,
             max_tries=cfg.algorithm.dynamic_sampling_tries)
+    elif curriculum is not None and curriculum.redraws:
+        ranks = run.parallel.world_size if run.parallel.active else 1  # every rank gets a share of a re-draw
+        episodes, rewards_out, metrics = dynamic_sampling(
+            draw, score, group_size=cfg.rollout.group_size, num_groups=cfg.rollout.prompts_per_step,
+            max_tries=1 + curriculum.redraws, redraw=lambda missing: draw(-(-missing // ranks) * ranks))
     else:
         episodes = draw()
         rewards_out, metrics = score(episodes), {}
+    if curriculum is not None:
+        metrics.update(run.sampler.take_metrics())
     if gateway is not None:
         metrics.update(gateway.take_metrics())  # rollout/sampling_overrides
     return episodes, rewards_out, metrics

@@ -18,6 +18,7 @@ from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint
 from plainrl.checkpoint.ranked import load_ranked, save_ranked
 from plainrl.config import AlgorithmConfig, Config, ConfigError, RewardSpec, dump_config
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
+from plainrl.data.curriculum import CurriculumSampler, check_pass_reward, make_prompt_sampler
 from plainrl.metrics import MetricsLogger
 from plainrl.models import (
     load_frozen_adapter,
@@ -101,6 +102,8 @@ def prepare(cfg: Config) -> Prepared:
     # an agent's own reward (what it returns) scores its episodes when no reward is configured
     specs = cfg.rewards or ([RewardSpec(fn=AGENT_REWARD)] if cfg.rollout.agent else [])
     reward_fns = bind_judges(build_reward_fns(specs), cfg.model.name)  # judge: policy_base, servers checked
+    check_pass_reward(cfg.data.curriculum, [f.name for f in reward_fns] +
+                      [s.name or "reward_model" for s in cfg.rewards if s.model is not None])
     for spec in cfg.rewards:
         if spec.model is not None:
             RewardModel.check(spec)
@@ -189,7 +192,7 @@ class Run:
     model: torch.nn.Module
     engine: Engine
     learner: Learner
-    sampler: PromptSampler
+    sampler: PromptSampler | CurriculumSampler  # data.curriculum: by pass rate
     generator: torch.Generator
     params: SamplingParams  # rollout sampling
     advantages: AdvantageParams
@@ -382,7 +385,8 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     run = Run(
         cfg=cfg, run_dir=run_dir, prep=prep, logger=logger, model=model, engine=engine,
         learner=make_learner(cfg, model, pad_id, parallel, algorithm=algorithm),
-        sampler=PromptSampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle),
+        sampler=make_prompt_sampler(prep.data.train, cfg.rollout.prompts_per_step, seed=cfg.seed,
+                                    shuffle=cfg.data.shuffle, curriculum=cfg.data.curriculum),
         generator=torch.Generator(device=device).manual_seed(rank_seed(cfg.seed, parallel)),
         params=sampling_params(cfg.rollout), advantages=advantage_params(cfg), start=0, parallel=parallel,
     )
