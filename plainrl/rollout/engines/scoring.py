@@ -129,10 +129,11 @@ def parse_sglang_scores(output: dict[str, Any], sequence: list[int], start: int,
                         [[float(t[0]) for t in top[:topk]] for top in tops] if topk else [[] for _ in ids])
 
 
-def request_batches(sequences: list[list[int]], *, tokens: int = REQUEST_TOKENS,
-                    size: int = REQUEST_SEQUENCES) -> list[list[int]]:
+def request_batches(sequences: list[list[int]], *, tokens: int | None = None,
+                    size: int | None = None) -> list[list[int]]:
     """Indices of ``sequences`` in consecutive requests of at most ``tokens`` tokens (a longer
-    sequence alone) and ``size`` sequences."""
+    sequence alone; default :data:`REQUEST_TOKENS`) and ``size`` sequences (:data:`REQUEST_SEQUENCES`)."""
+    tokens, size = tokens or REQUEST_TOKENS, size or REQUEST_SEQUENCES
     out: list[list[int]] = []
     used = 0
     for i, s in enumerate(sequences):
