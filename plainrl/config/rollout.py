@@ -43,6 +43,8 @@ class ServersConfig(_Section):
     """Inference servers plainrl sends token ids to (``rollout.remote``, ``algorithm.teacher.remote``):
     where they are, which served model to name, the key and the timeouts."""
 
+    backend: str = "vllm"
+    """What serves the model (each section narrows the choice)."""
     urls: list[str] = Field(default_factory=list)
     """The servers' base URLs, e.g. `[http://127.0.0.1:8000]`."""
     model: str | None = None
@@ -63,7 +65,7 @@ class ServersConfig(_Section):
         return v
 
     def _sglang_names_no_model(self, section: str) -> None:
-        if getattr(self, "backend", None) == "sglang" and self.model is not None:
+        if self.backend == "sglang" and self.model is not None:
             raise ValueError(f"{section}.model: an SGLang server's /generate serves its one model (it takes no "
                              f"model name); leave {section}.model unset with backend=sglang")
 
