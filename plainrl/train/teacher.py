@@ -221,7 +221,7 @@ def make_teacher(learner: Learner, model: torch.nn.Module, placement: Placement,
         teacher_model: the separate teacher of placement ``model`` (:func:`load_teacher_model`).
         topk, prompt_ids: as :class:`Teacher`.
     Raises:
-        ValueError: placement ``model`` without ``teacher_model``.
+        ValueError: placement ``model`` without ``teacher_model``, or ``remote`` (:class:`RemoteTeacher`).
     """
     from plainrl.models import adapter_policy
 
@@ -231,6 +231,8 @@ def make_teacher(learner: Learner, model: torch.nn.Module, placement: Placement,
     if placement in ("adapter", "base"):
         name = TEACHER_ADAPTER if placement == "adapter" else None
         return Teacher(learner, learner.call, lambda: adapter_policy(model, name), **kw)
+    if placement == "remote":
+        raise ValueError("the teacher placement 'remote' is a RemoteTeacher over the servers, not a Teacher")
     if teacher_model is None:
         raise ValueError("the teacher placement 'model' needs the loaded teacher model (load_teacher_model)")
     return Teacher(learner, learner.parallel.wrap(teacher_model, trainable=False), contextlib.nullcontext, **kw)
