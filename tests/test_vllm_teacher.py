@@ -24,7 +24,8 @@ from plainrl.types import Episode  # noqa: E402
 pytestmark = pytest.mark.vllm
 MODEL = "smollm2-135m-instruct"
 LOGPROB_TOL = 2e-3  # vLLM's CPU kernels against transformers', both float32
-CONTEXT = 512  # start_server's model.max_context
+SERVED = 512  # start_server's model.max_context
+CONTEXT = SERVED - 1  # the student's: vLLM is asked for one token after the sequence
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,11 @@ def test_plainrl_serve_as_teacher_equals_a_transformers_forward(server, tok):
         assert (scores.logprobs[i, :n] <= scores.topk[1][i, :n, 0] + 1e-6).all()
 
 
-def test_a_sequence_as_long_as_the_context_is_scored(server, tok):
+def test_a_sequence_as_long_as_the_context_is_scored_and_a_server_without_room_refused(server, tok):
+    from plainrl.rollout.engines.requests import EngineError
+
+    with pytest.raises(EngineError, match=f"max_model_len={SERVED}, less than model.max_context={SERVED} plus the one"):
+        ServedScorer([server], tok, max_model_len=SERVED, timeout_s=300, connect_timeout_s=30)
     prompt = chat_prompt_ids(tok, "Count.")
     completion = (tok(" one two three", add_special_tokens=False)["input_ids"] * CONTEXT)[:CONTEXT - len(prompt)]
     scorer = ServedScorer([server], tok, max_model_len=CONTEXT, timeout_s=300, connect_timeout_s=30)

@@ -6,7 +6,8 @@ student's sampled tokens this way; token ids go in, never text.
 
 - ``vllm`` (any vLLM server: ``plainrl serve`` is one, ``vllm serve`` another):
   ``POST /v1/completions`` with ``prompt`` as a batch of token-id lists, ``max_tokens: 1``
-  (vLLM takes no 0) and ``prompt_logprobs: k``. Each choice's ``prompt_logprobs`` holds one
+  (vLLM takes no 0, so a server needs one token of context more than the longest sequence:
+  it refuses a prompt that fills its context) and ``prompt_logprobs: k``. Each choice's ``prompt_logprobs`` holds one
   entry per prompt position (None at 0): a dict from token id (a JSON string) to
   ``{logprob, rank, decoded_token}`` holding the actual token and the top ``k`` (``k`` or
   ``k + 1`` entries). The server's ``--max-logprobs`` (20 by default) caps ``k``.
@@ -151,8 +152,10 @@ class ServedScorer(ServedEngine):
     answering), requests batched, spread over the live servers, each with the client's timeouts.
 
     Args:
-        urls, tokenizer, timeout_s, connect_timeout_s, max_model_len, model, api_key: as
+        urls, tokenizer, timeout_s, connect_timeout_s, model, api_key: as
             :class:`~plainrl.rollout.engines.served.ServedEngine`'s.
+        max_model_len: the longest sequence to score (``model.max_context``); a server must
+            serve one token more (the module docstring).
         backend: ``vllm`` or ``sglang``.
         section: the config section quoted in errors.
 
@@ -161,7 +164,7 @@ class ServedScorer(ServedEngine):
             checks, serves another tokenizer or a shorter context, or does not score prompt tokens.
     """
 
-    def __init__(self, urls: list[str], tokenizer, *, backend: str = "vllm",
+    def __init__(self, urls: list[str], tokenizer, *, backend: str = "vllm", max_model_len: int = 1024,
                  section: str = "algorithm.teacher.remote", **kwargs):
         if backend not in ("vllm", "sglang"):
             raise ValueError(f"backend must be vllm or sglang, got {backend!r}")
@@ -169,7 +172,13 @@ class ServedScorer(ServedEngine):
         self.start_hint = ("start one with `plainrl serve CONFIG.yaml --port PORT` (a config whose model.name is the "
                            "teacher) or `vllm serve MODEL`" if backend == "vllm" else
                            "start one with `python -m sglang.launch_server --model-path MODEL --port PORT`")
-        super().__init__(urls, tokenizer, sync=None, **kwargs)
+        super().__init__(urls, tokenizer, sync=None, max_model_len=max_model_len + 1, **kwargs)
+
+    def _context_need(self) -> str:
+        n = self._max_model_len - 1
+        return (f"model.max_context={n} plus the one token a server must be asked to generate: serve the teacher "
+                f"with a context of at least {n + 1} (`plainrl serve` with model.max_context={n + 1}, vLLM's "
+                f"--max-model-len {n + 1})")
 
     def _check_backend(self, url: str) -> None:
         probe = self._tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"][:8]

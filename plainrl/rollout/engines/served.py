@@ -203,8 +203,12 @@ class ServedEngine:
         entry = entry or served[0]
         if entry.get("max_model_len") is not None and entry["max_model_len"] < self._max_model_len:
             raise EngineError(f"inference server {url} serves {entry['id']!r} with max_model_len="
-                              f"{entry['max_model_len']}, less than model.max_context={self._max_model_len}")
+                              f"{entry['max_model_len']}, less than {self._context_need()}")
         return entry
+
+    def _context_need(self) -> str:
+        """What the context a server must have is, for errors."""
+        return f"model.max_context={self._max_model_len}"
 
     def _check(self, url: str) -> str:
         """A server's start-up check: healthy, the trainer's tokenizer (a probe text must encode
