@@ -224,3 +224,24 @@ def test_a_run_with_the_student_served_as_teacher_starts_at_zero_reverse_kl(teac
                if "distill/reverse_kl" in x)
     assert abs(row["distill/reverse_kl"]) < 1e-4 and row["distill/teacher_logprob"] < 0 and "time/teacher" in row
     assert teacher_server.calls("/v1/completions") >= 2  # the start-up probes and the step's scoring
+
+
+def test_under_torchrun_each_rank_scores_its_share(teacher_server, tiny_model_dir, tmp_path, tokenizer):
+    """A 2-rank run (gloo) with the remote teacher: every sample of the step is sent once, by one
+    rank (the probes of each rank's start-up checks aside), and both ranks' scores add up to the
+    whole batch (step 0's reverse KL 0, the served teacher being the student's model)."""
+    from plainrl.rollout.engines.served import TOKENIZER_PROBE
+    from test_distributed import torchrun
+
+    run = tmp_path / "run"
+    torchrun("-m", "plainrl", "train", str(EXAMPLE), *tiny_overrides(tiny_model_dir, run), "algorithm.name=opd",
+             f"algorithm.teacher={{remote: {{urls: [{teacher_server.url}], timeout_s: 60}}}}", "rewards=[]",
+             "rollout.temperature=1", "train.steps=1", "rollout.prompts_per_step=4", "eval.before=false",
+             "eval.after=false", "log.tensorboard=false", "train.collective_timeout_s=120")
+    probe = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"][:8]
+    sent = [p for _, path, body in teacher_server.requests if path == "/v1/completions" for p in body["prompt"]]
+    scored = [p for p in sent if p != probe]
+    assert len(sent) - len(scored) == 4  # each rank's check before loading and its teacher's start
+    assert len(scored) == 4 * 2  # prompts_per_step x group_size, not twice that
+    row = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "distill/reverse_kl" in x)
+    assert abs(row["distill/reverse_kl"]) < 1e-4
