@@ -91,7 +91,8 @@ def main() -> int:
             from plainrl.train.distributed import Parallel
             from plainrl.train.teacher import RemoteTeacher
 
-            scorer = ServedScorer([args.remote], tok, timeout_s=600, connect_timeout_s=30)
+            scorer = ServedScorer([args.remote], tok, max_model_len=len(prompt) + args.tokens, timeout_s=600,
+                                  connect_timeout_s=30)
             ways["teacher: remote"] = RemoteTeacher(scorer, Parallel()).score
         names = list(ways)
         times: dict[str, list[float]] = {n: [] for n in names}

@@ -59,6 +59,7 @@ class StubServer:
         self.times: list[float] = []
         self.adapters: set[str] = set()
         self.prompt_scorer = None
+        self.server_info: dict | None = None  # GET /server_info's answer (None: 404, as vLLM outside dev mode)
         self.entered = threading.Event()
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()  # open keep-alive connections, closed by stop()
@@ -100,6 +101,8 @@ class StubServer:
             return 200, {"data": [{"id": "stub-model", "max_model_len": 4096}]}
         if path == "/tokenize":
             return 200, {"tokens": self.tokenizer(body["prompt"], add_special_tokens=False)["input_ids"]}
+        if path.startswith("/server_info") and self.server_info is not None:
+            return 200, self.server_info
         if path == "/collective_rpc":
             return 200, {"results": [None]}
         if path == "/v1/load_lora_adapter":

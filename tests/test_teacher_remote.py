@@ -145,6 +145,17 @@ def test_a_server_without_prompt_logprobs_is_refused_at_start(tokenizer):
         stub.stop()
 
 
+def test_a_vllm_server_with_lora_is_refused_before_any_scoring(tokenizer):
+    stub = StubServer(0, tokenizer)
+    stub.server_info = {"vllm_config": {"lora_config": {"max_lora_rank": 16}}}
+    try:
+        with pytest.raises(EngineError, match="runs with LoRA enabled.*vllm#16668.*model.lora.enabled=false"):
+            ServedScorer([stub.url], tokenizer, timeout_s=5, connect_timeout_s=2)
+        assert stub.calls("/v1/completions") == 0  # no scoring request reached it
+    finally:
+        stub.stop()
+
+
 def test_a_dead_or_hung_server_fails_within_its_timeouts(teacher_server, tokenizer):
     from plainrl.train.distributed import Parallel
     from plainrl.train.teacher import RemoteTeacher

@@ -30,8 +30,9 @@ CONTEXT = SERVED - 1  # the student's: vLLM is asked for one token after the seq
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`plainrl serve` of the demo config (LoRA on) in float32, eager, on a free port."""
-    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log")
+    """`plainrl serve` of the demo config without LoRA (a teacher's server: scoring is refused on a
+    LoRA server) in float32, eager, on a free port."""
+    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log", "model.lora.enabled=false")
     wait_healthy(proc, url)
     yield url
     if proc.poll() is None:
@@ -58,12 +59,22 @@ def _forward(tok, sequences: list[list[int]], starts: list[int], k: int):
     return out
 
 
-def test_plainrl_serve_as_teacher_equals_a_transformers_forward(server, tok):
-    prompts = [chat_prompt_ids(tok, "What is 12 + 7?"), chat_prompt_ids(tok, "Name three colours.")]
+def test_plainrl_serve_as_teacher_equals_a_transformers_forward(server, tok, monkeypatch):
+    from plainrl.rollout.engines import scoring
+
+    monkeypatch.setattr(scoring, "REQUEST_SEQUENCES", 4)  # three requests in flight: vLLM batches them together
+    prompts = [chat_prompt_ids(tok, "What is 12 + 7?"), chat_prompt_ids(tok, "Name three colours.")] + [
+        chat_prompt_ids(tok, f"What is {i} times {i + 3}?") for i in range(10)]
     completions = [tok("12 + 7 = 19. The answer is 19.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
-                   tok("Red, green and blue.", add_special_tokens=False)["input_ids"]]
+                   tok("Red, green and blue.", add_special_tokens=False)["input_ids"]] + [
+        tok(f"{i} times {i + 3} is {i * (i + 3)}." + " Done." * i, add_special_tokens=False)["input_ids"]
+        for i in range(10)]
     eps = [Episode(sample_id=str(i), group=i, row={}, prompt_ids=p, completion_ids=c, logprobs=[0.0] * len(c),
                    loss_mask=[1] * len(c), finish_reason="stop") for i, (p, c) in enumerate(zip(prompts, completions))]
+    import httpx
+
+    config = httpx.get(server + "/server_info", params={"config_format": "json"}, timeout=30).json()["vllm_config"]
+    assert "lora_config" in config and config["lora_config"] is None  # what the LoRA check reads
     scorer = ServedScorer([server], tok, max_model_len=CONTEXT, timeout_s=300, connect_timeout_s=30)
     try:
         scores = RemoteTeacher(scorer, Parallel(), topk=5).score(eps)

@@ -18,6 +18,7 @@ student's sampled tokens this way; token ids go in, never text.
   Written from SGLang's ``managers/io_struct.py`` (``GenerateReqInput``) and
   ``managers/tokenizer_manager.py`` at 0.5.23; not run against an SGLang server here.
 
+A vLLM teacher server runs without LoRA (:meth:`ServedScorer._check_no_lora` says why).
 Both score prompt tokens with the model's raw distribution, log softmax(z): sampling
 settings (temperature included) do not apply to prompt positions (vLLM's
 ``gpu_model_runner._get_prompt_logprobs_dict``, SGLang's ``logprob_processor.py``).
@@ -30,6 +31,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import httpx
 
 from plainrl.rollout.engines.requests import EngineError
 from plainrl.rollout.engines.served import TOKENIZER_PROBE, ServedEngine
@@ -181,9 +184,36 @@ class ServedScorer(ServedEngine):
                 f"--max-model-len {n + 1})")
 
     def _check_backend(self, url: str) -> None:
+        model = None
+        if self.backend == "vllm":
+            entry = self._served_model(url)
+            model = entry["id"]
+            self._check_no_lora(url, entry)
         probe = self._tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"][:8]
-        model = self._served_model(url)["id"] if self.backend == "vllm" else None
         self._score(url, model, [probe], [1], topk=0, timeout=self._probe_timeout)
+
+    def _check_no_lora(self, url: str, entry: dict) -> None:
+        """vLLM (0.32) scores prompt tokens through the sampler's LoRA mapping: on a server started
+        with LoRA enabled a batch of several sequences crashes it (vllm-project/vllm#16668), and an
+        adapter's ``lm_head`` delta is left out of prompt logprobs (#51594). So the served model
+        must not be an adapter, and a server that shows its config (``/server_info``: ``plainrl
+        serve``, or vLLM with ``VLLM_SERVER_DEV_MODE=1``) must run without LoRA. Checked before
+        the first scoring request, which could crash such a server."""
+        hint = ("serve the teacher without LoRA: `plainrl serve` of a config with model.lora.enabled=false, or vLLM "
+                "without --enable-lora, an adapter merged into the weights (`plainrl export --merge`)")
+        if entry.get("parent"):
+            raise EngineError(f"inference server {url}: {self.section}.model={entry['id']!r} is a LoRA adapter on "
+                              f"{entry['parent']!r}; vLLM leaves an adapter's lm_head out of prompt logprobs and can "
+                              f"crash scoring batches on a LoRA server (vllm-project/vllm#51594, #16668); {hint}")
+        try:
+            info = self.client.get(url + "/server_info", params={"config_format": "json"}, timeout=self._probe_timeout)
+        except httpx.HTTPError:
+            return  # no config shown: nothing more to check here (docs/algorithms.md, "A remote teacher")
+        config = info.json().get("vllm_config") if info.status_code == 200 else None
+        if isinstance(config, dict) and config.get("lora_config"):
+            raise EngineError(f"inference server {url} runs with LoRA enabled, and vLLM scores prompt tokens through "
+                              "the sampler's LoRA mapping, which crashes the server once several sequences share a "
+                              f"batch (vllm-project/vllm#16668); {hint}")
 
     def score(self, sequences: list[list[int]], starts: list[int], *, topk: int = 0) -> list[ScoredTokens]:
         """Each sequence's tokens from its start on, scored by the served model.
