@@ -172,8 +172,8 @@ class ServedScorer(ServedEngine):
         if backend not in ("vllm", "sglang"):
             raise ValueError(f"backend must be vllm or sglang, got {backend!r}")
         self.backend, self.section = backend, section
-        self.start_hint = ("start one with `plainrl serve CONFIG.yaml --port PORT` (a config whose model.name is the "
-                           "teacher) or `vllm serve MODEL`" if backend == "vllm" else
+        self.start_hint = ("start one with `plainrl serve TEACHER.yaml model.lora.enabled=false --port PORT` (a config "
+                           "whose model.name is the teacher) or `vllm serve MODEL`" if backend == "vllm" else
                            "start one with `python -m sglang.launch_server --model-path MODEL --port PORT`")
         super().__init__(urls, tokenizer, sync=None, max_model_len=max_model_len + 1, **kwargs)
 
