@@ -8,12 +8,15 @@ student's size"):
 - ``self``: the policy as the run starts (adapters off);
 - ``adapter``: the same base plus a frozen adapter beside the trained one (shared base weights);
 - ``model``: a separate copy of the model (its own weights);
-- with ``--topk K`` also the ``gkd_topk`` teacher (the top-K tokens per position).
+- with ``--topk K`` also the ``gkd_topk`` teacher (the top-K tokens per position);
+- with ``--remote URL`` also a remote teacher: a server serving the model (``plainrl serve`` of a
+  config with ``model.name: smollm2-135m-instruct``, or ``vllm serve``) scoring the same samples
+  by prompt logprobs (the request's round trip included; its machine's load is its own).
 
 The ways alternate round by round (ABBA order), so a drift of the machine falls on all of them.
 Prints the CPU, then seconds per step and the ratio to the student forward per way.
 
-    .venv/bin/python benchmarks/teacher.py [--repeats 6] [--topk 20] [--json out.json]
+    .venv/bin/python benchmarks/teacher.py [--repeats 6] [--topk 20] [--remote URL] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--remote", help="a server's base URL serving the model: also time a remote teacher")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -82,6 +86,14 @@ def main() -> int:
         if args.topk:
             ways[f"teacher: adapter, gkd top-{args.topk}"] = make_teacher(learner, model, "adapter",
                                                                          topk=args.topk).score
+        if args.remote:
+            from plainrl.rollout.engines.scoring import ServedScorer
+            from plainrl.train.distributed import Parallel
+            from plainrl.train.teacher import RemoteTeacher
+
+            scorer = ServedScorer([args.remote], tok, max_model_len=len(prompt) + args.tokens, timeout_s=600,
+                                  connect_timeout_s=30)
+            ways["teacher: remote"] = RemoteTeacher(scorer, Parallel()).score
         names = list(ways)
         times: dict[str, list[float]] = {n: [] for n in names}
         for n in names:  # warm-up

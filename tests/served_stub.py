@@ -4,7 +4,10 @@
 back on the same port. It is a real HTTP server (the standard library's threading server) in
 the test's process, so the engine's client, timeouts, retries and pool run as they do
 against vLLM; only the model is fake: a completion's token ids name the server that
-sampled it (``server_id * 1000 + i``), so a test can tell where each request went.
+sampled it (``server_id * 1000 + i``), so a test can tell where each request went. A
+request for ``prompt_logprobs`` (a teacher's scoring) is answered in vLLM's form by
+``prompt_scorer`` when a test sets one (a real model's forward), else without them, as a
+server that does not score prompts.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class StubServer:
     ``requests``: ``(method, path, json body or None)`` for every request received, in order;
     ``times``: when each arrived (``time.monotonic()``).
     ``adapters``: LoRA names loaded and not unloaded. ``entered``: set once a hung request
-    has arrived (a test waits on it instead of sleeping).
+    has arrived (a test waits on it instead of sleeping). ``prompt_scorer(ids, k)``: vLLM's
+    ``prompt_logprobs`` list for one prompt (None: requests for them get none).
     """
 
     def __init__(self, server_id: int, tokenizer, port: int = 0):
@@ -54,6 +58,8 @@ class StubServer:
         self.requests: list[tuple[str, str, dict | None]] = []
         self.times: list[float] = []
         self.adapters: set[str] = set()
+        self.prompt_scorer = None
+        self.server_info: dict | None = None  # GET /server_info's answer (None: 404, as vLLM outside dev mode)
         self.entered = threading.Event()
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()  # open keep-alive connections, closed by stop()
@@ -95,6 +101,8 @@ class StubServer:
             return 200, {"data": [{"id": "stub-model", "max_model_len": 4096}]}
         if path == "/tokenize":
             return 200, {"tokens": self.tokenizer(body["prompt"], add_special_tokens=False)["input_ids"]}
+        if path.startswith("/server_info") and self.server_info is not None:
+            return 200, self.server_info
         if path == "/collective_rpc":
             return 200, {"results": [None]}
         if path == "/v1/load_lora_adapter":
@@ -108,6 +116,11 @@ class StubServer:
         if path == "/v1/completions":
             if body["model"] not in ({"stub-model"} | self.adapters):
                 return 404, {"error": f"model {body['model']!r} not loaded"}
+            if "prompt_logprobs" in body:
+                scorer, k = self.prompt_scorer, body["prompt_logprobs"]
+                return 200, {"choices": [{"index": i, "text": "", "finish_reason": "length",
+                                          "prompt_logprobs": None if scorer is None else scorer(p, k)}
+                                         for i, p in enumerate(body["prompt"])]}
             n, length = body["n"], body["max_tokens"]
             choices = [{"index": i, "token_ids": [self.server_id * 1000 + i] * length,
                         "logprobs": {"token_logprobs": [-0.5] * length}, "finish_reason": "length",

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from plainrl.config.base import _Section
 from plainrl.config.correction import ISBoundsConfig, ISMethod, check_is_correction
+from plainrl.config.rollout import ServersConfig
 
 AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "opd", "sft", "dpo", "rm"]
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
@@ -51,15 +52,47 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class TeacherConfig(_Section):
-    """The teacher of on-policy distillation, loaded as ``model.name`` is (in the policy's dtype)."""
+class TeacherServersConfig(ServersConfig):
+    """``algorithm.teacher.remote``: inference servers serving the teacher, which score the student's
+    tokens by their prompt logprobs (token ids in; docs/algorithms.md, "A remote teacher")."""
 
-    name: str
+    backend: Literal["vllm", "sglang"] = "vllm"
+    """`vllm`: any vLLM server (`plainrl serve` or `vllm serve`; `/v1/completions` with `prompt_logprobs`); `sglang`:
+    SGLang servers (`/generate` with `input_ids` and `return_logprob`)."""
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> "TeacherServersConfig":
+        if not self.urls:
+            raise ValueError("algorithm.teacher.remote.urls is empty; give the teacher servers' base URLs, e.g. "
+                             "[http://127.0.0.1:8001]")
+        self._sglang_names_no_model("algorithm.teacher.remote")
+        return self
+
+
+class TeacherConfig(_Section):
+    """The teacher of on-policy distillation: a model loaded as ``model.name`` is (in the policy's
+    dtype), or inference servers that serve it (``remote``)."""
+
+    name: str | None = None
     """The teacher model: `smollm2-135m-instruct` (the embedded model), a local transformers directory, a `.gguf`
-    file or a hub id; its tokenizer must be the policy's."""
+    file or a hub id; its tokenizer must be the policy's. Null with `remote`."""
     adapter: str | None = None
     """A peft LoRA adapter on `name` (e.g. a plainrl run's `final/`); with a LoRA policy on the same base the teacher
     shares the policy's frozen base weights (one copy in memory)."""
+    remote: TeacherServersConfig | None = None
+    """Servers that serve the teacher (`backend`, `urls`, `model`, `api_key_env`, timeouts as in `rollout.remote`);
+    their tokenizer must be the policy's, and they score at temperature 1."""
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> "TeacherConfig":
+        if (self.name is None) == (self.remote is None):
+            raise ValueError("algorithm.teacher: give name (a model loaded in this process) or remote (servers that "
+                             "serve the teacher: {urls: [...]}), exactly one of them")
+        if self.remote is not None and self.adapter is not None:
+            raise ValueError("algorithm.teacher.adapter applies to a teacher loaded here; a remote teacher's adapter "
+                             "is the servers' (serve it, e.g. vLLM's --lora-modules NAME=DIR, and name it with "
+                             "algorithm.teacher.remote.model)")
+        return self
 
 
 class AlgorithmConfig(_Section):
@@ -161,8 +194,9 @@ class AlgorithmConfig(_Section):
     # distillation (docs/algorithms.md, "On-policy distillation")
     teacher: TeacherConfig | Literal["self"] | None = None
     """The teacher that scores every sampled completion token: `{name: ..., adapter: ...}` (`name` as `model.name`
-    takes it: the embedded model, a local directory, a `.gguf` file or a hub id; `adapter`: a peft adapter on it), or
-    `self`: the policy as the run starts (as the KL reference is); null: no teacher."""
+    takes it: the embedded model, a local directory, a `.gguf` file or a hub id; `adapter`: a peft adapter on it),
+    `{remote: {urls: [...]}}` (servers that serve it: `plainrl serve`, vLLM, SGLang), or `self`: the policy as the run
+    starts (as the KL reference is); null: no teacher."""
     teacher_context: str | None = None
     """Self-distillation: a template over the row's columns (e.g. `"Reference solution: {solution}"`) appended to the
     teacher's prompt only; the student never sees it. Null: the teacher sees the student's prompt."""

@@ -39,13 +39,12 @@ class VLLMConfig(_Section):
     """Passed to `vllm.LLM` / `vllm serve` as they are."""
 
 
-class RemoteConfig(_Section):
-    """``rollout.engine: remote``: inference servers, vLLM's started by ``plainrl serve``,
-    SGLang's or any OpenAI-compatible one (docs/engines.md)."""
+class ServersConfig(_Section):
+    """Inference servers plainrl sends token ids to (``rollout.remote``, ``algorithm.teacher.remote``):
+    where they are, which served model to name, the key and the timeouts."""
 
-    backend: Literal["vllm", "sglang", "openai"] = "vllm"
-    """`vllm`: `plainrl serve` servers; `sglang`: SGLang servers; `openai`: any OpenAI-compatible completions server,
-    read-only (`plainrl eval`), not token-exact."""
+    backend: str = "vllm"
+    """What serves the model (each section narrows the choice)."""
     urls: list[str] = Field(default_factory=list)
     """The servers' base URLs, e.g. `[http://127.0.0.1:8000]`."""
     model: str | None = None
@@ -56,6 +55,28 @@ class RemoteConfig(_Section):
     """Per request: a server silent this long counts as dead."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """Seconds to connect to a server."""
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("api_key_env names the environment variable that holds the API key "
+                             "(e.g. OPENAI_API_KEY), never the key itself: keep keys out of configs and run dirs")
+        return v
+
+    def _sglang_names_no_model(self, section: str) -> None:
+        if self.backend == "sglang" and self.model is not None:
+            raise ValueError(f"{section}.model: an SGLang server's /generate serves its one model (it takes no "
+                             f"model name); leave {section}.model unset with backend=sglang")
+
+
+class RemoteConfig(ServersConfig):
+    """``rollout.engine: remote``: inference servers, vLLM's started by ``plainrl serve``,
+    SGLang's or any OpenAI-compatible one (docs/engines.md)."""
+
+    backend: Literal["vllm", "sglang", "openai"] = "vllm"
+    """`vllm`: `plainrl serve` servers; `sglang`: SGLang servers; `openai`: any OpenAI-compatible completions server,
+    read-only (`plainrl eval`), not token-exact."""
     weights_via: Literal["auto", "group", "http", "path"] = "auto"
     """Full-weight sync: `group` broadcasts buckets of whole layers over a process group the trainer and every server
     worker join (gloo on CPU, NCCL on CUDA; `plainrl serve` servers, and SGLang 0.5.6 or later through its
@@ -69,23 +90,13 @@ class RemoteConfig(_Section):
     """A directory the trainer and every server can read (LoRA adapters, `weights_via: path`); null: a temporary
     directory on this machine."""
 
-    @field_validator("api_key_env")
-    @classmethod
-    def _env_name(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError("rollout.remote.api_key_env names the environment variable that holds the API key "
-                             "(e.g. OPENAI_API_KEY), never the key itself: keep keys out of configs and run dirs")
-        return v
-
     @model_validator(mode="after")
     def _backend_settings(self) -> "RemoteConfig":
         if self.backend == "sglang" and self.weights_via == "http":
             raise ValueError("rollout.remote.weights_via=http: SGLang takes full weights over a process group "
                              "or from disk (/update_weights_from_disk), so use weights_via=group or auto, or path "
                              "with a rollout.remote.shared_dir every server can read")
-        if self.backend == "sglang" and self.model is not None:
-            raise ValueError("rollout.remote.model: an SGLang server's /generate serves its one model (it takes no "
-                             "model name); leave rollout.remote.model unset with backend=sglang")
+        self._sglang_names_no_model("rollout.remote")
         return self
 
 

@@ -193,6 +193,8 @@ def train(cfg: Config) -> Path:
                 run.logger.close()  # (once: a finished run closed it already) a failed run's trackers finish too
                 run.prep.close()
                 run.engine.close()
+                if run.teacher is not None:
+                    run.teacher.close()
         finally:
             leave(parallel)
 

@@ -51,7 +51,7 @@ from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
 from plainrl.run.overlap import IN_FLIGHT
 from plainrl.train import Critic, Learner
-from plainrl.train.teacher import TEACHER_ADAPTER, Teacher
+from plainrl.train.teacher import TEACHER_ADAPTER, RemoteTeacher, Teacher
 from plainrl.run.teacher import check_teacher, load_teacher, placement
 from plainrl.train.distributed import Parallel
 from plainrl.types import SamplingParams
@@ -204,7 +204,7 @@ class Run:
     flops: FlopCounter | None = None  # perf/mfu: the update's model FLOPs
     peak_flops: float | None = None  # perf/mfu's denominator (None: not logged)
     parallel: Parallel = field(default_factory=Parallel)  # under torchrun: this rank
-    teacher: Teacher | None = None  # algorithm.teacher: on-policy distillation
+    teacher: Teacher | RemoteTeacher | None = None  # algorithm.teacher: on-policy distillation
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy. Under torchrun every rank runs it with its own engine (nobody

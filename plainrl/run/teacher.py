@@ -16,14 +16,32 @@ from plainrl.metrics import MetricsLogger
 from plainrl.models import load_tokenizer
 from plainrl.train import Learner
 from plainrl.train.distributed import Parallel
-from plainrl.train.teacher import Placement, Teacher, load_teacher_model, make_teacher, teacher_placement
+from plainrl.rollout.engines.requests import EngineError
+from plainrl.rollout.engines.scoring import ServedScorer
+from plainrl.train.teacher import (Placement, RemoteTeacher, Teacher, load_teacher_model, make_teacher,
+                                   teacher_placement)
 
 
 def check_teacher(cfg: Config, tokenizer: PreTrainedTokenizerBase, data: PromptData) -> None:
     """A distillation teacher must mean the same tokens as the policy (it scores the policy's
-    token ids), and its context template must fill from the rows; checked before any model loads."""
+    token ids), and its context template must fill from the rows; checked before any model loads.
+    A remote teacher's servers are asked (:func:`teacher_scorer`): each must answer, encode a
+    probe text to the policy tokenizer's ids and score token ids; the run samples at temperature 1.
+
+    Raises:
+        ConfigError: another tokenizer, a remote teacher that fails its checks or a sampling
+            temperature other than 1 with it, or a context template the rows cannot fill.
+    """
     a = cfg.algorithm
-    if a.teacher is not None and a.teacher != "self":
+    if a.teacher is not None and a.teacher != "self" and a.teacher.remote is not None:
+        if cfg.rollout.temperature != 1.0:
+            raise ConfigError(
+                f"algorithm.teacher.remote scores with the teacher's own distribution (temperature 1: servers apply "
+                f"no sampling settings to prompt tokens), and rollout.temperature={cfg.rollout.temperature} samples "
+                "the student from another; set rollout.temperature=1, or load the teacher here "
+                "(algorithm.teacher.name), which scores at the sampling temperature")
+        teacher_scorer(cfg, tokenizer).close()
+    elif a.teacher is not None and a.teacher != "self":
         theirs = load_tokenizer(a.teacher.name, cfg.model.cache_dir)
         if theirs.get_vocab() != tokenizer.get_vocab():
             raise ConfigError(
@@ -35,6 +53,24 @@ def check_teacher(cfg: Config, tokenizer: PreTrainedTokenizerBase, data: PromptD
             raise ConfigError("algorithm.teacher_context extends the prompt, and an agent's samples have prompts of "
                               "their own making (rollout.agent); use it with single-turn or rollout.env runs")
         teacher_prompt_ids(data.train[0].row, tokenizer, **teacher_prompt_args(cfg))  # a bad placeholder fails here
+
+
+def teacher_scorer(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> ServedScorer:
+    """The servers of ``algorithm.teacher.remote``, checked (:class:`ServedScorer`).
+
+    Raises:
+        ConfigError: a server is unreachable, serves another tokenizer than ``model.name``'s, or
+            does not score prompt tokens (the error names the server, its model and the policy).
+    """
+    from plainrl.run.engines import api_key
+
+    r = cfg.algorithm.teacher.remote
+    try:
+        return ServedScorer(r.urls, tokenizer, backend=r.backend, timeout_s=r.timeout_s,
+                            connect_timeout_s=r.connect_timeout_s, max_model_len=cfg.model.max_context,
+                            model=r.model, api_key=api_key(r.api_key_env))
+    except EngineError as e:
+        raise ConfigError(f"algorithm.teacher.remote cannot score for model.name={cfg.model.name!r}: {e}") from e
 
 
 def teacher_prompt_args(cfg: Config) -> dict[str, Any]:
@@ -49,21 +85,28 @@ def placement(cfg: Config) -> Placement:
 
 
 def load_teacher(cfg: Config, learner: Learner, model: torch.nn.Module, tok: PreTrainedTokenizerBase,
-                 device: torch.device, parallel: Parallel, logger: MetricsLogger) -> Teacher:
+                 device: torch.device, parallel: Parallel, logger: MetricsLogger) -> Teacher | RemoteTeacher:
     """The run's teacher (the policy's learner and model already built; the ``adapter`` placement's
     adapter loaded on the model before the learner wrapped it); prints where it lives."""
     a = cfg.algorithm
     where = placement(cfg)
-    teacher_model = None
-    if where == "model":
-        with logger.phase(f"loading the teacher {a.teacher.name}"):
-            teacher_model = load_teacher_model(a.teacher, cfg.model, device, meta=parallel.on_meta)
     prompt_ids = None
     if a.teacher_context is not None:
         args = teacher_prompt_args(cfg)
         prompt_ids = lambda e: teacher_prompt_ids(e.row, tok, **args)  # noqa: E731
-    teacher = make_teacher(learner, model, where, teacher_model=teacher_model,
-                           topk=a.distill_topk if a.distill_loss == "gkd_topk" else 0, prompt_ids=prompt_ids)
+    topk = a.distill_topk if a.distill_loss == "gkd_topk" else 0
+    if where == "remote":
+        r = a.teacher.remote
+        with logger.phase(f"checking the teacher's servers {', '.join(r.urls)}"):
+            scorer = teacher_scorer(cfg, tok)
+        logger.print(f"teacher: {scorer.models[0]!r} on {len(r.urls)} {r.backend} server(s) ({_WHERE[where]}); "
+                     f"algorithm.distill_loss={a.distill_loss}" + (", with algorithm.teacher_context" if prompt_ids else ""))
+        return RemoteTeacher(scorer, parallel, share_prompts=cfg.train.share_prompts, topk=topk, prompt_ids=prompt_ids)
+    teacher_model = None
+    if where == "model":
+        with logger.phase(f"loading the teacher {a.teacher.name}"):
+            teacher_model = load_teacher_model(a.teacher, cfg.model, device, meta=parallel.on_meta)
+    teacher = make_teacher(learner, model, where, teacher_model=teacher_model, topk=topk, prompt_ids=prompt_ids)
     name = "self" if a.teacher == "self" else a.teacher.name
     logger.print(f"teacher: {name} ({_WHERE[where]}); algorithm.distill_loss={a.distill_loss}"
                  + (", with algorithm.teacher_context" if prompt_ids else ""))
@@ -72,4 +115,5 @@ def load_teacher(cfg: Config, learner: Learner, model: torch.nn.Module, tok: Pre
 
 _WHERE = {"reference": "the policy as the run starts, as the KL reference is",
           "adapter": "its adapter beside the policy's, on the shared base weights",
-          "base": "the policy's base weights with adapters off", "model": "a separate frozen model"}
+          "base": "the policy's base weights with adapters off", "model": "a separate frozen model",
+          "remote": "scoring the student's token ids by their prompt logprobs, at temperature 1"}

@@ -11,6 +11,9 @@ Where the teacher lives (:func:`teacher_placement`), cheapest first:
 - ``base``: a LoRA student whose teacher is its own base model without adapters.
 - ``model``: any other model (another size, a full fine-tune): loaded frozen beside the policy,
   its adapter, if any, merged into its weights.
+- ``remote``: inference servers that serve the teacher (``algorithm.teacher.remote``): the
+  student's token ids go to them and come back scored by their prompt logprobs
+  (:class:`RemoteTeacher`, :mod:`plainrl.rollout.engines.scoring`), at temperature 1.
 
 Self-distillation (``algorithm.teacher_context``) gives the teacher a prompt the student never
 sees: the row's prompt with a template over its columns appended
@@ -32,7 +35,7 @@ from plainrl.types import Episode
 
 TEACHER_ADAPTER = "teacher"  # the frozen teacher adapter on a LoRA student (placement "adapter")
 
-Placement = Literal["reference", "adapter", "base", "model"]
+Placement = Literal["reference", "adapter", "base", "model", "remote"]
 
 
 @dataclass
@@ -52,12 +55,15 @@ def teacher_placement(teacher: Any, *, policy_name: str, lora: bool) -> Placemen
     """Where the teacher of ``algorithm.teacher`` lives (the module docstring's list).
 
     Args:
-        teacher: ``"self"`` or a :class:`~plainrl.config.algorithm.TeacherConfig` (``name``, ``adapter``).
+        teacher: ``"self"`` or a :class:`~plainrl.config.algorithm.TeacherConfig` (``name``, ``adapter``,
+            ``remote``).
         policy_name: ``model.name``.
         lora: ``model.lora.enabled``.
     """
     if teacher == "self":
         return "reference"
+    if teacher.remote is not None:
+        return "remote"
     if lora and teacher.name == policy_name:
         return "adapter" if teacher.adapter is not None else "base"
     return "model"
@@ -96,6 +102,68 @@ class Teacher:
             samples = [dataclasses.replace(e, prompt_ids=self.prompt_ids(e)) for e in samples]
         logps, ids, top = self.learner.scored_logps(samples, self.call, self.context, topk=self.topk)
         return TeacherScores(logps, None if ids is None else (ids, top))
+
+    def close(self) -> None:
+        """Nothing to release: the teacher's weights go with the run's models."""
+
+
+class RemoteTeacher:
+    """Scores the student's sampled tokens with a teacher on inference servers
+    (:class:`~plainrl.rollout.engines.scoring.ServedScorer`): each sample's prompt and completion
+    ids go to the servers, the completion's tokens come back scored (placement ``remote``).
+
+    The servers score with the teacher's own distribution (temperature 1: servers apply no
+    sampling settings to prompt tokens), so a run with a remote teacher samples at temperature 1
+    (:func:`plainrl.run.teacher.check_teacher`), where the in-process placements agree with it.
+
+    Args:
+        scorer: the teacher's servers.
+        parallel: the run's :class:`~plainrl.train.distributed.Parallel`: under torchrun each rank
+            sends its share (split as the update splits it) and every rank gets the whole result.
+        share_prompts: ``train.share_prompts`` (how the shares are balanced).
+        topk, prompt_ids: as :class:`Teacher`.
+    """
+
+    placement: Placement = "remote"
+
+    def __init__(self, scorer: Any, parallel: Any, *, share_prompts: bool = False, topk: int = 0,
+                 prompt_ids: Callable[[Episode], list[int]] | None = None):
+        self.scorer, self.parallel, self.share_prompts = scorer, parallel, share_prompts
+        self.topk, self.prompt_ids = topk, prompt_ids
+
+    def score(self, samples: list[Episode]) -> TeacherScores:
+        """As :meth:`Teacher.score`, by the servers (float32 in the completion frame, 0 off the loss mask).
+
+        Raises:
+            EngineError: no server answered within its timeouts, or one refused the request.
+        """
+        if self.prompt_ids is not None:
+            samples = [dataclasses.replace(e, prompt_ids=self.prompt_ids(e)) for e in samples]
+        n, width, k = len(samples), max((len(e.completion_ids) for e in samples), default=0), self.topk
+        logps, ids, top = torch.zeros(n, width), torch.zeros(n, width, k, dtype=torch.long), torch.zeros(n, width, k)
+        rows = self.parallel.share(samples, torch.arange(n), share_prompts=self.share_prompts).tolist()
+        mine = [samples[i] for i in rows if samples[i].completion_ids]
+        scored = self.scorer.score([list(e.prompt_ids) + list(e.completion_ids) for e in mine],
+                                   [len(e.prompt_ids) for e in mine], topk=k)
+        for i, s in zip([i for i in rows if samples[i].completion_ids], scored):
+            length = len(samples[i].completion_ids)
+            logps[i, :length] = torch.tensor(s.logprobs)
+            if k:
+                ids[i, :length] = torch.tensor(s.top_ids, dtype=torch.long)
+                top[i, :length] = torch.tensor(s.top_logps)
+        mask = torch.zeros(n, width, dtype=torch.bool)
+        for i, e in enumerate(samples):
+            mask[i, :len(e.loss_mask)] = torch.tensor(e.loss_mask) > 0
+        logps = self.parallel.sum_tensor(torch.where(mask, logps, 0.0))
+        if not k:
+            return TeacherScores(logps)
+        keep = mask[..., None]
+        return TeacherScores(logps, (self.parallel.sum_tensor(torch.where(keep, ids, 0)),
+                                     self.parallel.sum_tensor(torch.where(keep, top, 0.0))))
+
+    def close(self) -> None:
+        """Close the connections to the servers (they keep running)."""
+        self.scorer.close()
 
 
 def distill_metrics(samples: list[Episode], teacher: TeacherScores, behaviour: torch.Tensor,
@@ -153,7 +221,7 @@ def make_teacher(learner: Learner, model: torch.nn.Module, placement: Placement,
         teacher_model: the separate teacher of placement ``model`` (:func:`load_teacher_model`).
         topk, prompt_ids: as :class:`Teacher`.
     Raises:
-        ValueError: placement ``model`` without ``teacher_model``.
+        ValueError: placement ``model`` without ``teacher_model``, or ``remote`` (:class:`RemoteTeacher`).
     """
     from plainrl.models import adapter_policy
 
@@ -163,6 +231,8 @@ def make_teacher(learner: Learner, model: torch.nn.Module, placement: Placement,
     if placement in ("adapter", "base"):
         name = TEACHER_ADAPTER if placement == "adapter" else None
         return Teacher(learner, learner.call, lambda: adapter_policy(model, name), **kw)
+    if placement == "remote":
+        raise ValueError("the teacher placement 'remote' is a RemoteTeacher over the servers, not a Teacher")
     if teacher_model is None:
         raise ValueError("the teacher placement 'model' needs the loaded teacher model (load_teacher_model)")
     return Teacher(learner, learner.parallel.wrap(teacher_model, trainable=False), contextlib.nullcontext, **kw)

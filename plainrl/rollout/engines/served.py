@@ -103,6 +103,7 @@ class ServedEngine:
     """
 
     backend = "served"
+    section = "rollout.remote"  # the config section quoted in errors
     start_hint = ""
     lora_endpoints: tuple[str, str] = ("", "")
 
@@ -110,7 +111,7 @@ class ServedEngine:
                  connect_timeout_s: float = 10.0, shared_dir: str | None = None, max_model_len: int = 1024,
                  model: str | None = None, api_key: str | None = None):
         if not urls:
-            raise EngineError(f"rollout.engine=remote needs at least one URL in rollout.remote.urls; {self.start_hint}")
+            raise EngineError(f"{self.section}.urls is empty; give at least one server's URL ({self.start_hint})")
         self.urls = [u.rstrip("/") for u in urls]
         self.sync = sync
         self.client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
@@ -194,16 +195,20 @@ class ServedEngine:
         names = [m["id"] for m in served]
         if unique and self._model is None and len(names) > 1:
             raise EngineError(f"inference server {url} serves {len(names)} models ({names[:5]}...); name one "
-                              f"with rollout.remote.model")
+                              f"with {self.section}.model")
         entry = served[names.index(self._model)] if self._model in names else None
         if entry is None and self._model is not None:
-            raise EngineError(f"inference server {url} does not serve rollout.remote.model={self._model!r}; "
+            raise EngineError(f"inference server {url} does not serve {self.section}.model={self._model!r}; "
                               f"it serves {names}")
         entry = entry or served[0]
         if entry.get("max_model_len") is not None and entry["max_model_len"] < self._max_model_len:
             raise EngineError(f"inference server {url} serves {entry['id']!r} with max_model_len="
-                              f"{entry['max_model_len']}, less than model.max_context={self._max_model_len}")
+                              f"{entry['max_model_len']}, less than {self._context_need()}")
         return entry
+
+    def _context_need(self) -> str:
+        """What the context a server must have is, for errors."""
+        return f"model.max_context={self._max_model_len}"
 
     def _check(self, url: str) -> str:
         """A server's start-up check: healthy, the trainer's tokenizer (a probe text must encode
