@@ -91,7 +91,7 @@ def test_sl_loop(service):
 
 
 def test_rl_loop(service):
-    rows = _recipe(service, "rl_loop", "batch_size=2", "group_size=2", "max_tokens=16", "max_steps=1",
+    rows = _recipe(service, "rl_loop", "batch_size=2", "group_size=2", "max_tokens=8", "max_steps=1",
                    "loss_fn=importance_sampling")
     assert [r["step"] for r in rows] == [0]
     assert 0.0 <= rows[0]["reward/total"] <= 1.0
