@@ -1,5 +1,5 @@
 """tinker-cookbook 0.6.1's own `sl_loop` and `rl_loop` recipes, unmodified, against `plainrl tinker`
-(docs/recipes.md#tinker-cookbooks-recipes-against-plainrl-tinker): run as `python -m
+(docs/recipes.md#tinker-cookbooks-sl_loop-and-rl_loop-against-plainrl-tinker): run as `python -m
 tinker_cookbook.recipes.<name>` from a directory that holds what they would download (no robots
 and GSM8K rows as local dataset directories) and the model under a name of the cookbook's
 registry (a local directory `Qwen/Qwen3-4B-Instruct-2507` linking to the embedded SmolLM2, whose
