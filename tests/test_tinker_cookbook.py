@@ -5,7 +5,8 @@ and GSM8K rows as local dataset directories) and the model under a name of the c
 registry (a local directory `Qwen/Qwen3-4B-Instruct-2507` linking to the embedded SmolLM2, whose
 ChatML the registry's `qwen3_instruct` renderer writes). Skipped where tinker-cookbook is not
 installed (its 0.6.1 requires tml-renderers>=0.4.1, which PyPI does not have: install it with
-`pip install --no-deps tinker-cookbook==0.6.1 chz blobfile pyrage termcolor`)."""
+`pip install --no-deps tinker-cookbook==0.6.1`, then `pip install chz blobfile pyrage termcolor
+pylatexenc math-verify`, docs/recipes.md)."""
 
 from __future__ import annotations
 
