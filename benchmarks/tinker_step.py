@@ -1,12 +1,14 @@
 """What `plainrl tinker` adds to a training step: the same forward_backward + optim_step (same
 batch, same model, same LoRA) through the `tinker` SDK against the service in its own process,
-and as direct calls of the service's own functions in this process (no HTTP, no protobuf, no
-futures), alternating step by step; median seconds per step of each and their ratio.
+as direct calls of the service's own functions in this process (no HTTP, no protobuf, no
+futures), and as the step `plainrl train` takes on that batch with `algorithm.name: sft`
+(:class:`plainrl.train.offline.OfflineTrainer`: its forward, token-mean cross-entropy, backward
+and AdamW), rotating the order step by step; median seconds per step of each and the ratios.
 
     python benchmarks/tinker_step.py                   # embedded model, 8 x 128 tokens, rank 16
     python benchmarks/tinker_step.py --tiny            # 2 x 16 tokens, 2 steps: checks it works
 
-Last line: ``sdk_over_direct=X.XXX``.
+Last line: ``sdk_over_direct=X.XXX sdk_over_train=X.XXX``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def main() -> None:
     from tinker import types
 
     from plainrl.config import load_config
+    from plainrl.data.offline import ChatTokens, Example
+    from plainrl.models import load_policy
+    from plainrl.train.offline import OfflineTrainer
     from plainrl.tinker.adapters import Adapters
     from plainrl.tinker.training import TrainingModel, forward_backward, make_optimizer, optim_step
     from plainrl.tinker.wire import DatumArrays, ForwardBackwardCall
@@ -88,6 +93,17 @@ def main() -> None:
                                    [DatumArrays(s[:-1].astype(np.int64), {"target_tokens": s[1:], "weights": weights})
                                     for s in seqs])
 
+        train_cfg = load_config(None, [f"data.path={REPO / 'examples' / 'tinker_sl.jsonl'}",
+                                       "model.dtype=float32", "algorithm.name=sft", f"model.lora.r={args.rank}",
+                                       "model.lora.alpha=32", "train.lr=1e-4", "train.warmup_steps=0"])
+        policy = load_policy(train_cfg.model, torch.device("cpu"))
+        trainer = OfflineTrainer(policy, train_cfg, pad_id=adapters.tokenizer.pad_token_id or 0)
+        # the same sequences, every token after the first trained on (Datum's target_tokens, weights 1)
+        examples = [Example((ChatTokens(s.tolist(), [0] + [1] * args.tokens),), i) for i, s in enumerate(seqs)]
+
+        def train() -> None:
+            trainer.step(examples)
+
         def sdk() -> None:
             f, o = tc.forward_backward(data, "cross_entropy"), tc.optim_step(adam)
             f.result(), o.result()
@@ -96,10 +112,12 @@ def main() -> None:
             forward_backward(adapters, tm, call, micro_batch_tokens=cfg.train.micro_batch_tokens)
             optim_step(tm, learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
 
-        times: dict[str, list[float]] = {"sdk": [], "direct": []}
-        sdk(), direct()  # warm-up: first-call allocations and imports
+        ways = [("sdk", sdk), ("direct", direct), ("train", train)]
+        times: dict[str, list[float]] = {name: [] for name, _ in ways}
+        for _, fn in ways:  # warm-up: first-call allocations and imports
+            fn()
         for step in range(args.steps):
-            for name, fn in (("sdk", sdk), ("direct", direct)) if step % 2 == 0 else (("direct", direct), ("sdk", sdk)):
+            for name, fn in ways[step % 3:] + ways[: step % 3]:  # each way first, second and third in turn
                 t = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t)
@@ -110,11 +128,12 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {"seqs": args.seqs, "tokens": args.tokens, "rank": args.rank, "steps": args.steps,
               "threads": torch.get_num_threads(), "sdk_s": med["sdk"], "direct_s": med["direct"],
-              "all": times, "sdk_over_direct": med["sdk"] / med["direct"]}
+              "train_s": med["train"], "all": times, "sdk_over_direct": med["sdk"] / med["direct"],
+              "sdk_over_train": med["sdk"] / med["train"]}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"sdk_over_direct={med['sdk'] / med['direct']:.3f}")
+    print(f"sdk_over_direct={med['sdk'] / med['direct']:.3f} sdk_over_train={med['sdk'] / med['train']:.3f}")
 
 
 if __name__ == "__main__":

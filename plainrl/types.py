@@ -21,7 +21,9 @@ class SamplingParams:
 
     ``top_k = 0`` and ``top_p = 1.0`` disable those filters; ``temperature = 0``
     means greedy decoding. ``stop`` strings end a completion; the tokens that
-    produced the stop string are kept (token-exact bookkeeping).
+    produced the stop string are kept (token-exact bookkeeping). ``stop_token_ids``
+    None ends a completion at the model's EOS ids; a tuple ends it at those ids only
+    (the EOS then does not stop it; ``()``: nothing but ``max_new_tokens`` does), the id kept.
     """
 
     max_new_tokens: int = 64
@@ -29,6 +31,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -173,9 +173,10 @@ def start_server(log: Path, *overrides: str):
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc, url: str, timeout_s: float = SERVE_START_TIMEOUT_S, name: str = "plainrl serve") -> None:
+def wait_healthy(proc, url: str, timeout_s: float = SERVE_START_TIMEOUT_S, name: str = "plainrl serve",
+                 health: str = "/health") -> None:
     """Wait until a :func:`start_server` server (or another with ``proc.log`` set, called
-    ``name`` in failures) answers /health; fail the test (killing it) if it exits or stays
+    ``name`` in failures) answers ``health``; fail the test (killing it) if it exits or stays
     silent past ``timeout_s``."""
     import os
     import signal
@@ -188,10 +189,10 @@ def wait_healthy(proc, url: str, timeout_s: float = SERVE_START_TIMEOUT_S, name:
         if proc.poll() is not None:
             pytest.fail(f"{name} exited with {proc.returncode}:\n{proc.log.read_text()[-3000:]}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + health, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(2)
     os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"{name} did not answer /health within {timeout_s} s:\n{proc.log.read_text()[-3000:]}")
+    pytest.fail(f"{name} did not answer {health} within {timeout_s} s:\n{proc.log.read_text()[-3000:]}")

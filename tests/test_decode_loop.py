@@ -158,3 +158,20 @@ def test_check_every_defaults_by_device_and_must_be_positive(lora_model, tokeniz
     assert HFEngine(lora_model, tokenizer, check_every=5).check_every == 5
     with pytest.raises(ValueError, match="check_every must be at least 1"):
         HFEngine(lora_model, tokenizer, check_every=0)
+
+
+@pytest.mark.parametrize("decoder", ["static", "transformers"])
+def test_stop_token_ids_replace_the_eos_ids(lora_model, tokenizer, prompts, decoder):
+    params = SamplingParams(max_new_tokens=20, temperature=1.3)
+    seeds = list(range(200, 200 + len(prompts)))
+    eos, _ = _endings(lora_model, tokenizer, prompts, decoder, params, seeds)
+    reference = PerStepEngine(lora_model, tokenizer, batch_size=4, decoder=decoder)
+    reference.eos_ids = torch.tensor(sorted(eos))  # these ids only: the model's EOS no longer ends a row
+    expect = reference.generate(prompts, params, seeds=seeds)
+    engine = HFEngine(lora_model, tokenizer, batch_size=4, decoder=decoder)
+    got = engine.generate(prompts, SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(eos)}), seeds=seeds)
+    _compare(got, expect, exact=True)
+    assert {g.finish_reason for g in got} == {"eos", "length"}
+    # none: every row runs to max_new_tokens, the model's EOS ids included
+    nothing = engine.generate(prompts, SamplingParams(**{**params.__dict__, "stop_token_ids": ()}), seeds=seeds)
+    assert all(len(g.token_ids) == 20 and g.finish_reason == "length" for g in nothing)

@@ -39,6 +39,8 @@ def test_sampling_and_finish_reason_mapping():
     assert kw == dict(n=4, max_tokens=7, temperature=0.5, top_p=0.9, top_k=-1, seed=11, stop=["\n\n"],
                       include_stop_str_in_output=True, logprobs=0)
     assert sampling_kwargs(SamplingParams(top_k=20), n=1, seed=0)["top_k"] == 20
+    ids = sampling_kwargs(SamplingParams(stop_token_ids=(2, 7)), n=1, seed=0)  # those ids instead of the EOS
+    assert (ids["stop_token_ids"], ids["ignore_eos"]) == ([2, 7], True)
     assert finish_reason("length", None) == "length"
     assert finish_reason("stop", None) == "eos"
     assert finish_reason("stop", 2) == "eos"  # an EOS id vLLM reports as a stop token

@@ -95,6 +95,9 @@ def test_sglang_request_repeats_the_prompt_with_a_seed_per_sample():
     assert (sp["max_new_tokens"], sp["temperature"], sp["top_p"], sp["top_k"], sp["stop"]) == (5, 0.7, 0.9, -1, ["\n\n"])
     # neutral penalties and min_p are sent: SGLang would otherwise take generation_config.json's
     assert (sp["min_p"], sp["repetition_penalty"], sp["frequency_penalty"], sp["presence_penalty"]) == (0.0, 1.0, 0.0, 0.0)
+    assert "stop_token_ids" not in sp
+    none = generate_body([1], SamplingParams(stop_token_ids=()), n=1, seed=None, seeded=False, lora=None)
+    assert (none["sampling_params"][0]["stop_token_ids"], none["sampling_params"][0]["ignore_eos"]) == ([], True)
     plain = generate_body([1], SamplingParams(top_k=20), n=2, seed=10, seeded=False, lora=None)
     assert "lora_path" not in plain and all("sampling_seed" not in s for s in plain["sampling_params"])
     assert plain["sampling_params"][0]["top_k"] == 20

@@ -297,3 +297,18 @@ def test_examples_run_against_the_service(server, script, args):
                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 0:" in proc.stdout
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.engine=vllm"], "not with vLLM in its own process"),
+    (["rollout.engine=remote", "rollout.remote.backend=openai", "rollout.remote.urls=[http://127.0.0.1:9]"],
+     "read-only"),
+])
+def test_an_engine_that_cannot_take_the_adapters_is_refused_before_the_model_loads(overrides, match):
+    from plainrl.config import ConfigError, load_config
+    from plainrl.tinker.server import build_service
+
+    cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: 'plainrl.rewards.builtins:correctness'}]",
+                             *overrides])
+    with pytest.raises(ConfigError, match=match):
+        build_service(cfg)

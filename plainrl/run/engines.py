@@ -124,17 +124,43 @@ def _sync(requested: str, model: torch.nn.Module, *, lora_is_slow: bool = False)
 def _remote_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase) -> Engine:
     """The engine of ``rollout.remote.backend`` over the servers at ``rollout.remote.urls``."""
     from plainrl.rollout.engines.openai_compat import OpenAICompatEngine
+
+    rc = cfg.rollout.remote
+    if rc.backend == "openai":
+        return OpenAICompatEngine(rc.urls, tokenizer, timeout_s=rc.timeout_s, connect_timeout_s=rc.connect_timeout_s,
+                                  max_model_len=cfg.model.max_context, model=rc.model, api_key=api_key(rc.api_key_env))
+    return _servers(cfg, tokenizer, _sync(cfg.rollout.sync, model))
+
+
+def _servers(cfg: Config, tokenizer: PreTrainedTokenizerBase, sync: SyncMode):
+    """The trainable engine of ``rollout.remote.backend`` (vLLM's ``plainrl serve`` or SGLang)."""
     from plainrl.rollout.engines.remote import RemoteEngine
     from plainrl.rollout.engines.sglang import SGLangEngine
 
     rc = cfg.rollout.remote
-    common = dict(timeout_s=rc.timeout_s, connect_timeout_s=rc.connect_timeout_s, max_model_len=cfg.model.max_context,
-                  model=rc.model, api_key=api_key(rc.api_key_env))
-    if rc.backend == "openai":
-        return OpenAICompatEngine(rc.urls, tokenizer, **common)
     engine = SGLangEngine if rc.backend == "sglang" else RemoteEngine
-    return engine(rc.urls, tokenizer, sync=_sync(cfg.rollout.sync, model), weights_via=rc.weights_via,
-                  group_timeout_s=rc.group_timeout_s, shared_dir=rc.shared_dir, **common)
+    return engine(rc.urls, tokenizer, sync=sync, weights_via=rc.weights_via, group_timeout_s=rc.group_timeout_s,
+                  shared_dir=rc.shared_dir, timeout_s=rc.timeout_s, connect_timeout_s=rc.connect_timeout_s,
+                  max_model_len=cfg.model.max_context, model=rc.model, api_key=api_key(rc.api_key_env))
+
+
+def adapter_servers(cfg: Config, tokenizer: PreTrainedTokenizerBase):
+    """The servers of ``rollout.engine: remote`` for a process whose policies are LoRA adapters
+    of one base that it pushes itself (``plainrl tinker``'s samplers): ``rollout.sync: full``
+    pushes an adapter merged into the base, ``auto`` and ``lora`` the adapter.
+
+    Returns:
+        a :class:`~plainrl.rollout.engines.served.ServedEngine`.
+    Raises:
+        ConfigError: ``rollout.engine`` is not ``remote``, or the backend is the read-only
+            ``openai``; or the API key's variable is unset.
+        EngineError: a server is unreachable or serves another model.
+    """
+    if cfg.rollout.engine != "remote":
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine}: only the embedded engine (hf) or inference "
+                          "servers (remote) sample for plainrl tinker")
+    require_trainable_engine(cfg)
+    return _servers(cfg, tokenizer, "full" if cfg.rollout.sync == "full" else "lora")
 
 
 def api_key(env_name: str | None) -> str | None:

@@ -48,6 +48,12 @@ def lora_targets(present: set[str], *, attn: bool, mlp: bool, unembed: bool) -> 
     return targets
 
 
+def checkpoint_key(directory: Path) -> str:
+    """What tells a saved adapter directory's contents apart: its path and its weights file's
+    mtime (a checkpoint saved again under the same name is a new directory, a new file)."""
+    return f"{directory}@{(directory / WEIGHTS_FILE).stat().st_mtime_ns}"
+
+
 class Adapters:
     """The base model (``model.name`` of the config, LoRA off) and its named adapters.
 
@@ -157,8 +163,7 @@ class Adapters:
 
     def snapshot(self, directory: Path) -> str:
         """The adapter name of the sampler checkpoint in ``directory``, loaded (frozen) if it is not."""
-        # a checkpoint saved again under the same name is a new directory: its file's mtime tells them apart
-        key = f"{directory}@{(directory / WEIGHTS_FILE).stat().st_mtime_ns}"
+        key = checkpoint_key(directory)
         if key in self._snapshots:
             self._snapshots.move_to_end(key)
             return self._snapshots[key]

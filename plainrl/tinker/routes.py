@@ -11,6 +11,7 @@ at once; ``retrieve_future`` then waits up to :data:`POLL_WAIT_S` for it and oth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import Any
@@ -124,7 +125,8 @@ def build_app(service: Service) -> Starlette:
         run = s.save(req.model_id, "sampler_weights", req.path, with_optimizer=False)
 
         def work() -> types.SaveWeightsForSamplerResponseInternal:
-            path, _ = run()
+            path, directory = run()
+            s.publish(directory)
             if req.path is not None:
                 return types.SaveWeightsForSamplerResponseInternal(path=path)
             sampler = s.add_sampler(session_id, req.sampling_session_seq_id, path, None)
@@ -234,4 +236,11 @@ def build_app(service: Service) -> Starlette:
         ("/api/v1/training_runs/{model_id}/checkpoints", list_checkpoints, ["GET"]),
         ("/api/v1/weights_info", weights_info, ["POST"]),
     ]
-    return Starlette(routes=[Route(p, guard(h), methods=m) for p, h, m in routes])
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        # uvicorn re-raises SIGTERM/SIGINT once it has shut down, which ends the process at once:
+        # the servers' adapters are unloaded here, before that
+        yield
+        s.close()
+
+    return Starlette(routes=[Route(p, guard(h), methods=m) for p, h, m in routes], lifespan=lifespan)

@@ -1,6 +1,8 @@
-"""Tinker's ``sample`` and ``compute_logprobs`` through plainrl's embedded engine
-(:class:`plainrl.rollout.engines.hf.HFEngine`) on the sampler's weights: token ids in, token ids
-and their logprobs out.
+"""Tinker's ``sample`` and ``compute_logprobs``: a request checked into a :class:`SampleCall`, its
+engine settings, and sampling on plainrl's embedded engine
+(:class:`plainrl.rollout.engines.hf.HFEngine`) on the sampler's weights (the servers' path is
+:mod:`plainrl.tinker.served`): token ids in, token ids and their logprobs out. Prompt logprobs
+are always the service's own forward.
 
 Stop conditions (``SamplingParams.stop``): None stops at the model's EOS; stop strings stop at
 EOS or the string; a list of token ids stops at those ids only (``[]``: at none, so at
@@ -18,7 +20,7 @@ import torch
 from plainrl.models import sequence_logps
 from plainrl.rollout.engines.hf import HFEngine
 from plainrl.tinker.errors import UserError
-from plainrl.types import SamplingParams
+from plainrl.types import Generation, SamplingParams
 
 
 @dataclass
@@ -90,34 +92,42 @@ def check_sample(request, *, vocab_size: int, context: int) -> SampleCall:
                       bool(request.prompt_logprobs), last_n)
 
 
-def sample(model: torch.nn.Module, tokenizer, call: SampleCall) -> tuple[list[tuple[list[int], list[float], str]],
-                                                                         np.ndarray | None]:
+def engine_params(call: SampleCall) -> tuple[SamplingParams, list[int]]:
+    """The engine's sampling settings for ``call`` and one seed per sample (``call.seed + i``, or a
+    random base without one), the same for every engine."""
+    params = SamplingParams(max_new_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
+                            top_k=call.top_k, stop=call.stop_strings,
+                            stop_token_ids=None if call.stop_ids is None else tuple(call.stop_ids))
+    base_seed = call.seed if call.seed is not None else random.SystemRandom().randrange(2**31)
+    return params, [base_seed + i for i in range(call.num_samples)]
+
+
+def sequences(gens: list[Generation]) -> list[tuple[list[int], list[float], str]]:
+    """Engine generations as Tinker's sequences: (token ids, logprobs, ``stop`` | ``length``)."""
+    return [(g.token_ids, g.logprobs, "length" if g.finish_reason == "length" else "stop") for g in gens]
+
+
+def sample(model: torch.nn.Module, tokenizer, call: SampleCall) -> list[tuple[list[int], list[float], str]]:
     """Sample ``call.num_samples`` completions of ``call.prompt`` with ``model`` as it is (the caller
-    has made the sampler's adapter active).
+    has made the sampler's adapter active), on the embedded engine.
 
     Returns:
-        per sample (token ids, logprobs of the tempered policy, ``stop`` | ``length``), and, with
-        ``call.prompt_logprobs``, the prompt's logprobs [P] (NaN at position 0 and before
-        ``last_n``).
+        per sample (token ids, logprobs of the tempered policy, ``stop`` | ``length``).
     """
     engine = HFEngine(model, tokenizer, batch_size=min(64, call.num_samples), decoder="transformers",
                       merge_lora=False)
-    if call.stop_ids is not None:
-        engine.eos_ids = torch.tensor(call.stop_ids, dtype=torch.long)
-    params = SamplingParams(max_new_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
-                            top_k=call.top_k, stop=call.stop_strings)
-    base_seed = call.seed if call.seed is not None else random.SystemRandom().randrange(2**31)
-    seeds = [base_seed + i for i in range(call.num_samples)]
-    gens = engine.generate([call.prompt] * call.num_samples, params, seeds=seeds)
-    seqs = [(g.token_ids, g.logprobs, "length" if g.finish_reason == "length" else "stop") for g in gens]
-    prompt_lp = None
-    if call.prompt_logprobs:
-        prompt_lp = np.full(len(call.prompt), np.nan, dtype=np.float32)
-        if len(call.prompt) > 1:
-            ids = torch.tensor([call.prompt], device=engine.device)
-            with torch.no_grad():
-                lp = sequence_logps(model, ids, torch.ones_like(ids))[0].float().cpu().numpy()  # [P-1]
-            prompt_lp[1:] = lp
-            if call.last_n is not None:
-                prompt_lp[: len(call.prompt) - call.last_n] = np.nan
-    return seqs, prompt_lp
+    params, seeds = engine_params(call)
+    return sequences(engine.generate([call.prompt] * call.num_samples, params, seeds=seeds))
+
+
+def prompt_logprobs(model: torch.nn.Module, call: SampleCall) -> np.ndarray:
+    """The prompt's logprobs [P] under ``model`` as it is: NaN at position 0 and before ``call.last_n``."""
+    out = np.full(len(call.prompt), np.nan, dtype=np.float32)
+    if len(call.prompt) > 1:
+        device = next(model.parameters()).device
+        ids = torch.tensor([call.prompt], device=device)
+        with torch.no_grad():
+            out[1:] = sequence_logps(model, ids, torch.ones_like(ids))[0].float().cpu().numpy()  # [P-1]
+        if call.last_n is not None:
+            out[: len(call.prompt) - call.last_n] = np.nan
+    return out

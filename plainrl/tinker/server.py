@@ -4,7 +4,6 @@ bound; the worker thread dies with the process)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from plainrl.config import Config
@@ -18,22 +17,36 @@ def model_names(name: str, hub_id: str | None) -> list[str]:
 
 def build_service(cfg: Config):
     """The :class:`~plainrl.tinker.service.Service` of ``cfg``: its ``model`` (LoRA settings come from
-    each ``create_lora_training_client`` call), checkpoints under ``cfg.run_dir``."""
+    each ``create_lora_training_client`` call), checkpoints under ``cfg.run_dir``, sampling on the
+    embedded engine or, under ``rollout.engine: remote``, on the servers of ``rollout.remote``.
+
+    Raises:
+        ConfigError: ``rollout.engine: vllm`` (in process), a read-only remote backend.
+        EngineError: a server is unreachable or serves another model.
+    """
     import torch
 
     from plainrl.config.loading import dump_config
+    from plainrl.config import ConfigError
     from plainrl.models import resolve_device
+    from plainrl.run.engines import adapter_servers, require_trainable_engine
     from plainrl.tinker.adapters import Adapters
+    from plainrl.tinker.served import ServedSampling
     from plainrl.tinker.service import Service
 
-    if cfg.rollout.engine != "hf":
-        print(f"plainrl tinker: rollout.engine={cfg.rollout.engine} is not used; the service samples with the "
-              "embedded engine on the trained adapters (docs/tinker.md)", file=sys.stderr)
+    if cfg.rollout.engine == "remote":
+        require_trainable_engine(cfg)  # before the model loads
+    elif cfg.rollout.engine != "hf":
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine}: plainrl tinker samples with the embedded engine "
+                          "(rollout.engine=hf) or on inference servers (rollout.engine=remote, e.g. `plainrl serve "
+                          "CONFIG` and rollout.remote.urls=[...]), not with vLLM in its own process")
     torch.manual_seed(cfg.seed)
     adapters = Adapters(cfg.model, resolve_device(cfg.device))
+    served = None
+    if cfg.rollout.engine == "remote":
+        served = ServedSampling(adapter_servers(cfg, adapters.tokenizer), adapters)
     return Service(adapters, Path(cfg.run_dir), model_names=model_names(cfg.model.name, adapters.base_ref.hub_id),
-                   config_yaml=dump_config(cfg),
-                   micro_batch_tokens=cfg.train.micro_batch_tokens)
+                   config_yaml=dump_config(cfg), micro_batch_tokens=cfg.train.micro_batch_tokens, served=served)
 
 
 def serve(cfg: Config, *, host: str = "127.0.0.1", port: int = 8000) -> None:

@@ -39,7 +39,8 @@ from tinker import types
 from plainrl.checkpoint.files import torch_save
 from plainrl.tinker.adapters import Adapters, lora_targets, read_optimizer
 from plainrl.tinker.errors import UserError, not_found
-from plainrl.tinker.sampling import SampleCall, sample
+from plainrl.tinker.sampling import SampleCall, prompt_logprobs, sample
+from plainrl.tinker.served import ServedSampling
 from plainrl.tinker.training import TrainingModel, forward_backward, make_optimizer, optim_step
 from plainrl.tinker.wire import ForwardBackwardCall, encode_sample_response
 
@@ -71,11 +72,13 @@ class Service:
             (its hub id and plainrl's name).
         config_yaml: the service's config as YAML, written into every checkpoint as ``config.yaml``.
         micro_batch_tokens: padded tokens per forward/backward micro-batch.
+        served: sampling on inference servers (None: the embedded engine on ``adapters``).
     """
 
     def __init__(self, adapters: Adapters, root: Path, *, model_names: list[str], config_yaml: str,
-                 micro_batch_tokens: int = 4096):
+                 micro_batch_tokens: int = 4096, served: ServedSampling | None = None):
         self.adapters = adapters
+        self.served = served
         self.config_yaml = config_yaml
         self.root = Path(root)
         self.model_names = model_names
@@ -89,10 +92,17 @@ class Service:
         self._adapter_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-worker")
+        self._closed = False
 
     def close(self) -> None:
-        """Stop the worker after the queued work (the process is exiting)."""
+        """Stop the worker (the process is exiting) and unload this service's adapters from the
+        servers; once (the app's shutdown and the server's exit both call it)."""
+        if self._closed:
+            return
+        self._closed = True
         self._worker.shutdown(wait=False, cancel_futures=True)
+        if self.served is not None:
+            self.served.close()
 
     # -- futures ----------------------------------------------------------------------------------
 
@@ -369,11 +379,23 @@ class Service:
             raise not_found("sampling session", sampler_id, "create one with create_sampling_client")
         return s
 
+    def publish(self, directory: Path) -> None:
+        """After ``save_weights_for_sampler`` wrote ``directory``: push it to the servers (on the
+        worker), so the first sample finds it there; nothing for the embedded engine."""
+        if self.served is not None:
+            self.served.push(directory / "final")
+
     def sample(self, sampler: Sampler, call: SampleCall) -> types.UntypedAPIFuture:
         def run() -> bytes:
-            name = None if sampler.directory is None else self.adapters.snapshot(sampler.directory)
-            with self.adapters.use(name) as model:
-                seqs, prompt_lp = sample(model, self.adapters.tokenizer, call)
+            seqs = None if self.served is None else self.served.sample(sampler.directory, call)
+            prompt_lp = None
+            if seqs is None or call.prompt_logprobs:
+                name = None if sampler.directory is None else self.adapters.snapshot(sampler.directory)
+                with self.adapters.use(name) as model:
+                    if seqs is None:
+                        seqs = sample(model, self.adapters.tokenizer, call)
+                    if call.prompt_logprobs:
+                        prompt_lp = prompt_logprobs(model, call)
             return encode_sample_response(seqs, prompt_lp)
 
         return self.submit(run)

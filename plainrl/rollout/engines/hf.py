@@ -407,7 +407,8 @@ class HFEngine:
     ) -> list[Generation]:
         dev = self.device
         n, steps = len(prompts), params.max_new_tokens
-        eos_ids = self.eos_ids.to(dev)
+        eos_ids = (self.eos_ids if params.stop_token_ids is None
+                   else torch.tensor(params.stop_token_ids, dtype=torch.long)).to(dev)
 
         # Everything a step produces stays on the device: tokens and logprobs go into buffers by
         # original row, and a row's first EOS step into ``eos_at`` (``steps``: none yet). The host

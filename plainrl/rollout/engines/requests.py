@@ -64,13 +64,17 @@ def sampling_kwargs(params: SamplingParams, *, n: int, seed: int | None) -> dict
     filtering (the distribution it sampled from; equal to plainrl's convention, tempered and
     unfiltered, when both filters are off). Greedy (T = 0) logprobs are of softmax(z), as
     the embedded engine's. The stop string's tokens stay in ``token_ids`` as in the embedded
-    engine; ``include_stop_str_in_output`` keeps the text consistent with them.
+    engine; ``include_stop_str_in_output`` keeps the text consistent with them. Stop token
+    ids replace the EOS (``ignore_eos``), as the embedded engine's ``stop_token_ids``.
     """
-    return dict(
+    kwargs = dict(
         n=n, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else -1, seed=seed, stop=list(params.stop),
         include_stop_str_in_output=True, logprobs=0,
     )
+    if params.stop_token_ids is not None:
+        kwargs.update(stop_token_ids=list(params.stop_token_ids), ignore_eos=True)
+    return kwargs
 
 
 def finish_reason(reason: str | None, stop_reason: int | str | None, url: str = "vllm") -> FinishReason:

@@ -20,6 +20,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import httpx
@@ -277,6 +278,25 @@ class ServedEngine:
             return
         with self._full_push(model) as push:
             self._push_all(push)
+
+    def load_adapter(self, name: str, path: str | Path) -> PushedWeights:
+        """Load the peft adapter directory ``path`` (readable by the servers) on every live server
+        as adapter ``name``, beside those already loaded (several policies on one base, as
+        Tinker's samplers); sample it with :meth:`follow` of the result. The LoRA push of
+        :meth:`load_weights`, for an adapter saved elsewhere.
+
+        Raises:
+            EngineError: no server holds it, or a server refused it (4xx: another rank than
+                its ``--max-lora-rank``, LoRA off, a name it already has).
+        """
+        self._push_all(lambda url: self._call("POST", url, self.lora_endpoints[0],
+                                              json={"lora_name": name, "lora_path": str(path)}))
+        return PushedWeights(adapter=name, servers=tuple(self.pool.live()))
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` (:meth:`load_adapter`'s) from the live servers, best effort."""
+        for i in self.pool.live():
+            self._unload(self.urls[i], name)
 
     def _unload(self, url: str, name: str) -> None:
         """Unload adapter ``name`` from ``url``, best effort: a server that never had it (revived

@@ -79,6 +79,8 @@ def generate_body(prompt_ids: list[int], params: SamplingParams, *, n: int, seed
                 top_k=params.top_k if params.top_k > 0 else -1, min_p=0.0, repetition_penalty=1.0,
                 frequency_penalty=0.0, presence_penalty=0.0, stop=list(params.stop), no_stop_trim=True,
                 skip_special_tokens=False)
+    if params.stop_token_ids is not None:  # those ids instead of the EOS, as the embedded engine's
+        base.update(stop_token_ids=list(params.stop_token_ids), ignore_eos=True)
     sampling = [dict(base, sampling_seed=(seed + i) % (2**31 - 1)) if seeded and seed is not None else base
                 for i in range(n)]
     body: dict[str, Any] = {"input_ids": [list(prompt_ids)] * n, "sampling_params": sampling, "return_logprob": True}
