@@ -27,7 +27,7 @@ from plainrl.data.tasks import make_task_rows
 from plainrl.intervals import figure
 
 REPO = Path(__file__).resolve().parent.parent
-PROMPT = "{prompt} End your reply with 'Answer: <number>'."  # arithmetic_grpo.yaml's data.prompt_template
+PROMPT = "{prompt} Write the sum out, then end your reply with 'Answer: <number>'."  # arithmetic_grpo.yaml's data.prompt_template
 
 
 def make_pairs(n: int, seed: int) -> list[dict]:
