@@ -149,6 +149,20 @@ def test_partial_needs_async_steps():
     assert load_config(None, RL + ["rollout.partial=true", "rollout.async_steps=2"]).rollout.partial
 
 
+def test_partial_by_abort_needs_vllm_servers(tiny_model_dir, tokenizer):
+    on = RL + ["rollout.partial=true", "rollout.async_steps=2", "rollout.partial_by=abort"]
+    with pytest.raises(ConfigError, match="partial_by=abort needs vLLM servers.*rollout.engine=hf"):
+        load_config(None, on)
+    with pytest.raises(ConfigError, match="backend sglang"):
+        load_config(None, on + ["rollout.engine=remote", "rollout.remote.urls=[http://127.0.0.1:1]",
+                                "rollout.remote.backend=sglang"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    hf = HFEngine(sampling_copy(model), tokenizer, batch_size=2)
+    with pytest.raises(ValueError, match="HFEngine cannot abort"):
+        PartialEngine(hf, tokenizer, chunk=4, by="abort")
+    assert PartialEngine(hf, tokenizer, chunk=4).by == "chunks"  # auto
+
+
 def test_an_agent_episode_records_each_turns_version_and_its_logprob_under_it(tiny_model_dir, tokenizer):
     """A push between two model calls of one agent episode: the first call's tokens carry
     version 0, the tool's -1, the second call's version 1, each sampled token with the

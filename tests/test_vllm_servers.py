@@ -5,6 +5,7 @@ with a clear error within 60 s once every server is gone. Runs under `make test-
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -21,11 +22,12 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import chat_prompt_ids, start_server, wait_healthy  # noqa: E402
+from conftest import chat_prompt_ids, learner_logps, start_server, wait_healthy  # noqa: E402
 
 from plainrl.checkpoint import verify  # noqa: E402
 from plainrl.config import ModelConfig  # noqa: E402
 from plainrl.models import load_policy, load_tokenizer  # noqa: E402
+from plainrl.rollout.engines.partial import PartialEngine  # noqa: E402
 from plainrl.rollout.engines.remote import RemoteEngine  # noqa: E402
 from plainrl.rollout.engines.requests import EngineError  # noqa: E402
 from plainrl.run.overlap import IN_FLIGHT  # noqa: E402
@@ -34,6 +36,7 @@ from plainrl.types import SamplingParams  # noqa: E402
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
+LOGPROB_TOL = 2e-3  # mean |served - learner| logprob, float32 (tests/test_vllm_remote.py)
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +105,69 @@ def test_async_training_over_two_servers_resumes_exactly_from_its_in_flight_batc
     assert b_loss == pytest.approx(a_loss, rel=1e-5, abs=1e-7)
 
 
-def test_two_steps_ahead_with_partial_rollouts_over_two_servers(servers, tmp_path):
+@pytest.mark.parametrize("by", ["abort", "chunks"])
+def test_two_steps_ahead_with_partial_rollouts_over_two_servers(servers, tmp_path, by):
     urls = [url for _, url in servers]
     run = tmp_path / "partial"
-    _train(run, urls, "train.steps=4", "rollout.async_steps=2", "rollout.partial=true", "rollout.partial_chunk=4")
+    _train(run, urls, "train.steps=4", "rollout.async_steps=2", "rollout.partial=true", "rollout.partial_chunk=4",
+           f"rollout.partial_by={by}")
     steps = [r for r in _rows(run, "metrics.jsonl") if "loss" in r]
     assert len(steps) == 4 and all(r["rollout/staleness_max"] <= 2 for r in steps)
     assert all(0 <= r["rollout/partial_fraction"] <= 1 for r in steps)  # every token's version recorded
     assert all(r["rollout/server_failures"] == 0 for r in steps)
+
+
+def _generated_tokens(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(m) for m in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+def test_a_push_aborts_the_streams_in_flight_and_each_token_has_its_versions_logprob(servers):
+    """rollout.partial_by=abort over a real server: a push while 160-token completions stream
+    closes every stream (the server drops the request), keeps the tokens streamed and continues
+    them under the new weights from their token ids; each token's logprob is the learner's at the
+    version that sampled it. Without the abort the push would wait for the completions and every
+    token would be of version 0."""
+    (_, url0), _ = servers
+    tok = load_tokenizer(MODEL)
+    v0 = load_policy(ModelConfig(name=MODEL, dtype="float32", lora={"enabled": False}), torch.device("cpu"))
+    v1 = copy.deepcopy(v0)
+    with torch.no_grad():
+        for layer in v1.model.layers:
+            layer.mlp.down_proj.weight.mul_(1.2)
+    engine = PartialEngine(RemoteEngine([url0], tok, sync="full", max_model_len=512, timeout_s=120), tok, chunk=4)
+    assert engine.by == "abort"  # auto: vLLM servers abort
+    prompts = [chat_prompt_ids(tok, f"Count from {i} to {i + 90}, one number per line.") for i in range(4)]
+    params = SamplingParams(max_new_tokens=160, temperature=1.0, stop_token_ids=())  # no EOS: all run to 160
+    try:
+        engine.load_weights(v0, version=0)
+        result: dict = {}
+        before = _generated_tokens(url0)
+        worker = threading.Thread(target=lambda: result.update(out=engine.generate(prompts, params, seeds=[1, 2, 3, 4])))
+        worker.start()
+        deadline = time.monotonic() + 120
+        while _generated_tokens(url0) < before + 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine.load_weights(v1, version=1)
+        worker.join(timeout=300)
+        assert not worker.is_alive()
+        out = result["out"]
+        assert [len(g.token_ids) for g in out] == [160] * 4 and {g.finish_reason for g in out} == {"length"}
+        assert any(set(g.versions) == {0, 1} for g in out), [sorted(set(g.versions)) for g in out]
+        for p, g in zip(prompts, out):
+            assert g.versions == sorted(g.versions)
+            versions = torch.tensor(g.versions)
+            served = torch.tensor(g.logprobs)
+            for v, policy in ((0, v0), (1, v1)):
+                part = versions == v
+                if part.any():
+                    assert (learner_logps(policy, p, g.token_ids)[part] - served[part]).abs().mean() < LOGPROB_TOL
+            if (versions == 1).any():  # and not the old weights': the check can tell the versions apart
+                other = (learner_logps(v0, p, g.token_ids)[versions == 1] - served[versions == 1]).abs().mean()
+                assert other > 10 * LOGPROB_TOL
+    finally:
+        engine.load_weights(v0)  # the served weights back for later tests
+        engine.close()
 
 
 def test_a_server_killed_mid_rollout_its_requests_finish_on_the_other(servers):

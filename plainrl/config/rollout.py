@@ -118,8 +118,13 @@ class RolloutConfig(_Section):
     """Partial rollouts (needs `async_steps > 0`): a weight push lands between decode chunks of `partial_chunk` tokens
     instead of waiting for the batch being sampled; the tokens are kept, sampling continues under the new weights,
     and each token records the version that sampled it (`plainrl.rollout.engines.partial`)."""
+    partial_by: Literal["auto", "abort", "chunks"] = "auto"
+    """`partial`: how a push interrupts sampling. `abort`: requests in flight are aborted at the next streamed token
+    and continued from their token ids under the new weights (vLLM servers: `plainrl serve` or `vllm serve`);
+    `chunks`: every engine call decodes at most `partial_chunk` tokens and a push lands between calls (any engine);
+    `auto`: abort where the engine can, else chunks."""
     partial_chunk: int = Field(32, gt=0)
-    """`partial`: decode tokens per engine call, the most a weight push waits for."""
+    """`partial` by chunks: decode tokens per engine call, the most a weight push waits for."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """`rollout.engine: vllm` and `plainrl serve` settings."""
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
@@ -212,6 +217,11 @@ class RolloutConfig(_Section):
         if self.partial and not self.async_steps:
             raise ValueError("rollout.partial=true lets a weight push land mid-batch, which only happens with "
                              "rollout.async_steps > 0; set rollout.async_steps (e.g. 2) or rollout.partial=false")
+        if self.partial and self.partial_by == "abort" and not (self.engine == "remote" and self.remote.backend == "vllm"):
+            where = f"rollout.engine={self.engine}" + (f" with backend {self.remote.backend}" if self.engine == "remote" else "")
+            raise ValueError(f"rollout.partial_by=abort needs vLLM servers (rollout.engine=remote, backend vllm), which "
+                             f"stream tokens and abort a request when it is closed; {where} cannot, so set "
+                             "rollout.partial_by=chunks (or auto)")
         if self.async_steps and self.engine == "vllm":
             raise ValueError(f"rollout.async_steps={self.async_steps} samples while the learner trains, which vLLM in "
                              "this process cannot (it shares the learner's GPU by sleep mode); set "

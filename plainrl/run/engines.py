@@ -62,7 +62,13 @@ def make_engine(cfg: Config, model: torch.nn.Module | None, tokenizer: PreTraine
     :class:`~plainrl.rollout.engines.partial.PartialEngine` under ``rollout.partial``."""
     engine = _engine(cfg, model, tokenizer, device)
     if cfg.rollout.partial:
-        return PartialEngine(engine, tokenizer, chunk=cfg.rollout.partial_chunk)
+        partial = PartialEngine(engine, tokenizer, chunk=cfg.rollout.partial_chunk, by=cfg.rollout.partial_by)
+        if cfg.rollout.partial_by == "auto":
+            why = ("the servers stream tokens and drop a closed request" if partial.by == "abort" else
+                   f"this engine cannot abort a request mid-stream; a push waits for a chunk of "
+                   f"rollout.partial_chunk={cfg.rollout.partial_chunk} tokens at most")
+            print(f"rollout.partial_by: {partial.by} (auto: {why})", flush=True)
+        return partial
     return engine
 
 

@@ -1,22 +1,27 @@
-"""Partial rollouts (``rollout.partial``): a weight push lands between decode chunks instead of
-waiting for every completion in flight, and sampling continues under the new weights from the
-tokens already sampled.
+"""Partial rollouts (``rollout.partial``): a weight push lands mid-batch instead of waiting for
+every completion in flight, and sampling continues under the new weights from the tokens
+already sampled.
 
-:class:`PartialEngine` wraps any :class:`~plainrl.rollout.engines.base.Engine`. A ``generate``
-call decodes in chunks of ``chunk`` tokens: each chunk is one call of the inner engine on the
-prompt plus the completion so far (continuing from token ids, never re-tokenised: the server's
-prefix cache or the embedded engine's prefill recomputes the context under the weights of the
-chunk), and rows that ended (EOS, a stop string, the token budget) leave. ``load_weights``
-closes a gate, waits for the chunks running in every thread to finish, pushes, and reopens it,
-so a push waits for one chunk at most and no chunk mixes two versions. Each token records the
-version of the chunk that sampled it (``Generation.versions``) next to its logprob under that
-version, which the loss uses as the behaviour logprob.
+:class:`PartialEngine` wraps any :class:`~plainrl.rollout.engines.base.Engine` and samples a
+``generate`` call in pieces, each one call of the inner engine on the prompt plus the
+completion so far (continuing from token ids, never re-tokenised: the server's prefix cache or
+the embedded engine's prefill recomputes the context under the piece's weights); rows that
+ended (EOS, a stop string, the token budget) leave. ``load_weights`` closes a gate, waits for
+the pieces running in every thread to stop, pushes, and reopens it, so no piece mixes two
+versions. How a piece ends (``rollout.partial_by``):
 
-The same design as AReaL's interruptible generation and slime's partial rollouts (abort at a
-weight update, continue from the tokens kept), with the abort placed at chunk boundaries.
-A chunk's seed is derived from the call's seed and the chunk index
-(:func:`plainrl.rollout.seeding.derive_seed`), so the completion depends on its seed and on
-where the pushes landed.
+- ``abort`` (vLLM servers): a piece runs to the end of the completion, streamed; a push sets an
+  interrupt, every open request is closed at its next streamed token (vLLM aborts a request
+  whose client has gone) and keeps the tokens it streamed. A push waits for one token.
+- ``chunks`` (any engine): a piece is at most ``partial_chunk`` tokens, so a push waits for one
+  chunk at most, at the price of a prefill per chunk.
+
+Each token records the version of the piece that sampled it (``Generation.versions``) next
+to its logprob under that version, which the loss uses as the behaviour logprob. The same
+design as AReaL's interruptible generation and slime's partial rollouts (abort at a weight
+update, continue from the tokens kept). A piece's seed is derived from the call's seed and the
+piece's index (:func:`plainrl.rollout.seeding.derive_seed`), so a completion depends on its
+seed and on where the pushes landed.
 """
 
 from __future__ import annotations
@@ -32,25 +37,35 @@ from plainrl.types import Generation, SamplingParams
 
 
 class PartialEngine:
-    """An engine whose weight pushes land between decode chunks (module docstring).
+    """An engine whose weight pushes land mid-batch (module docstring).
 
     Args:
         inner: the engine that samples.
-        tokenizer: to find a stop string that spans two chunks.
-        chunk: decode tokens per inner call (the most a push waits for).
+        tokenizer: to find a stop string that spans two pieces.
+        chunk: ``by="chunks"``: decode tokens per inner call (the most a push waits for).
+        by: ``chunks``, ``abort`` (the inner engine's ``generate_until``: vLLM servers) or
+            ``auto`` (abort where the inner engine is ``interruptible``), ``rollout.partial_by``.
         version: the version the inner engine's weights hold now.
 
     Raises:
-        ValueError: ``chunk < 1``.
+        ValueError: ``chunk < 1``; ``by="abort"`` over an engine that cannot abort a request.
     """
 
-    def __init__(self, inner: Engine, tokenizer, *, chunk: int, version: int = 0):
+    def __init__(self, inner: Engine, tokenizer, *, chunk: int, by: str = "auto", version: int = 0):
         if chunk < 1:
             raise ValueError(f"rollout.partial_chunk must be at least 1 token, got {chunk}")
+        can_abort = bool(getattr(inner, "interruptible", False))
+        if by == "abort" and not can_abort:
+            raise ValueError(f"rollout.partial_by=abort: {type(inner).__name__} cannot abort a request mid-stream "
+                             "(only vLLM servers can); set rollout.partial_by=chunks")
+        if by not in ("auto", "abort", "chunks"):
+            raise ValueError(f"rollout.partial_by must be auto, abort or chunks, got {by!r}")
         self.inner, self.tokenizer, self.chunk, self.version = inner, tokenizer, chunk, version
+        self.by = "abort" if by == "abort" or (by == "auto" and can_abort) else "chunks"
         self._cv = threading.Condition()
-        self._running = 0  # chunks being decoded, over every thread
+        self._running = 0  # engine calls running, over every thread
         self._closed_gate = False
+        self._interrupt = threading.Event()  # by abort: set while a push waits for the calls to stop
 
     def __getattr__(self, name):  # pad_id, model, device, pushed(), ...: the inner engine's
         if name == "inner":  # (not set yet: a copy or unpickling in progress)
@@ -58,10 +73,13 @@ class PartialEngine:
         return getattr(self.inner, name)
 
     def load_weights(self, model: torch.nn.Module, version: int | None = None) -> None:
-        """Push ``model``'s weights once no chunk is running (new chunks wait meanwhile);
-        ``version``: what later chunks record (None: unchanged)."""
+        """Push ``model``'s weights once no engine call is running (by abort: once the calls
+        running have aborted their requests; new calls wait meanwhile); ``version``: what later
+        tokens record (None: unchanged)."""
         with self._cv:
             self._closed_gate = True
+            if self.by == "abort":
+                self._interrupt.set()
             while self._running:
                 self._cv.wait()
         try:
@@ -70,18 +88,27 @@ class PartialEngine:
                 self.version = version
         finally:
             with self._cv:
+                self._interrupt.clear()
                 self._closed_gate = False
                 self._cv.notify_all()
 
-    def _chunk(self, prompts: list[list[int]], params: SamplingParams,
-               seeds: list[int] | None) -> tuple[list[Generation], int]:
+    def _piece(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None,
+               budgets: list[int]) -> tuple[list[tuple[Generation, bool]], int]:
+        """One inner call on ``prompts`` (prompt + tokens so far), each with its token budget:
+        ``(generation, finished)`` per prompt and the version that sampled them. By chunks, a
+        piece is at most ``chunk`` tokens; by abort, it runs until done or a push interrupts it."""
         with self._cv:
             while self._closed_gate:
                 self._cv.wait()
             self._running += 1
             version = self.version
         try:
-            return self.inner.generate(prompts, params, seeds=seeds), version
+            if self.by == "abort":
+                return self.inner.generate_until(prompts, params, budgets=budgets, interrupt=self._interrupt,
+                                                 seeds=seeds), version
+            n = min(self.chunk, budgets[0])  # (by chunks every live row has sampled as many tokens)
+            gens = self.inner.generate(prompts, dataclasses.replace(params, max_new_tokens=n), seeds=seeds)
+            return [(g, g.finish_reason != "length" or len(g.token_ids) >= b) for g, b in zip(gens, budgets)], version
         finally:
             with self._cv:
                 self._running -= 1
@@ -99,7 +126,7 @@ class PartialEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  seeds: list[int] | None = None) -> list[Generation]:
-        """Sample as the inner engine does, in chunks (module docstring); every returned
+        """Sample as the inner engine does, in pieces (module docstring); every returned
         :class:`Generation` carries ``versions``, one per token."""
         toks: list[list[int]] = [[] for _ in prompts]
         lps: list[list[float]] = [[] for _ in prompts]
@@ -110,19 +137,20 @@ class PartialEngine:
             live = [i for i, f in enumerate(finish) if f is None]
             if not live:
                 break
-            n = min(self.chunk, params.max_new_tokens - len(toks[live[0]]))
-            chunk_seeds = None if seeds is None else [derive_seed(seeds[i], c) for i in live]
-            gens, version = self._chunk([prompts[i] + toks[i] for i in live],
-                                        dataclasses.replace(params, max_new_tokens=n), chunk_seeds)
-            for i, g in zip(live, gens):
+            piece_seeds = None if seeds is None else [derive_seed(seeds[i], c) for i in live]
+            pieces, version = self._piece([prompts[i] + toks[i] for i in live], params, piece_seeds,
+                                          [params.max_new_tokens - len(toks[i]) for i in live])
+            for i, (g, finished) in zip(live, pieces):
                 toks[i] += g.token_ids
                 lps[i] += g.logprobs
                 vers[i] += [version] * len(g.token_ids)
-                cut = self._stop_at(toks[i], params.stop) if params.stop and g.finish_reason != "stop" else None
-                if cut is not None:  # a stop string across two chunks
+                cut = self._stop_at(toks[i], params.stop) if params.stop and not (finished and g.finish_reason == "stop") else None
+                if cut is not None:  # a stop string across two pieces
                     toks[i], lps[i], vers[i], finish[i] = toks[i][:cut], lps[i][:cut], vers[i][:cut], "stop"
-                elif g.finish_reason != "length" or len(toks[i]) >= params.max_new_tokens:
+                elif finished:
                     finish[i] = g.finish_reason
+                elif len(toks[i]) >= params.max_new_tokens:  # interrupted on its last token
+                    finish[i] = "length"
             c += 1
         return [Generation(token_ids=t, logprobs=lp, finish_reason=f, versions=v)
                 for t, lp, f, v in zip(toks, lps, finish, vers)]

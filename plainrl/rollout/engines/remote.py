@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -54,6 +55,7 @@ class RemoteEngine(GroupSync):
     """
 
     backend = "vllm"
+    interruptible = True
     start_hint = START_HINT
     lora_endpoints = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
@@ -86,6 +88,35 @@ class RemoteEngine(GroupSync):
             out.append(Generation(token_ids=list(c["token_ids"]), logprobs=[float(x) for x in logprobs],
                                   finish_reason=finish_reason(c["finish_reason"], c.get("stop_reason"), url)))
         return out
+
+    def _stream(self, server: int, req: Request, params: SamplingParams,
+                interrupt: threading.Event) -> list[tuple[Generation, bool]]:
+        """The request streamed (each event carries a choice's new token ids and their logprobs);
+        once ``interrupt`` is set the stream is closed at the next event, and vLLM aborts a
+        request whose client has gone (its engine frees the sequence)."""
+        url = self.urls[server]
+        body: dict[str, Any] = dict(model=self._lora or self.models[server], prompt=req.prompt_ids,
+                                    return_token_ids=True, skip_special_tokens=False, stream=True,
+                                    **sampling_kwargs(params, n=len(req.rows), seed=req.seed))
+        toks: list[list[int]] = [[] for _ in req.rows]
+        lps: list[list[float]] = [[] for _ in req.rows]
+        reasons: list[str | None] = [None] * len(req.rows)
+        with self._sse(url, "/v1/completions", body) as events:
+            for event in events:
+                for c in event.get("choices") or []:
+                    i, ids = c["index"], c.get("token_ids") or []
+                    logprobs = (c.get("logprobs") or {}).get("token_logprobs") or []
+                    if len(logprobs) != len(ids):
+                        raise EngineError(f"inference server {url} streamed {len(ids)} token ids but "
+                                          f"{len(logprobs)} logprobs")
+                    toks[i] += ids
+                    lps[i] += [float(x) for x in logprobs]
+                    if c.get("finish_reason") is not None:
+                        reasons[i] = finish_reason(c["finish_reason"], c.get("stop_reason"), url)
+                if interrupt.is_set() or all(r is not None for r in reasons):
+                    break
+        return [(Generation(token_ids=t, logprobs=lp, finish_reason=r or "length"), r is not None)
+                for t, lp, r in zip(toks, lps, reasons)]
 
     # -- the weight group (GroupSync's hooks) --------------------------------------------
     def _group_ranks(self, server: int) -> int:

@@ -14,14 +14,17 @@ its server is marked dead and the request goes to another.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, TypeVar
 
 import httpx
 import torch
@@ -31,6 +34,7 @@ from plainrl.rollout.engines.servers import ServerDown, ServerPool
 from plainrl.rollout.engines.sync import AdapterVersions, SyncMode
 from plainrl.types import Generation, SamplingParams
 
+T = TypeVar("T")
 # text whose tokenisation tells tokenizers apart (digits, spaces, code, non-ASCII, a chat marker)
 TOKENIZER_PROBE = "Hello, world! 12 + 345 = 357.\n  def f(x):\treturn x**2  # café 東京 <|im_start|>user"
 
@@ -104,6 +108,7 @@ class ServedEngine:
     """
 
     backend = "served"
+    interruptible = False  # True: _stream aborts a request mid-stream (generate_until)
     section = "rollout.remote"  # the config section quoted in errors
     start_hint = ""
     lora_endpoints: tuple[str, str] = ("", "")
@@ -135,6 +140,11 @@ class ServedEngine:
     # -- what a backend provides ----------------------------------------------------------
     def _complete(self, server: int, req: Request, params: SamplingParams) -> list[Generation]:
         """Sample ``len(req.rows)`` completions of ``req.prompt_ids`` on ``server`` (one HTTP request)."""
+        raise NotImplementedError
+
+    def _stream(self, server: int, req: Request, params: SamplingParams,
+                interrupt: threading.Event) -> list[tuple[Generation, bool]]:
+        """:meth:`_complete` streamed, closed once ``interrupt`` is set (``interruptible`` backends)."""
         raise NotImplementedError
 
     def _check_backend(self, url: str) -> None:
@@ -180,6 +190,35 @@ class ServedEngine:
                                   f"{response.text[:500]}")
             return response
         raise AssertionError("unreachable")
+
+    @contextmanager
+    def _sse(self, url: str, path: str, body: dict) -> Iterator[Iterator[dict]]:
+        """POST ``body`` and yield the server-sent events' JSON objects as they arrive (until
+        ``[DONE]``); leaving the context closes the connection, which a vLLM server takes as
+        the request's abort. No retry: a streamed answer cannot be resumed.
+
+        Raises:
+            ServerDown: no answer, a dropped stream or a 5xx. EngineError: a 4xx.
+        """
+        try:
+            with self.client.stream("POST", url + path, json=body) as response:
+                if response.status_code >= 400:
+                    text = response.read().decode(errors="replace")[:500]
+                    error = ServerDown if response.status_code >= 500 else EngineError
+                    raise error(f"inference server {url}: POST {path} answered {response.status_code}: {text}")
+
+                def events() -> Iterator[dict]:
+                    for line in response.iter_lines():
+                        if line.startswith("data:"):
+                            data = line[5:].strip()
+                            if data == "[DONE]":
+                                return
+                            yield json.loads(data)
+
+                yield events()
+        except httpx.HTTPError as e:
+            raise ServerDown(f"inference server {url}: POST {path} failed: {type(e).__name__}: {e}; is it "
+                             f"running? {self.start_hint}") from e
 
     def _served_model(self, url: str, *, retries: int = 1, unique: bool = False) -> dict:
         """The ``/v1/models`` entry of the model to request (``model`` or the first listed).
@@ -240,11 +279,40 @@ class ServedEngine:
         """
         if not prompts:
             return []
-        requests = make_requests(prompts, seeds)
-        out: list[Generation | None] = [None] * len(prompts)
+        return self._run(make_requests(prompts, seeds), len(prompts), lambda server, r: self._complete(server, r, params))
+
+    def generate_until(self, prompts: list[list[int]], params: SamplingParams, *, budgets: list[int],
+                       interrupt: threading.Event, seeds: list[int] | None = None) -> list[tuple[Generation, bool]]:
+        """Sample as :meth:`generate`, each prompt with its own token budget (``budgets[i]``
+        replaces ``params.max_new_tokens``), until done or until ``interrupt`` is set: then every
+        request still open is aborted at its next streamed token (closed, so the server drops
+        it) and returns the tokens it has. Partial rollouts' abort
+        (:class:`~plainrl.rollout.engines.partial.PartialEngine`). Returns ``(generation, done)``
+        per prompt; an interrupted one is not done (its ``finish_reason`` is meaningless).
+
+        Raises:
+            EngineError: the backend cannot stream (``interruptible`` False), or as :meth:`generate`.
+        """
+        if not self.interruptible:
+            raise EngineError(f"rollout.remote.backend={self.backend} cannot abort a request mid-stream; use "
+                              "rollout.partial_by=chunks")
+        if not prompts:
+            return []
+        requests = []  # a request's samples share one budget: split any whose rows differ
+        for r in make_requests(prompts, seeds):
+            by_budget: dict[int, list[int]] = {}
+            for row in r.rows:
+                by_budget.setdefault(budgets[row], []).append(row)
+            requests += [Request(r.prompt_ids, rows, r.seed) for rows in by_budget.values()]
+        return self._run(requests, len(prompts), lambda server, r: self._stream(
+            server, r, dataclasses.replace(params, max_new_tokens=budgets[r.rows[0]]), interrupt))
+
+    def _run(self, requests: list[Request], size: int, complete: Callable[[int, Request], list[T]]) -> list[T]:
+        """``complete(server, request)`` of every request, concurrently (so each server batches
+        them), on the server :class:`ServerPool` picks; the answers in prompt order."""
+        out: list[T | None] = [None] * size
         with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
-            futures = [pool.submit(self.pool.run, lambda server, r=r: self._complete(server, r, params))
-                       for r in requests]
+            futures = [pool.submit(self.pool.run, lambda server, r=r: complete(server, r)) for r in requests]
             for req, fut in zip(requests, futures):
                 gens = fut.result()
                 if len(gens) != len(req.rows):
