@@ -34,6 +34,7 @@ import torch
 
 from plainrl.rollout.engines.group_sync import GroupSync
 from plainrl.rollout.engines.requests import EngineError, Request, finish_reason, sampling_kwargs
+from plainrl.rollout.engines.servers import ServerDown
 from plainrl.rollout.engines.sync import policy_weights, to_safetensors
 from plainrl.rollout.engines.weight_group import WeightGroup, layout_json, plan_buckets
 from plainrl.types import Generation, SamplingParams
@@ -103,6 +104,8 @@ class RemoteEngine(GroupSync):
         reasons: list[str | None] = [None] * len(req.rows)
         with self._sse(url, "/v1/completions", body) as events:
             for event in events:
+                if "error" in event:  # vLLM reports a failure mid-stream as an event
+                    raise EngineError(f"inference server {url}: a streamed request failed: {event['error']}")
                 for c in event.get("choices") or []:
                     i, ids = c["index"], c.get("token_ids") or []
                     logprobs = (c.get("logprobs") or {}).get("token_logprobs") or []
@@ -113,8 +116,10 @@ class RemoteEngine(GroupSync):
                     lps[i] += [float(x) for x in logprobs]
                     if c.get("finish_reason") is not None:
                         reasons[i] = finish_reason(c["finish_reason"], c.get("stop_reason"), url)
-                if interrupt.is_set() or all(r is not None for r in reasons):
+                if interrupt.is_set() and not all(r is not None for r in reasons):
                     break
+        if not interrupt.is_set() and None in reasons:
+            raise ServerDown(f"inference server {url}: a streamed completion ended without a finish reason")
         return [(Generation(token_ids=t, logprobs=lp, finish_reason=r or "length"), r is not None)
                 for t, lp, r in zip(toks, lps, reasons)]
 
