@@ -115,7 +115,7 @@ class RolloutConfig(_Section):
     is one-step-off. Needs `rollout.engine: remote`, or `hf`, which then samples with a copy of the model
     (docs/engines.md); 0: synchronous."""
     partial: bool = False
-    """Partial rollouts (needs `async_steps > 0`): a weight push lands between decode chunks of `partial_chunk` tokens
+    """Partial rollouts (needs `async_steps > 0`): a weight push interrupts the completions in flight (`partial_by`)
     instead of waiting for the batch being sampled; the tokens are kept, sampling continues under the new weights,
     and each token records the version that sampled it (`plainrl.rollout.engines.partial`)."""
     partial_by: Literal["auto", "abort", "chunks"] = "auto"
