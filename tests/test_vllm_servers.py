@@ -54,10 +54,11 @@ def servers(tmp_path_factory):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _requests_served(url: str) -> float:
-    """Requests a server finished, from its Prometheus metrics."""
+def _metric_sum(url: str, name: str) -> float:
+    """A Prometheus counter of a server summed over its labels (``vllm:request_success_total``:
+    requests finished; ``vllm:generation_tokens_total``: tokens sampled)."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M))
 
 
 def _train(run_dir: Path, urls: list[str], *extra: str, wait: bool = True):
@@ -81,15 +82,15 @@ def _rows(run_dir: Path, name: str) -> list[dict]:
 
 def test_async_training_over_two_servers_resumes_exactly_from_its_in_flight_batch(servers, tmp_path):
     urls = [url for _, url in servers]
-    before = [_requests_served(u) for u in urls]
+    before = [_metric_sum(u, "vllm:request_success_total") for u in urls]
     a = tmp_path / "a"
     _train(a, urls, "train.steps=3", "checkpoint.every=2")
-    steps = [r for r in _rows(a, "metrics.jsonl") if "time/sync" in r]
+    steps = [r for r in _rows(a, "metrics.jsonl") if "loss" in r]  # (time/sync: only when the learner made the push)
     assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0]
     assert all("time/wait_rollout" in r for r in steps)
     assert all(r["rollout/server_failures"] == 0 for r in steps)
     # 3 steps x 4 groups (a group is one request with n=2), spread over both servers
-    served = [_requests_served(u) - b for u, b in zip(urls, before)]
+    served = [_metric_sum(u, "vllm:request_success_total") - b for u, b in zip(urls, before)]
     assert min(served) > 0, served
 
     ckpt = a / "checkpoints" / "step-000002"
@@ -117,11 +118,6 @@ def test_two_steps_ahead_with_partial_rollouts_over_two_servers(servers, tmp_pat
     assert all(r["rollout/server_failures"] == 0 for r in steps)
 
 
-def _generated_tokens(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(m) for m in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
-
-
 def test_a_push_aborts_the_streams_in_flight_and_each_token_has_its_versions_logprob(servers):
     """rollout.partial_by=abort over a real server: a push while 160-token completions stream
     closes every stream (the server drops the request), keeps the tokens streamed and continues
@@ -142,11 +138,11 @@ def test_a_push_aborts_the_streams_in_flight_and_each_token_has_its_versions_log
     try:
         engine.load_weights(v0, version=0)
         result: dict = {}
-        before = _generated_tokens(url0)
+        before = _metric_sum(url0, "vllm:generation_tokens_total")
         worker = threading.Thread(target=lambda: result.update(out=engine.generate(prompts, params, seeds=[1, 2, 3, 4])))
         worker.start()
         deadline = time.monotonic() + 120
-        while _generated_tokens(url0) < before + 40 and time.monotonic() < deadline:
+        while _metric_sum(url0, "vllm:generation_tokens_total") < before + 40 and time.monotonic() < deadline:
             time.sleep(0.05)
         engine.load_weights(v1, version=1)
         worker.join(timeout=300)

@@ -54,12 +54,12 @@ class PartialEngine:
     def __init__(self, inner: Engine, tokenizer, *, chunk: int, by: str = "auto", version: int = 0):
         if chunk < 1:
             raise ValueError(f"rollout.partial_chunk must be at least 1 token, got {chunk}")
+        if by not in ("auto", "abort", "chunks"):
+            raise ValueError(f"rollout.partial_by must be auto, abort or chunks, got {by!r}")
         can_abort = bool(getattr(inner, "interruptible", False))
         if by == "abort" and not can_abort:
             raise ValueError(f"rollout.partial_by=abort: {type(inner).__name__} cannot abort a request mid-stream "
                              "(only vLLM servers can); set rollout.partial_by=chunks")
-        if by not in ("auto", "abort", "chunks"):
-            raise ValueError(f"rollout.partial_by must be auto, abort or chunks, got {by!r}")
         self.inner, self.tokenizer, self.chunk, self.version = inner, tokenizer, chunk, version
         self.by = "abort" if by == "abort" or (by == "auto" and can_abort) else "chunks"
         self._cv = threading.Condition()

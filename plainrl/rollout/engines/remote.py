@@ -73,11 +73,14 @@ class RemoteEngine(GroupSync):
             raise EngineError(f"inference server {url} runs without plainrl's worker extension (POST /collective_rpc "
                               f"plainrl_ping answered {ping.status_code}: {ping.text[:300]}); {START_HINT}")
 
+    def _body(self, server: int, req: Request, params: SamplingParams, **extra: Any) -> dict[str, Any]:
+        """The completions request of ``req``: token ids in and out, the sampled tokens' logprobs."""
+        return dict(model=self._lora or self.models[server], prompt=req.prompt_ids, return_token_ids=True,
+                    skip_special_tokens=False, **sampling_kwargs(params, n=len(req.rows), seed=req.seed), **extra)
+
     def _complete(self, server: int, req: Request, params: SamplingParams) -> list[Generation]:
         url = self.urls[server]
-        body: dict[str, Any] = dict(model=self._lora or self.models[server], prompt=req.prompt_ids,
-                                    return_token_ids=True, skip_special_tokens=False,
-                                    **sampling_kwargs(params, n=len(req.rows), seed=req.seed))
+        body = self._body(server, req, params)
         choices = sorted(self._call("POST", url, "/v1/completions", json=body).json()["choices"],
                          key=lambda c: c["index"])
         out = []
@@ -96,9 +99,7 @@ class RemoteEngine(GroupSync):
         once ``interrupt`` is set the stream is closed at the next event, and vLLM aborts a
         request whose client has gone (its engine frees the sequence)."""
         url = self.urls[server]
-        body: dict[str, Any] = dict(model=self._lora or self.models[server], prompt=req.prompt_ids,
-                                    return_token_ids=True, skip_special_tokens=False, stream=True,
-                                    **sampling_kwargs(params, n=len(req.rows), seed=req.seed))
+        body = self._body(server, req, params, stream=True)
         toks: list[list[int]] = [[] for _ in req.rows]
         lps: list[list[float]] = [[] for _ in req.rows]
         reasons: list[str | None] = [None] * len(req.rows)
