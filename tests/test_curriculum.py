@@ -255,8 +255,13 @@ def test_resume_draws_what_an_uninterrupted_run_draws(tiny_model_dir, tmp_path, 
     assert state["sampler"]["curriculum"] and any(r is not None for r in state["sampler"]["pass_rates"])
     monkeypatch.setattr(run_setup, "save_checkpoint", real_save)
     loop.train(_cfg(tiny_model_dir, cut, *over))
-    assert _metrics(cut) == _metrics(full)
+    # the same prompts and tokens, exactly; the float metrics to 1e-5: with 2 threads two identical runs
+    # of the gate (batches of varying size) differed in the last bits of grad_norm (MKL picks kernels by
+    # memory alignment; with one thread, or MKL_CBWR=AUTO,STRICT, the first steps agreed exactly)
     assert (cut / "rollouts.jsonl").read_text() == (full / "rollouts.jsonl").read_text()
+    cut_rows, full_rows = _metrics(cut), _metrics(full)
+    assert [r.keys() for r in cut_rows] == [r.keys() for r in full_rows]
+    assert all(a == pytest.approx(b, rel=1e-5, abs=1e-6) for a, b in zip(cut_rows, full_rows))
 
 
 def test_two_ranks_draw_by_pass_rate_and_regroup_a_redraw(tiny_model_dir, tmp_path):
