@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--sync", choices=["full", "lora"], default="full",
                     help="rollout.sync of the runs and servers: full pushes the merged weights (faster sampling "
                          "on CPU, a slow push), lora the adapter (0.1 s push, vLLM's slower LoRA sampling)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="keep each run's directory (metrics.jsonl step by step) and the server logs here")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for every run and server, e.g. model.dtype=float32")
     args = ap.parse_args()
     extra, steps = [f"rollout.max_new_tokens={args.max_new_tokens}", *args.overrides], args.steps
@@ -113,7 +115,8 @@ def main() -> None:
     print(f"{'async':>5s} {'partial':>7s} {'samples/s':>9s} {'s/step':>7s} {'generate':>8s} {'update':>7s} "
           f"{'sync':>6s} {'learner idle':>12s} {'engine idle':>11s} {'stale':>5s} {'partial':>7s} {'len':>9s}")
     with tempfile.TemporaryDirectory(prefix="plainrl-async-") as tmp:
-        workdir = Path(tmp)
+        workdir = args.out or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         servers = []
         try:
             if args.engine == "remote":
