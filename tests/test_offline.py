@@ -182,9 +182,10 @@ def test_reward_model_learns_and_loads_without_plainrl(tiny_model_dir, tmp_path,
     # every step is the whole file (5 rows, batch 5); at lr 1e-3 the loss falls every step (1e-2 overshoots:
     # the loss oscillated and ended at log 2, so that test passed or failed by the prompt's wording)
     run = offline.train_offline(_offline(tiny_model_dir, tmp_path / "run", "rm", "train.steps=8", "train.lr=1e-3"))
-    loss = [r["loss"] for r in _rows(run)]
+    rows = _rows(run)
+    loss = [r["loss"] for r in rows]
     assert all(b < a for a, b in zip(loss, loss[1:])) and loss[-1] < loss[0] - 0.3, loss
-    assert _rows(run)[-1]["accuracy"] == 1.0
+    assert rows[-1]["accuracy"] == 1.0
     base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
     model = PeftModel.from_pretrained(base, run / "final").eval()
     cfg = load_config(run / "config.yaml")
