@@ -5,6 +5,7 @@ with a clear error within 60 s once every server is gone. Runs under `make test-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -123,7 +124,11 @@ def test_a_push_aborts_the_streams_in_flight_and_each_token_has_its_versions_log
     closes every stream (the server drops the request), keeps the tokens streamed and continues
     them under the new weights from their token ids; each token's logprob is the learner's at the
     version that sampled it. Without the abort the push would wait for the completions and every
-    token would be of version 0."""
+    token would be of version 0.
+
+    The push must land mid-stream: each stream's reader stops after its 5th event until the push
+    raises the interrupt (the server keeps sampling meanwhile), so a fast server cannot finish
+    the completions first (waiting on the server's token counter could, under load)."""
     (_, url0), _ = servers
     tok = load_tokenizer(MODEL)
     v0 = load_policy(ModelConfig(name=MODEL, dtype="float32", lora={"enabled": False}), torch.device("cpu"))
@@ -131,37 +136,53 @@ def test_a_push_aborts_the_streams_in_flight_and_each_token_has_its_versions_log
     with torch.no_grad():
         for layer in v1.model.layers:
             layer.mlp.down_proj.weight.mul_(1.2)
-    engine = PartialEngine(RemoteEngine([url0], tok, sync="full", max_model_len=512, timeout_s=120), tok, chunk=4)
+    remote = RemoteEngine([url0], tok, sync="full", max_model_len=512, timeout_s=120)
+    engine = PartialEngine(remote, tok, chunk=4)
     assert engine.by == "abort"  # auto: vLLM servers abort
     prompts = [chat_prompt_ids(tok, f"Count from {i} to {i + 90}, one number per line.") for i in range(4)]
     params = SamplingParams(max_new_tokens=160, temperature=1.0, stop_token_ids=())  # no EOS: all run to 160
+    paused = threading.Semaphore(0)
+    gate = {"open": True}  # pauses the first pieces' streams only, not their continuations
+    sse = remote._sse
+
+    @contextlib.contextmanager
+    def pausing_sse(url, path, body):
+        with sse(url, path, body) as events:
+            def paced():
+                for n, event in enumerate(events, 1):
+                    yield event
+                    if n == 5 and gate["open"]:
+                        paused.release()
+                        assert engine._interrupt.wait(120), "the push never raised the interrupt"
+            yield paced()
+
+    remote._sse = pausing_sse
     try:
         engine.load_weights(v0, version=0)
         result: dict = {}
-        before = _metric_sum(url0, "vllm:generation_tokens_total")
         worker = threading.Thread(target=lambda: result.update(out=engine.generate(prompts, params, seeds=[1, 2, 3, 4])))
         worker.start()
-        deadline = time.monotonic() + 120
-        while _metric_sum(url0, "vllm:generation_tokens_total") < before + 40 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        for _ in prompts:
+            assert paused.acquire(timeout=120), "a stream did not reach its 5th event"
+        gate["open"] = False
         engine.load_weights(v1, version=1)
         worker.join(timeout=300)
         assert not worker.is_alive()
         out = result["out"]
         assert [len(g.token_ids) for g in out] == [160] * 4 and {g.finish_reason for g in out} == {"length"}
-        assert any(set(g.versions) == {0, 1} for g in out), [sorted(set(g.versions)) for g in out]
+        assert all(set(g.versions) == {0, 1} for g in out), [sorted(set(g.versions)) for g in out]
         for p, g in zip(prompts, out):
             assert g.versions == sorted(g.versions)
             versions = torch.tensor(g.versions)
             served = torch.tensor(g.logprobs)
             for v, policy in ((0, v0), (1, v1)):
                 part = versions == v
-                if part.any():
-                    assert (learner_logps(policy, p, g.token_ids)[part] - served[part]).abs().mean() < LOGPROB_TOL
-            if (versions == 1).any():  # and not the old weights': the check can tell the versions apart
-                other = (learner_logps(v0, p, g.token_ids)[versions == 1] - served[versions == 1]).abs().mean()
-                assert other > 10 * LOGPROB_TOL
+                assert (learner_logps(policy, p, g.token_ids)[part] - served[part]).abs().mean() < LOGPROB_TOL
+            # and not the old weights': the check can tell the versions apart
+            other = (learner_logps(v0, p, g.token_ids)[versions == 1] - served[versions == 1]).abs().mean()
+            assert other > 10 * LOGPROB_TOL
     finally:
+        remote._sse = sse
         engine.load_weights(v0)  # the served weights back for later tests
         engine.close()
 
