@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from plainrl.models.precision import cpu_summary
 
     out = args.out or Path(tempfile.mkdtemp(prefix="samplers_"))
+    out.mkdir(parents=True, exist_ok=True)
     overrides = [f"train.steps={args.steps}", f"eval.every={args.eval_every}", *args.overrides]
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).parent))
