@@ -37,7 +37,8 @@ METHODS = {"uniform": [], "dynamic": ["algorithm.dynamic_sampling=true"], "curri
 
 def curve(metrics_path: Path) -> dict:
     """One run's held-out curve from its metrics.jsonl: ``evals`` as ``(step, cumulative training
-    seconds, pass@1, ci_low, ci_high, n)``, and its mean zero-signal share and samples a step."""
+    seconds, pass@1, ci_low, ci_high, n)``, its training seconds and steps, and its mean draws a step
+    (``sampling/tries``; 1 without re-draws)."""
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     steps = {r["step"]: r for r in rows if "time/step" in r}
     spent, t = {0: 0.0}, 0.0
@@ -49,8 +50,7 @@ def curve(metrics_path: Path) -> dict:
     if not evals or evals[0][0] != 0:
         raise SystemExit(f"{metrics_path}: no evaluation before training; run with eval.before=true")
     tries = [r.get("sampling/tries", 1.0) for r in steps.values()]
-    return {"evals": evals, "train_s": t, "steps": len(steps), "tries": statistics.fmean(tries) if tries else 1.0,
-            "reward_last": statistics.fmean(r["reward/mean"] for r in list(steps.values())[-5:])}
+    return {"evals": evals, "train_s": t, "steps": len(steps), "tries": statistics.fmean(tries) if tries else 1.0}
 
 
 def at_budget(evals: list[tuple], budget_s: float) -> tuple:
@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out or Path(tempfile.mkdtemp(prefix="samplers_"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        args.steps, args.eval_every = 2, 1
     overrides = [f"train.steps={args.steps}", f"eval.every={args.eval_every}", *args.overrides]
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).parent))
