@@ -40,7 +40,7 @@ def test_arithmetic_demo_config_two_steps_real_model(tmp_path, capsys):
 
 @pytest.mark.timeout(1800)  # 20 steps of the real 135M model
 def test_demo_config_learns_in_twenty_steps(tmp_path):
-    """The demo's recipe raises its training reward within 20 of its 40 steps (the model
+    """The demo's recipe raises its training reward within 20 of its 30 steps (the model
     first learns to state 'Answer: N'); a broken gradient, advantage or sync shows here.
 
     The reward of steps 11-20 against steps 1-5, not one greedy evaluation at step 20: the
