@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from plainrl.durable import write_atomic
+
 REPO = Path(__file__).resolve().parent.parent
 LOCKSTEP_WAIT_S = 1e9  # "until every live episode calls the model or ends"
 
@@ -151,8 +153,8 @@ def main(argv=None) -> int:
             run.prep.close()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"cpu": cpu_summary(), "torch": torch.__version__, "results": results},
-                                        indent=2))
+        write_atomic(args.json, json.dumps({"cpu": cpu_summary(), "torch": torch.__version__, "results": results},
+                                           indent=2))
     return 0
 
 

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from plainrl.durable import write_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
@@ -106,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
           f"max {max(afters):.2f}; longest training {max(r['train_s'] for r in rows) / 60:.1f} min")
     print(f"seeds_reaching_{args.threshold:g}={reached}/{len(rows)}")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_summary(), "isa": args.isa, "config": args.config,
-                                         "overrides": overrides, "rows": rows}, indent=1))
+        write_atomic(args.json, json.dumps({"cpu": cpu_summary(), "isa": args.isa, "config": args.config,
+                                            "overrides": overrides, "rows": rows}, indent=1))
     return 0
 
 

@@ -37,6 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from plainrl.durable import write_atomic
+
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 
@@ -185,7 +187,7 @@ def main(argv=None) -> None:
                     for r in ranks), flush=True)
     print(f"\n{cpu_line()}\n{table(results)}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        write_atomic(args.json, json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

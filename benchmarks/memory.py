@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from plainrl.durable import write_atomic
+
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 
@@ -296,8 +298,8 @@ def main(argv=None) -> int:
     print_table(results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"cpu": cpu_summary(), "torch": torch.__version__, "quick": args.quick,
-                                         "results": results}, indent=2))
+        write_atomic(args.json, json.dumps({"cpu": cpu_summary(), "torch": torch.__version__, "quick": args.quick,
+                                            "results": results}, indent=2))
     return 0
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from plainrl.durable import write_atomic
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import make_tiny_model, sync  # noqa: E402
 
@@ -128,8 +130,8 @@ def main(argv=None) -> int:
             print(f"share_prompts={share}: packing speed-up x{by[(share, False)] / by[(share, True)]:.2f} "
                   f"({'wall' if key == 'update_s' else 'CPU'} time)")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_summary(), "threads": torch.get_num_threads(),
-                                         "lengths": list(args.lengths), "results": results}, indent=1))
+        write_atomic(args.json, json.dumps({"cpu": cpu_summary(), "threads": torch.get_num_threads(),
+                                            "lengths": list(args.lengths), "results": results}, indent=1))
     return 0
 
 

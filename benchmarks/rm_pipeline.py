@@ -22,6 +22,8 @@ import random
 import statistics
 from pathlib import Path
 
+from plainrl.durable import write_atomic
+
 from plainrl.config import load_config
 from plainrl.data.tasks import make_task_rows
 from plainrl.intervals import figure
@@ -61,7 +63,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pairs = out / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(p) + "\n" for p in make_pairs(args.pairs, seed=12345)))
+    write_atomic(pairs, "".join(json.dumps(p) + "\n" for p in make_pairs(args.pairs, seed=12345)))
 
     from plainrl.run import loop, offline
 

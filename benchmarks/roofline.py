@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from plainrl.durable import write_atomic
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import cpu_name, make_tiny_model, sync  # noqa: E402
 
@@ -413,7 +415,7 @@ def main(argv=None) -> int:
               f"{LOGIT_BLOCK_ELEMENTS * 4 / MIB:.0f} MiB float32)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
+        write_atomic(args.json, json.dumps({
             "config": str(args.config), "overrides": args.overrides, "tiny": args.tiny, "dtype": dtype,
             "machine": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "matmul_flops": {k: {str(n): f for n, f in v.items()} for k, v in peaks.items()},

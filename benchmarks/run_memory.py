@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from plainrl.durable import write_atomic
+
 GB = 1e9
 MEM_LINE = re.compile(r"^MEM (\{.*\})$")
 
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        write_atomic(args.json, json.dumps(out, indent=1))
     return proc.returncode
 
 

@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from plainrl.durable import write_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"uniform": [], "dynamic": ["algorithm.dynamic_sampling=true"], "curriculum": ["data.curriculum={}"]}
 
@@ -125,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
               f"pooled counts, n={n} over {len(rs)} seeds)")
     print(f"cpu: {cpu_summary()}; {args.threads} thread(s) a run, 3 runs at a time")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_summary(), "config": args.config, "overrides": overrides,
-                                         "results": results}, indent=1))
+        write_atomic(args.json, json.dumps({"cpu": cpu_summary(), "config": args.config, "overrides": overrides,
+                                            "results": results}, indent=1))
     return 0
 
 

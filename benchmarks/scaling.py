@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from plainrl.durable import write_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "arithmetic_grpo.yaml"
 
@@ -82,7 +84,7 @@ def main() -> None:
             print(f"{label:48s} {r['s_per_step']:7.2f} s/step {r['tokens_per_s']:8.1f} tok/s "
                   f"(generate {r['generate_s']:.2f} s, update {r['update_s']:.2f} s)", flush=True)
     if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+        write_atomic(args.out, json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

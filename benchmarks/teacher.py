@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from plainrl.durable import write_atomic
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -112,7 +114,7 @@ def main() -> int:
         rows.append({"way": n, "median_s": med, "min_s": min(times[n]), "ratio_to_student_forward": med / unit})
         print(f"{n:34s} median {med:6.3f} s  min {min(times[n]):6.3f} s  x{med / unit:5.2f} of the student forward")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_summary(), "torch": torch.__version__, "rows": rows}, indent=1))
+        write_atomic(args.json, json.dumps({"cpu": cpu_summary(), "torch": torch.__version__, "rows": rows}, indent=1))
     return 0
 
 

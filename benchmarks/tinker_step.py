@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from plainrl.durable import write_atomic
+
 import httpx
 import numpy as np
 import torch
@@ -132,7 +134,7 @@ def main() -> None:
               "sdk_over_train": med["sdk"] / med["train"]}
     print(json.dumps(result, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_atomic(args.json, json.dumps(result, indent=2))
     print(f"sdk_over_direct={med['sdk'] / med['direct']:.3f} sdk_over_train={med['sdk'] / med['train']:.3f}")
 
 

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from plainrl.durable import write_atomic
+
 TRL_VERSION = "1.16.0"  # the `bench` extra of pyproject.toml pins this
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # the task and prompt rendering of examples/arithmetic_grpo.yaml
@@ -477,7 +479,7 @@ def main(argv=None) -> int:
               f"{s['completion_tokens_per_s']:>17.1f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
+        write_atomic(args.json, json.dumps({
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "machine": cpu_name(), "threads": torch.get_num_threads(), "versions": versions(), "trl_attn": attn,
             "same_prompts": same_prompts, "speedup_vs_trl": speedup,
