@@ -22,10 +22,9 @@ import random
 import statistics
 from pathlib import Path
 
-from plainrl.durable import write_atomic
-
 from plainrl.config import load_config
 from plainrl.data.tasks import make_task_rows
+from plainrl.durable import write_atomic
 from plainrl.intervals import figure
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-from plainrl.durable import write_atomic
-
 import httpx
 import numpy as np
 import torch
@@ -56,6 +54,7 @@ def main() -> None:
 
     from plainrl.config import load_config
     from plainrl.data.offline import ChatTokens, Example
+    from plainrl.durable import write_atomic
     from plainrl.models import load_policy
     from plainrl.train.offline import OfflineTrainer
     from plainrl.tinker.adapters import Adapters
