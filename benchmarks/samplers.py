@@ -78,15 +78,15 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out or Path(tempfile.mkdtemp(prefix="samplers_"))
     out.mkdir(parents=True, exist_ok=True)
-    if args.tiny:
-        args.steps, args.eval_every = 2, 1
-    overrides = [f"train.steps={args.steps}", f"eval.every={args.eval_every}", *args.overrides]
+    tiny = []
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).parent))
         from vs_trl import make_tiny_model
 
-        overrides += ["data.eval_size=4", "rollout.max_new_tokens=8", "rollout.group_size=2",
-                      "rollout.prompts_per_step=2", f"model.name={make_tiny_model(out / 'tiny-llama')}"]
+        args.steps, args.eval_every = 2, 1
+        tiny = ["data.eval_size=4", "rollout.max_new_tokens=8", "rollout.group_size=2", "rollout.prompts_per_step=2",
+                f"model.name={make_tiny_model(out / 'tiny-llama')}"]
+    overrides = [f"train.steps={args.steps}", f"eval.every={args.eval_every}", *args.overrides, *tiny]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     results: dict[str, dict[int, dict]] = {m: {} for m in METHODS}
     for seed in args.seeds:
