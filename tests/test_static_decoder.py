@@ -1,6 +1,8 @@
 """The static decoder against the transformers forward (float32, tiny random models),
 its fallbacks, and the engine's categorical sampler."""
 
+import zlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -16,8 +18,8 @@ def _with_lora(model):
     model = apply_lora(model, LoraConfig(enabled=True, r=4, alpha=8))
     with torch.no_grad():  # a fresh adapter is a no-op (B = 0); make it change the outputs
         for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+            if "lora_B" in name:  # crc32, not hash(): str hashes change with each process's PYTHONHASHSEED
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
     return model.eval()
 
 
@@ -160,8 +162,14 @@ def test_sdpa_attention_gives_the_same_greedy_tokens_and_logprobs_in_bfloat16(qw
         dec = StaticDecoder(model, sdpa=sdpa)
         logits = [dec.start(ids, valid, capacity=12)] + [dec.step(new[:, t]) for t in range(3)]
         out[sdpa] = torch.stack(logits)  # [4, b, V]
-    assert torch.equal(out[True].argmax(-1), out[False].argmax(-1))
-    torch.testing.assert_close(out[True].log_softmax(-1), out[False].log_softmax(-1), atol=0.02, rtol=0.02)
+    ref, sdpa = out[False].log_softmax(-1), out[True].log_softmax(-1)
+    torch.testing.assert_close(sdpa, ref, atol=0.02, rtol=0.02)
+    # greedy tokens equal wherever the reference's top two are further apart than bf16's rounding of the
+    # two paths; a random model's near-ties (gap < 0.05 nats) may fall either way and are not a difference
+    top2 = ref.topk(2, dim=-1).values  # [4, b, 2]
+    decisive = (top2[..., 0] - top2[..., 1]) > 0.05
+    assert decisive.float().mean() >= 0.5, "too few decisive positions for the greedy check to mean anything"
+    assert torch.equal(sdpa.argmax(-1)[decisive], ref.argmax(-1)[decisive])
 
 
 def test_select_repeats_and_drops_rows(llama):
