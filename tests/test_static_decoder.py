@@ -162,14 +162,14 @@ def test_sdpa_attention_gives_the_same_greedy_tokens_and_logprobs_in_bfloat16(qw
         dec = StaticDecoder(model, sdpa=sdpa)
         logits = [dec.start(ids, valid, capacity=12)] + [dec.step(new[:, t]) for t in range(3)]
         out[sdpa] = torch.stack(logits)  # [4, b, V]
-    ref, sdpa = out[False].log_softmax(-1), out[True].log_softmax(-1)
-    torch.testing.assert_close(sdpa, ref, atol=0.02, rtol=0.02)
+    ref, got = out[False].log_softmax(-1), out[True].log_softmax(-1)
+    torch.testing.assert_close(got, ref, atol=0.02, rtol=0.02)
     # greedy tokens equal wherever the reference's top two are further apart than bf16's rounding of the
     # two paths; a random model's near-ties (gap < 0.05 nats) may fall either way and are not a difference
     top2 = ref.topk(2, dim=-1).values  # [4, b, 2]
     decisive = (top2[..., 0] - top2[..., 1]) > 0.05
     assert decisive.float().mean() >= 0.5, "too few decisive positions for the greedy check to mean anything"
-    assert torch.equal(sdpa.argmax(-1)[decisive], ref.argmax(-1)[decisive])
+    assert torch.equal(got.argmax(-1)[decisive], ref.argmax(-1)[decisive])
 
 
 def test_select_repeats_and_drops_rows(llama):
