@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
 from conftest import (  # noqa: E402
-    REPO, chat_prompt_ids, greedy_against_embedded, learner_logps, start_server, wait_healthy,
+    REPO, chat_prompt_ids, greedy_against_embedded, learner_logps,
 )
 
 from plainrl.cli import main  # noqa: E402
@@ -34,15 +31,12 @@ KEY_ENV, KEY = "PLAINRL_TEST_OPENAI_KEY", "plainrl-test-key"
 LOGPROB_TOL = 2e-3
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`plainrl serve` of the demo config in float32, answering /v1 only with the API key."""
-    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log",
-                             f"rollout.vllm.extra_args={{api_key: {KEY}}}")
-    wait_healthy(proc, url)  # /health is outside vLLM's key check
-    yield url
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+@pytest.fixture()
+def server(serve_pool):
+    """The session's `plainrl serve` of the demo config in float32, answering /v1 only with the API
+    key (its /health, which the pool waits on, is outside vLLM's key check)."""
+    [(_, url)] = serve_pool.get(f"rollout.vllm.extra_args={{api_key: {KEY}}}")
+    return url
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ where vLLM is not installed."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 tinker = pytest.importorskip("tinker")
 
-from conftest import REPO, free_port, start_server, wait_healthy  # noqa: E402
+from conftest import REPO, free_port, wait_healthy  # noqa: E402
 from tinker import types  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -28,14 +27,11 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LOGPROB_TOL = 2e-3  # vLLM's CPU kernels against the service's forward, float32 (as tests/test_vllm_remote.py)
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    """`plainrl serve` of the demo config (LoRA up to rank 16, float32, context 512)."""
-    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log")
-    wait_healthy(proc, url)
-    yield url
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+@pytest.fixture()
+def vllm_server(serve_pool):
+    """The session's `plainrl serve` of the demo config (LoRA up to rank 16, float32, context 512)."""
+    [(_, url)] = serve_pool.get()
+    return url
 
 
 def _start_tinker(root, vllm_url: str, *overrides: str):
@@ -132,6 +128,16 @@ def test_samplers_on_a_plainrl_serve_server(vllm_server, tmp_path):
 
 
 def test_full_sync_pushes_the_merged_adapter(vllm_server, tmp_path):
+    import torch
+
+    from plainrl.config import ModelConfig
+    from plainrl.models import load_policy, load_tokenizer
+    from plainrl.rollout.engines.remote import RemoteEngine
+
+    # the pooled server's base weights, pushed back at the end for the tests that share it
+    restore = RemoteEngine([vllm_server], load_tokenizer("smollm2-135m-instruct"), sync="full", max_model_len=512)
+    probe = "model.layers.0.mlp.down_proj.weight"
+    base_sum = restore.weight_sum(probe)
     proc, url = _start_tinker(tmp_path, vllm_server, "rollout.sync=full")
     try:
         sc = tinker.ServiceClient(base_url=url, api_key="tml-local")
@@ -149,3 +155,9 @@ def test_full_sync_pushes_the_merged_adapter(vllm_server, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        try:
+            restore.load_weights(load_policy(ModelConfig(name="smollm2-135m-instruct", dtype="float32", lora={"enabled": False}),
+                                             torch.device("cpu")))
+            assert restore.weight_sum(probe) == pytest.approx(base_sum, rel=1e-6)
+        finally:
+            restore.close()

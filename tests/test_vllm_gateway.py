@@ -4,15 +4,11 @@ response's token_ids and logprobs, through Chat Completions and the Responses AP
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import start_server, wait_healthy  # noqa: E402
 from test_gateway import CALC, prompts, spans  # noqa: E402
 
 from plainrl.models import load_tokenizer, resolve_model_path  # noqa: E402
@@ -99,19 +95,14 @@ def test_the_gateway_in_front_of_vllm_in_process():
         engine.close()
 
 
-def test_the_gateway_in_front_of_a_remote_server(tmp_path):
+def test_the_gateway_in_front_of_a_remote_server(serve_pool):
     from plainrl.rollout.engines.remote import RemoteEngine
 
     tok = load_tokenizer(MODEL)
-    proc, url = start_server(tmp_path / "server.log")
+    [(_, url)] = serve_pool.get()
+    engine = RemoteEngine([url], tok, sync="full", weights_via="http", max_model_len=512)
     try:
-        wait_healthy(proc, url)
-        engine = RemoteEngine([url], tok, sync="full", weights_via="http", max_model_len=512)
-        try:
-            _check(_run(engine, tok, 3))
-            _check_responses(_run(engine, tok, 3, responses_agent))
-        finally:
-            engine.close()
+        _check(_run(engine, tok, 3))
+        _check_responses(_run(engine, tok, 3, responses_agent))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        engine.close()

