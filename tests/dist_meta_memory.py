@@ -3,11 +3,12 @@ worker of tests/test_distributed.py): each rank's peak resident memory (``VmHWM`
 through ``/proc/self/clear_refs`` first) over ``load_policy`` and ``Parallel.wrap``, against
 the full model's size, and whether the model a rank other than 0 built was on the meta device.
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_meta_memory.py MODEL_DIR OUT.pt [mismatch]
+    torchrun --standalone --nproc-per-node 2 tests/dist_meta_memory.py MODEL_DIR OUT.pt [MISMATCH_MODEL_DIR]
 
 Writes (rank 0) ``[{"rank", "peak_bytes", "full_bytes", "built_on_meta"}, ...]`` in rank order.
-With ``mismatch`` rank 1 builds its model in bfloat16 instead, and each rank writes the error
-``Parallel.wrap`` raised to ``OUT.pt.rank<r>``.
+With ``MISMATCH_MODEL_DIR``, afterwards, in the same process group: the ranks wrap that model again,
+rank 1 building it in bfloat16 instead, and each rank writes the error ``Parallel.wrap`` raised to
+``OUT.pt.rank<r>`` (one launch for both tests of tests/test_distributed.py).
 """
 
 from __future__ import annotations
@@ -37,13 +38,6 @@ def main() -> None:
         f"model.name={model_dir}", "model.dtype=float32", "device=cpu", "train.strategy=fsdp2",
         "model.lora.enabled=false", "rollout.prompts_per_step=2"])
     parallel = join(cfg)
-    if sys.argv[3:] == ["mismatch"]:
-        model_cfg = cfg.model.model_copy(update={"dtype": "bfloat16"}) if parallel.rank == 1 else cfg.model
-        try:
-            parallel.wrap(load_policy(model_cfg, parallel.device, meta=parallel.on_meta))
-        except ValueError as e:
-            Path(f"{out}.rank{parallel.rank}").write_text(str(e))
-        return
     load_policy(cfg.model, parallel.device, meta=True)  # imports transformers' modelling code (~100 MB) first
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
@@ -57,6 +51,15 @@ def main() -> None:
                             "built_on_meta": built_on_meta})
     if parallel.is_main:
         torch.save(rows, out)
+    del model
+    if sys.argv[3:]:
+        model_cfg = cfg.model.model_copy(update={"name": sys.argv[3]})
+        if parallel.rank == 1:
+            model_cfg = model_cfg.model_copy(update={"dtype": "bfloat16"})
+        try:
+            parallel.wrap(load_policy(model_cfg, parallel.device, meta=parallel.on_meta))
+        except ValueError as e:
+            Path(f"{out}.rank{parallel.rank}").write_text(str(e))
 
 
 if __name__ == "__main__":

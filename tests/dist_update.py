@@ -161,11 +161,14 @@ def offline_case(model_dir: str, strategy: str | None, name: str) -> dict:
 def main() -> None:
     """``DIST_STRATEGIES`` (default ``ddp,fsdp2``) and ``DIST_CASES`` (default all) choose what
     runs; ``hsdp`` is FSDP2 with ``train.fsdp_size=2``, ``ddp-offload`` DDP with
-    ``train.offload=optimizer`` (policy cases only); ``DIST_DEVICE=cuda`` runs every rank (and
+    ``train.offload=optimizer`` (policy cases only); a strategy written ``NAME:CASE+CASE`` runs for
+    those cases only (one launch serving several tests); ``DIST_DEVICE=cuda`` runs every rank (and
     the one process) on its GPU, over NCCL."""
     model_dir, out = sys.argv[1:3]
     rank = int(os.environ["RANK"])
     strategies = os.environ.get("DIST_STRATEGIES", "ddp,fsdp2").split(",")
+    only = {s.split(":")[0]: s.split(":")[1].split("+") for s in strategies if ":" in s}
+    strategies = [s.split(":")[0] for s in strategies]
     results = {}
     cases = {name: (lambda strategy, over=over: run_case(model_dir, strategy, over)) for name, over in CASES.items()
              if name != "gkd"}  # (tests/test_distill.py runs it: DIST_CASES=gkd)
@@ -180,6 +183,8 @@ def main() -> None:
         if rank == 0:
             results[(name, "single")] = case(None)
         for strategy in strategies:
+            if strategy in only and name not in only[strategy]:
+                continue
             if strategy == "hsdp":
                 results[(name, strategy)] = run_case(model_dir, "fsdp2", [*CASES[name], "train.fsdp_size=2"])
             elif strategy == "ddp-offload":

@@ -346,13 +346,12 @@ def test_distillation_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch, los
     assert (cut / "rollouts.jsonl").read_text() == (full / "rollouts.jsonl").read_text()
 
 
-def test_two_rank_distillation_equals_one_process(tiny_model_dir, tmp_path):
+def test_two_rank_distillation_equals_one_process(tiny_model_dir, tmp_path_factory):
     """Under torchrun (gloo, DDP and FSDP2) each rank scores its share of the samples with the
-    teacher and the GKD term joins the loss: the update equals the one-process update."""
-    from test_distributed import assert_updates_equal, torchrun
+    teacher and the GKD term joins the loss: the update equals the one-process update (the case
+    rides on tests/test_distributed.py's launch of tests/dist_update.py, run once a session)."""
+    from test_distributed import assert_updates_equal, two_rank_updates
 
-    out = tmp_path / "updates.pt"
-    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out), env={"DIST_CASES": "gkd"})
-    results = torch.load(out, weights_only=False)
+    results = two_rank_updates(tiny_model_dir, tmp_path_factory)
     assert results[("gkd", "single")]["stats"]["teacher_logps_sum"] < 0
     assert_updates_equal(results, ("gkd",))

@@ -27,14 +27,35 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None 
     return proc
 
 
-def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_path):
+_LAUNCHES: dict = {}
+
+
+def launched_once(key, launch):
+    """``launch()``'s result, computed once a session for ``key``: a torchrun launch (three interpreters
+    importing torch, most of a launch's cost) whose results several tests check."""
+    if key not in _LAUNCHES:
+        _LAUNCHES[key] = launch()
+    return _LAUNCHES[key]
+
+
+def two_rank_updates(model_dir: Path, tmp_path_factory) -> dict:
+    """tests/dist_update.py's results of one 2-rank launch for the tests that compare 2-rank updates with
+    the one-process update: every case under DDP and FSDP2 (GKD distillation too: tests/test_distill.py),
+    full fine-tuning under DDP with the optimizer offloaded."""
+    def launch():
+        out = tmp_path_factory.mktemp("dist-update") / "updates.pt"
+        torchrun(str(REPO / "tests" / "dist_update.py"), str(model_dir), str(out),
+                 env={"DIST_CASES": "lora,full,critic,dpo,sft,gkd", "DIST_STRATEGIES": "ddp,fsdp2,ddp-offload:full"})
+        return torch.load(out, weights_only=False)
+    return launched_once(("dist_update", str(model_dir)), launch)
+
+
+def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_path_factory):
     """The heart of data parallelism: on the same rows, the loss, its statistics and the
     updated weights of 2 ranks (DDP, FSDP2) are the one-process update's, to float32
     rounding (Adam's first steps amplify gradient rounding a little: 2e-5 on updates of ~1e-2).
     Policy learner (LoRA; full fine-tuning), PPO's critic, DPO and SFT (tests/dist_update.py)."""
-    out = tmp_path / "updates.pt"
-    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out))
-    assert_updates_equal(torch.load(out, weights_only=False), ("lora", "full", "critic", "dpo", "sft"))
+    assert_updates_equal(two_rank_updates(tiny_model_dir, tmp_path_factory), ("lora", "full", "critic", "dpo", "sft"))
 
 
 def assert_updates_equal(results: dict, cases, strategies=("ddp", "fsdp2")) -> None:
@@ -71,13 +92,23 @@ def mid_model_dir(tmp_path_factory) -> Path:
     return d
 
 
-def test_fsdp2_ranks_other_than_0_never_hold_the_full_weights(mid_model_dir, tmp_path):
+def meta_memory_launch(mid_model_dir: Path, tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """One 2-rank launch of tests/dist_meta_memory.py for the two tests below: the memory of loading
+    ``mid_model_dir``, then the mismatched build of ``tiny_model_dir``; returns its OUT path."""
+    def launch():
+        out = tmp_path_factory.mktemp("meta") / "memory.pt"
+        torchrun(str(REPO / "tests" / "dist_meta_memory.py"), str(mid_model_dir), str(out), str(tiny_model_dir),
+                 timeout=300)
+        return out
+    return launched_once(("dist_meta_memory", str(mid_model_dir), str(tiny_model_dir)), launch)
+
+
+def test_fsdp2_ranks_other_than_0_never_hold_the_full_weights(mid_model_dir, tiny_model_dir, tmp_path_factory):
     """Meta-device initialisation: rank 1 builds the model on the meta device and allocates only
     its float32 shards (half the model), so its peak resident memory over loading and sharding
     stays well under the full model's size; rank 0, which reads the weights, holds them all
     (the control that the measurement sees a full load)."""
-    out = tmp_path / "memory.pt"
-    torchrun(str(REPO / "tests" / "dist_meta_memory.py"), str(mid_model_dir), str(out), timeout=300)
+    out = meta_memory_launch(mid_model_dir, tiny_model_dir, tmp_path_factory)
     main, other = torch.load(out, weights_only=False)
     full = main["full_bytes"]
     assert full > 150e6 and not main["built_on_meta"] and other["built_on_meta"]
@@ -85,11 +116,11 @@ def test_fsdp2_ranks_other_than_0_never_hold_the_full_weights(mid_model_dir, tmp
     assert other["peak_bytes"] < 0.8 * full, other  # its shards: 0.5 (measured 0.61); a full load: over 1
 
 
-def test_fsdp2_stops_every_rank_when_one_built_another_model(tiny_model_dir, tmp_path):
+def test_fsdp2_stops_every_rank_when_one_built_another_model(mid_model_dir, tiny_model_dir, tmp_path_factory):
     """Rank 1 builds its meta model in bfloat16, rank 0 loads float32: both raise before any shard is
-    filled (none is left waiting in a collective), rank 1 naming the first differing tensor."""
-    out = tmp_path / "errors"
-    torchrun(str(REPO / "tests" / "dist_meta_memory.py"), str(tiny_model_dir), str(out), "mismatch", timeout=300)
+    filled (none is left waiting in a collective: the launch, which ends with this, exits 0), rank 1
+    naming the first differing tensor."""
+    out = meta_memory_launch(mid_model_dir, tiny_model_dir, tmp_path_factory)
     main, other = (Path(f"{out}.rank{r}").read_text() for r in (0, 1))
     assert "a rank built another model than rank 0, see its error" in main
     assert "torch.bfloat16) here" in other and "torch.float32) on rank 0" in other
@@ -114,14 +145,11 @@ def test_four_rank_hsdp_update_equals_one_process(tiny_model_dir, tmp_path):
                                        msg=lambda m: f"{case}/hsdp {name}: {m}")
 
 
-def test_two_rank_ddp_with_optimizer_offload_equals_one_process(tiny_model_dir, tmp_path):
+def test_two_rank_ddp_with_optimizer_offload_equals_one_process(tiny_model_dir, tmp_path_factory):
     """train.offload=optimizer under DDP (the all-reduced gradients copied to host buffers, a
     fused CPU AdamW step on host masters, the weights copied back on each rank) gives the
     one-process update without offload: full fine-tuning with clipping, two PPO epochs."""
-    out = tmp_path / "updates.pt"
-    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out),
-             env={"DIST_STRATEGIES": "ddp-offload", "DIST_CASES": "full"})
-    results = torch.load(out, weights_only=False)
+    results = two_rank_updates(tiny_model_dir, tmp_path_factory)
     single, got = results[("full", "single")], results[("full", "ddp-offload")]
     assert got["offload"] and not single["offload"]
     for key in ("loss", "kl", "grad_norm"):
@@ -177,7 +205,8 @@ def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path)
     there, inside the next step's reward call), ends the whole job non-zero within 60 s;
     the same command then resumes from the last checkpoint and finishes, every step logged
     once, the adapter trained, and the step redone after the resume equals the one the killed
-    run logged (exact resume at the same world size: weights, optimizer, RNGs, data position)."""
+    run logged (exact resume at the same world size: weights, optimizer, RNGs, data position).
+    4 steps: the checkpoint after 2, step 2 logged, step 3 held; the rerun redoes 2 and does 3."""
     import signal
     import time
 
@@ -191,14 +220,17 @@ def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path)
     # once and torchrun stops it); it only has to outlast a slow start on a loaded machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "plainrl",
            "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
-           *tiny_overrides(tiny_model_dir, run), "train.steps=8", "checkpoint.every=2", "train.strategy=fsdp2",
+           *tiny_overrides(tiny_model_dir, run), "train.steps=4", "checkpoint.every=2", "train.strategy=fsdp2",
            "train.collective_timeout_s=120", "data.eval_size=2", "train.lr=1e-2", "log.tensorboard=false",
            # the random tiny model never answers right: a reward that varies (text length) gives it a gradient
            f"rewards=[{{fn: {REPO / 'tests' / 'data' / 'gate_reward.py'}:length_bonus}}]"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "job.log", "w")
-    job = subprocess.Popen(cmd, cwd=REPO, env={**env, "PLAINRL_TEST_GATE": str(run)}, stdout=log,
-                           stderr=subprocess.STDOUT, text=True)
+    # torchrun stops rank 0 (held in the gate, where its SIGTERM handler waits for a step boundary that
+    # never comes) with SIGTERM, then SIGKILL after its grace: 2 s, not the default 30 (the variable is
+    # torchrun's documented twin of --shutdown-timeout; a torch without it ignores it: slower only)
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+                           env={**env, "PLAINRL_TEST_GATE": str(run), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
     latest = run / "checkpoints" / "latest"
     try:
         deadline = time.monotonic() + 600
@@ -220,12 +252,12 @@ def test_sigkilled_rank_ends_the_job_and_rerun_resumes(tiny_model_dir, tmp_path)
         log.close()
     before = {r["step"]: r for r in _rows(run) if "loss" in r}
     resume_at = int(latest.read_text().strip().split("-")[1])
-    assert max(before) < 7  # it stopped early
+    assert max(before) < 3  # it stopped early
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "resumed from" in proc.stderr + proc.stdout
     after = {r["step"]: r for r in _rows(run) if "loss" in r}
-    assert sorted(after) == list(range(8))  # each step once: the rows after the checkpoint were dropped
+    assert sorted(after) == list(range(4))  # each step once: the rows after the checkpoint were dropped
     # the killed run logged the step after its last checkpoint and no more (the gate held the next one)
     assert max(before) == resume_at
     for key in ("loss", "reward/mean", "grad_norm", "response_length/mean", "tokens/completion"):
