@@ -63,9 +63,12 @@ def test_demo_config_learns_in_twenty_steps(tmp_path):
 
 
 @pytest.mark.skipif(not GSM8K_TRAIN.is_file(), reason="GSM8K train split not beside the repo")
-def test_gsm8k_config_one_step_on_the_real_file(tmp_path, capsys):
+def test_gsm8k_config_one_step_on_the_real_file(tiny_model_dir, tmp_path, capsys):
+    """The GSM8K config on GSM8K's real train file (7,473 rows: the loader, the held-out split,
+    the prompt template) for one step, then `plainrl eval` of the run on the same held-out rows.
+    The tiny random model: the file and the config are under test, not the model."""
     run = tmp_path / "run"
-    over = [f"run_dir={run}", f"data.path={GSM8K_TRAIN}", "data.subset=null", "train.steps=1", "train.warmup_steps=0",
+    over = [f"run_dir={run}", f"model.name={tiny_model_dir}", "model.dtype=float32", f"data.path={GSM8K_TRAIN}", "data.subset=null", "train.steps=1", "train.warmup_steps=0",
             "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_new_tokens=32", "data.eval_holdout=4",
             "data.eval_size=4", "eval.before=false", "log.progress=false"]
     assert main(["train", str(REPO / "examples" / "gsm8k_grpo.yaml"), *over]) == 0

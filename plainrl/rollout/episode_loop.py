@@ -14,18 +14,20 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from plainrl.data import PromptRow
 from plainrl.rollout.batcher import EngineCalls, RequestBatcher
 from plainrl.rollout.chat import prompt_messages
 from plainrl.rollout.engines.base import Engine
-from plainrl.rollout.gateway import Gateway
 from plainrl.rollout.llm import LLM
 from plainrl.rollout.run_loop import DaemonThreads, RunLoop
 from plainrl.rollout.seeding import episode_seed
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import SamplingParams
+
+if TYPE_CHECKING:  # the gateway (and openai's types under it) is imported by the rollouts that make one
+    from plainrl.rollout.gateway import Gateway
 
 __all__ = ["DaemonThreads", "EpisodeRun", "LoopSettings", "Runner", "run_episodes"]
 
@@ -136,6 +138,8 @@ def run_episodes(
     calls = EngineCalls(engine, max_in_flight=s.max_in_flight)
     gateway, own_gateway = s.gateway, s.gateway is None
     if gateway is None:
+        from plainrl.rollout.gateway import Gateway
+
         gateway = Gateway(model=str(getattr(tokenizer, "name_or_path", "") or "plainrl"), max_model_len=s.max_context)
     run_loop, own_loop = s.loop, s.loop is None
     if run_loop is None:

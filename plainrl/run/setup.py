@@ -39,8 +39,6 @@ from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.episodes import check_rows_fit_env, env_constructor
-from plainrl.rollout.gateway import Gateway
-from plainrl.rollout.gateway.online import announce
 from plainrl.rollout.run_loop import RunLoop
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
@@ -153,8 +151,12 @@ def multi_turn_settings(cfg: Config) -> MultiTurn | None:
     in_flight = (live or r.prompts_per_step * r.group_size) if r.engine == "remote" else 1
     # agents written for the OpenAI API: one loopback gateway for the run (its socket bound when an
     # episode first asks for its URL, so runs whose agents never do open no port)
-    gateway = Gateway(model=cfg.model.name, max_model_len=cfg.model.max_context, port=r.gateway_port,
-                      online=r.agent == "online") if agent else None
+    gateway = None
+    if agent:  # (imported here: openai's types cost seconds of start-up that other runs need not pay)
+        from plainrl.rollout.gateway import Gateway
+
+        gateway = Gateway(model=cfg.model.name, max_model_len=cfg.model.max_context, port=r.gateway_port,
+                          online=r.agent == "online")
     return MultiTurn(factory, r.max_turns, r.completion_budget, cfg.data.system_prompt, cfg.data.prompt_template,
                      max_live=live, agent=agent, max_context=cfg.model.max_context if agent else None,
                      timeout_s=r.agent_timeout_s if agent else None, max_in_flight=in_flight,
@@ -416,6 +418,8 @@ def _announce(cfg: Config, prep: Prepared, logger: MetricsLogger, run_dir: Path,
         logger.print(note)
     gateway = prep.multi_turn.gateway if prep.multi_turn is not None else None
     if gateway is not None and gateway.online is not None:  # rollout.agent: online: tell the outside process
+        from plainrl.rollout.gateway.online import announce
+
         path = announce(run_dir, gateway.url, gateway.online.token)
         logger.print(f"online episodes: {gateway.url}/rl/episodes (its address and token: {path})")
     if cfg.model.quantization != "none":
