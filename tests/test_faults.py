@@ -45,23 +45,35 @@ def _survivors(run_dir):
     return found
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_checkpoints_and_exits_75_then_resumes(tiny_model_dir, tmp_path, sig):
+def test_signal_checkpoints_and_exits_75_then_resumes(tiny_model_dir, tmp_path):
+    """SIGTERM, then SIGINT to the run that resumed from SIGTERM's checkpoint (one chain of runs
+    instead of a fresh run per signal): each stops at a step boundary with a checkpoint, exits
+    75 and leaves no process; the same command resumes from there, and a short last run ends it."""
     run = tmp_path / "run"
     # reward calls in worker processes, so there are children to leave behind
     cmd = [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
            *_over(tiny_model_dir, run, 500), "rollout.reward_timeout_s=30"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not _steps_logged(run) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err
-    assert "resume" in err
-    assert not _survivors(run)
-    done = max(_steps_logged(run)) + 1
-    assert (run / "checkpoints" / f"step-{done:06d}" / "manifest.json").is_file()
+    done = 0  # steps checkpointed so far
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600  # only ends a run that never gets there (a failure)
+        try:  # a step past the last checkpoint logged (the resumed run's first one, after SIGTERM)
+            while len(_steps_logged(run)) <= done:
+                assert proc.poll() is None and time.monotonic() < deadline, f"no step past {done} logged"
+                time.sleep(0.2)
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()  # never leave a training process behind a failed test
+        assert proc.returncode == 75, (sig, err)
+        assert "resume" in err.replace("resumed from", "")  # the hint, not the resumed run's own line
+        assert ("resumed from" in err) == (done > 0)  # the SIGINT run is the resumed one
+        assert not _survivors(run)
+        assert _steps_logged(run) == list(range(len(_steps_logged(run))))  # each step once
+        assert len(_steps_logged(run)) > done
+        done = max(_steps_logged(run)) + 1
+        assert (run / "checkpoints" / f"step-{done:06d}" / "manifest.json").is_file()
     # the same command resumes from there (a short run this time)
     cmd_resume = [*cmd[:-len(_over(tiny_model_dir, run, 500)) - 1], *_over(tiny_model_dir, run, done + 1)]
     out = subprocess.run(cmd_resume, capture_output=True, text=True, timeout=300)

@@ -29,7 +29,12 @@ ORPHAN_GRACE_S = 10  # the promise: the trainer's processes are gone this long a
 
 
 def _cmd(tiny_model_dir, run_dir) -> list[str]:
-    return [sys.executable, "-m", "plainrl.cli", "train", str(REPO / "examples" / "arithmetic_grpo.yaml"),
+    return [sys.executable, "-m", "plainrl.cli", *_args(tiny_model_dir, run_dir)]
+
+
+def _args(tiny_model_dir, run_dir) -> list[str]:
+    """``plainrl train``'s arguments; one torch thread (``threads=1``), in this process as in a child."""
+    return ["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), "threads=1",
             *tiny_overrides(tiny_model_dir, run_dir), "train.steps=4", "checkpoint.every=2", "train.lr=1e-2",
             "eval.before=false", "eval.after=false", "log.tensorboard=false", "log.rollouts_per_step=4",
             # rewards in worker processes, the environment in worker processes: children to leave behind
@@ -82,12 +87,29 @@ def _rows(run_dir) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "system/", "perf/"))} for r in rows]
 
 
+def _train_here(args: list[str], capfd) -> str:
+    """``plainrl train`` with ``args`` in this process (no interpreter to start, torch already
+    imported); returns what it wrote to stderr. The torch thread count is set back after."""
+    from plainrl.cli import main
+
+    threads = torch.get_num_threads()
+    capfd.readouterr()
+    try:
+        code = main(args)
+    finally:
+        torch.set_num_threads(threads)
+    err = capfd.readouterr().err
+    assert code == 0, err[-4000:]
+    return err
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(1800)  # three runs of the tiny model: 680 s measured on 2 cores at load average 20
-def test_sigkill_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(tiny_model_dir, tmp_path):
+def test_sigkill_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(tiny_model_dir, tmp_path, capfd):
+    """The uninterrupted run and the resume run in this process (the same command line as the
+    killed child's, ``plainrl.cli.main``); only the run that is killed needs a process of its own."""
     full, cut = tmp_path / "full", tmp_path / "cut"
-    done = subprocess.run(_cmd(tiny_model_dir, full), env=_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    _train_here(_args(tiny_model_dir, full), capfd)
 
     gated = tmp_path / "gated"
     log = open(tmp_path / "cut.log", "w")
@@ -108,9 +130,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(
     killed_rows = _rows(cut)
     assert [r["step"] for r in killed_rows] == [0, 1, 2]  # one step past the checkpoint, then the kill
 
-    resumed = subprocess.run(_cmd(tiny_model_dir, cut), env=_env(), capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stderr
+    assert "resumed from" in _train_here(_args(tiny_model_dir, cut), capfd)  # the same command again
     assert _rows(cut) == _rows(full)  # each step once, equal to the uninterrupted run's
     assert killed_rows == _rows(full)[:3]  # the step the killed run logged past its checkpoint, redone the same
     assert (cut / "rollouts.jsonl").read_text() == (full / "rollouts.jsonl").read_text()
