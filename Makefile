@@ -60,6 +60,9 @@ demo: $(STAMP)
 # each test within 30 s (set-up, call, tear-down) unless tests/conftest.py::SLOW_TESTS gives it
 # its own budget and reason: the session fails otherwise, naming the tests over budget
 test: $(STAMP)
+	@# the embedded model's one-time conversion into plainrl's cache (a minute on a new machine), here
+	@# rather than in whichever test first loads it
+	$(PY) -c "from plainrl.models import resolve_model_path as r; r('smollm2-135m-instruct')"
 	PLAINRL_TEST_BUDGET_S=30 $(PY) -m pytest -q -ra --durations=15
 
 # the wheel as a user installs it: built, installed in a fresh venv outside the checkout, a packaged
@@ -70,7 +73,7 @@ test-wheel:
 # the tests marked `vllm` (tests/test_vllm_*.py and the OpenAI-compatible/export ones: skipped by
 # `make test`, whose venv has no vLLM)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider -m vllm tests/
+	$(VLLM_PY) -m pytest -q -ra -p no:cacheprovider --durations=15 -m vllm tests/
 
 # the OpenEnv adapter's tests (tests/test_env_classes.py; skipped by `make test`, whose venv cannot hold openenv)
 test-openenv: $(OPENENV_STAMP)

@@ -63,6 +63,28 @@ SERVER_TEST_TIMEOUT_S = 1800
 # and the reason it cannot be cheaper. A new entry needs the same: what the test proves that a
 # smaller one cannot.
 SLOW_TESTS: dict[str, tuple[float, str]] = {
+    "tests/test_e2e.py::test_the_real_model_learns_the_answer_format_and_eval_reproduces_the_loop": (
+        120, "the suite's one real-model learning check: 3 GRPO steps of the 135M model and 4 greedy evaluations"),
+    "tests/test_distributed_faults.py::test_a_hung_rank_ends_the_job_through_the_collective_timeout": (
+        90, "a 2-rank torchrun job must outlive a 20 s collective timeout (shorter timed out in the set-up)"),
+    "tests/test_distributed_faults.py::test_sigterm_to_one_rank_checkpoints_all_then_resumes_at_another_world_size": (
+        80, "a 2-rank torchrun job stopped by SIGTERM, then its checkpoint resumed in one process"),
+    "tests/test_distributed.py::test_sigkilled_rank_ends_the_job_and_rerun_resumes": (
+        90, "two 2-rank FSDP2 torchrun jobs: the one SIGKILLed and the rerun that resumes it"),
+    "tests/test_distributed.py::test_four_rank_hsdp_update_equals_one_process": (
+        80, "HSDP needs a 2x2 mesh: 4 ranks and the launcher, each importing torch and transformers"),
+    "tests/test_distill.py::test_two_rank_distillation_equals_one_process": (
+        80, "the first caller pays the one 2-rank launch that checks every DDP/FSDP2 update case (7 cases)"),
+    "tests/test_faults.py::test_signal_checkpoints_and_exits_75_then_resumes": (
+        90, "three training processes: stopped by SIGTERM, resumed and stopped by SIGINT, resumed to the end"),
+    "tests/test_kill.py::test_sigkill_then_resume_equals_the_uninterrupted_run_and_leaves_no_process": (
+        80, "a SIGKILLed training process and two in-process runs compared bit for bit"),
+    "tests/test_async_embedded.py::test_async_steps_2_on_the_embedded_engine_bounds_staleness_and_resumes_after_kill_9": (
+        70, "an async run SIGKILLed mid-flight and resumed from its saved in-flight batches"),
+    "tests/test_quantization.py::test_memory_benchmark_runs_its_quantized_cases": (
+        70, "benchmarks/memory.py's quantized cases on bitsandbytes' CPU kernels"),
+    "tests/test_api.py::test_example_notebook_runs": (
+        70, "examples/notebook.ipynb executed in a real Jupyter kernel (its own process)"),
 }
 _TEST_SECONDS: dict[str, float] = {}
 

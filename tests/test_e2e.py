@@ -13,21 +13,31 @@ from plainrl.cli import main
 pytestmark = pytest.mark.e2e
 
 
-def test_arithmetic_demo_config_two_steps_real_model(tmp_path, capsys):
-    """Greedy pass@1 is deterministic, so ``plainrl eval`` must reproduce the loop's own
-    evaluations: on the config (the base model) the eval-before figure, on the run
-    directory (the saved ``final/`` adapter) the eval-after one. A high learning rate
-    makes two steps move the policy off its initial adapter (LoRA's B starts at zero)."""
+def test_the_real_model_learns_the_answer_format_and_eval_reproduces_the_loop(tmp_path, capsys):
+    """The demo's config on the real SmolLM2-135M-Instruct, shrunk to seconds, learns: 3 GRPO steps
+    of 2 prompts x 8 samples rewarded by ``format_reward`` (the 'Answer: N' line the demo's model
+    learns first) raise the reward from what the base model writes (float32, 2 AVX2 cores, seed 0:
+    0.19, then 0.88 and 1.0 after the first and second update). A broken gradient, advantage sign,
+    optimizer step or weight sync leaves the sampled policy where it started. (Whether the demo
+    itself learns its task over seeds is benchmarks/demo_seeds.py's to show: minutes a seed.)
+
+    Greedy pass@1 is deterministic, so ``plainrl eval`` then reproduces the loop's own
+    evaluations: on the config (the base model) the eval-before figure, on the run directory
+    (the saved ``final/`` adapter) the eval-after one."""
     run = tmp_path / "run"
-    over = [f"run_dir={run}", "train.steps=2", "train.warmup_steps=0", "rollout.prompts_per_step=2",
-            "rollout.max_new_tokens=24", "data.eval_size=16", "log.progress=false", "train.lr=3e-2"]
+    over = [f"run_dir={run}", "model.dtype=float32", "train.steps=3", "train.warmup_steps=0", "train.lr=2e-3",
+            "rollout.prompts_per_step=2", "rollout.group_size=8", "rollout.max_new_tokens=32",
+            "rewards=[{fn: plainrl.rewards.builtins:format_reward}]", "algorithm.overlong_buffer=null",
+            "data.eval_size=8", "log.progress=false", "log.tensorboard=false", "log.report=false"]
     config = str(REPO / "examples" / "arithmetic_grpo.yaml")
     assert main(["train", config, *over]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
-    assert len(steps) == 2 and all(r["tokens/completion"] > 0 and math.isfinite(r["loss"]) for r in steps)
+    assert len(steps) == 3 and all(r["tokens/completion"] > 0 and math.isfinite(r["loss"]) for r in steps)
+    rewards = [r["reward/mean"] for r in steps]
+    assert sum(rewards[1:]) / 2 >= rewards[0] + 0.3, rewards
     before, after = [r for r in rows if "eval/n" in r]
-    assert before["eval/n"] == after["eval/n"] == 16
+    assert before["eval/n"] == after["eval/n"] == 8
     capsys.readouterr()
     assert main(["eval", config, *over]) == 0
     assert json.loads(capsys.readouterr().out)["eval/pass@1"] == before["eval/pass@1"]
@@ -36,30 +46,6 @@ def test_arithmetic_demo_config_two_steps_real_model(tmp_path, capsys):
     assert out["model"].endswith("final") and out["eval/pass@1"] == after["eval/pass@1"]
     lora_b = load_file(run / "final" / "adapter_model.safetensors")
     assert any(t.abs().max() > 0 for n, t in lora_b.items() if "lora_B" in n)  # initialised to 0, so it trained
-
-
-@pytest.mark.timeout(1800)  # 20 steps of the real 135M model
-def test_demo_config_learns_in_twenty_steps(tmp_path):
-    """The demo's recipe raises its training reward within 20 of its 30 steps (the model
-    first learns to state 'Answer: N'); a broken gradient, advantage or sync shows here.
-
-    The reward of steps 11-20 against steps 1-5, not one greedy evaluation at step 20: the
-    policy swings step to step while it learns the format (float32, seed 0, on a Zen 4 CPU:
-    `correctness` 0.94 at step 16, 0.0 at steps 19-20), so a 32-problem evaluation there
-    passed on one CPU and read 0.03 -> 0.0 in bfloat16 on another. Measured gains of this
-    figure: +0.37 to +0.62 in the demo's runs (seeds 0-2, bfloat16 and float32, Zen 4), +0.18
-    in this test in bfloat16 there (whose `correctness` was still ~0 at step 20: the
-    trajectory depends on the CPU's rounding). The bar, +0.1, sits below the smallest gain
-    seen; a run whose update or sync is broken has nothing to raise its reward."""
-    run = tmp_path / "run"
-    over = [f"run_dir={run}", "train.steps=20", "eval.before=false", "eval.after=false", "log.progress=false",
-            "log.tensorboard=false"]
-    assert main(["train", str(REPO / "examples" / "arithmetic_grpo.yaml"), *over]) == 0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
-    assert len(rewards) == 20
-    first, late = sum(rewards[:5]) / 5, sum(rewards[10:]) / 10
-    assert late >= first + 0.1, (first, late, rewards)
 
 
 @pytest.mark.skipif(not GSM8K_TRAIN.is_file(), reason="GSM8K train split not beside the repo")

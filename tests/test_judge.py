@@ -50,7 +50,8 @@ def test_a_run_judged_by_the_policys_base_model(tmp_path, capsys):
     run = tmp_path / "run"
     judge_kwargs = "{max_new_tokens: 8, template: '{prompt}', max_score: 198}"
     over = [f"run_dir={run}", "model.dtype=float32", "train.steps=1", "train.warmup_steps=0", "rollout.prompts_per_step=4",
-            "rollout.group_size=2", "rollout.max_new_tokens=24", "eval.before=false", "eval.after=false",
+            # the judge is asked the prompt alone: the policy's own replies need only be sampled and trained on
+            "rollout.group_size=2", "rollout.max_new_tokens=8", "eval.before=false", "eval.after=false",
             "log.progress=false", "log.report=false", "log.rollouts_per_step=8",
             # the judge loads its model in the reward worker: on a loaded machine that alone outlasted the
             # default 60 s, and every sample was unscorable (which this test once let pass)

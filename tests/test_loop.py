@@ -27,6 +27,10 @@ def _data_overrides(example: Path) -> list[str]:
         # a GPU example (qwen2.5_1.5b_gpu_grpo): its data, rewards and algorithm run here on the CPU
         # with the embedded engine (vLLM on CPU is make test-vllm's); what runs on CUDA: docs/gpu.md
         out += ["device=auto", "rollout.engine=hf"]
+    if cfg.rollout.agent == "plainrl.integrations.verifiers:agent":
+        # each episode a verifiers episode, its model turns each a process of its own: one prompt (a
+        # group of two) a step, one held-out prompt
+        out += ["rollout.prompts_per_step=1", "data.eval_size=1"]
     return out
 
 

@@ -3,8 +3,10 @@ RL runs with an nf4 / int8 base through the CLI, where bitsandbytes runs on this
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
-import subprocess
 import sys
 
 import pytest
@@ -178,7 +180,9 @@ def test_tiny_qlora_run_trains_only_the_adapters(quantization, device, tiny_mode
     argv = [*tiny_overrides(tiny_model_dir, run), f"device={device}", f"model.quantization={quantization}",
             # a random model never answers right; text length varies, so advantages are non-zero
             "train.lr=1e-2", f"rewards=[{{fn: '{DATA / 'my_reward.py'}:length_bonus'}}]",
-            "algorithm.kl_coef=0.1", "checkpoint.every=1"]  # the KL runs the adapter-free reference
+            "algorithm.kl_coef=0.1", "checkpoint.every=1",  # the KL runs the adapter-free reference
+            # held-out evaluation of the quantized run is the `plainrl eval` below, once; 64 prompts to render, not 5000
+            "eval.before=false", "eval.after=false", "data.task_args.num_train=64"]
     assert main(["train", str(GRPO), *argv]) == 0
 
     model = captured["model"]
@@ -197,21 +201,35 @@ def test_tiny_qlora_run_trains_only_the_adapters(quantization, device, tiny_mode
     assert (run / "checkpoints" / "step-000002" / "weights.safetensors").is_file()
 
     # resume one more step from the adapter checkpoint, then evaluate the run directory
-    assert main(["train", str(GRPO), *argv, "train.steps=3", "eval.before=false"]) == 0
+    assert main(["train", str(GRPO), *argv, "train.steps=3"]) == 0
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == [0, 1, 2]
     assert main(["eval", str(run), f"device={device}", "data.eval_size=2"]) == 0
 
 
-def test_memory_benchmark_runs_its_quantized_cases(tmp_path):
+def test_memory_benchmark_runs_its_quantized_cases(tmp_path, monkeypatch):
     """benchmarks/memory.py builds its random model for quantized-only runs too (a quantized
-    case's ``model`` is ``SHAPE/nf4``; the build once looked for ``SHAPE`` and was skipped)."""
+    case's ``model`` is ``SHAPE/nf4``; the build once looked for ``SHAPE`` and was skipped).
+    The script's driver runs here in process, and so do its build and its cases (each a fresh
+    interpreter in a real run, for its own memory peak, which this test does not read)."""
     _require("nf4", "cpu")
+    spec = importlib.util.spec_from_file_location("benchmarks_memory", REPO / "benchmarks" / "memory.py")
+    memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory)
+    launched = []
+
+    def in_process(args: list[str], what: str) -> str:
+        launched.append(args[0])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert memory.main(args) == 0, what
+        return out.getvalue()
+
+    monkeypatch.setattr(memory, "run_in_subprocess", in_process)
     out = tmp_path / "memory.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory.py"), "--quick", "--quantization", "nf4",
-                           "--cases", "quick-small", "--json", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert memory.main(["--quick", "--quantization", "nf4", "--cases", "quick-small", "--json", str(out)]) == 0
+    assert launched == ["--build", "--child", "--child"]  # the quick-small model is built, then its two cases
     results = json.loads(out.read_text())["results"]
     assert [r["name"] for r in results] == ["quick-small/nf4/plain", "quick-small/nf4/ckpt"]
     assert all(r["weight_bytes"] < r["params"] * 4 for r in results)  # packed 4-bit codes, not float32

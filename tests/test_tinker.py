@@ -1,6 +1,8 @@
 """`plainrl tinker` against the real `tinker` SDK on loopback: the service in its own process
-(the embedded model, float32), the SDK's ServiceClient/TrainingClient/SamplingClient/RestClient
-in this one, and transformers + peft here as the reference."""
+(a tiny random Llama on the embedded model's tokenizer, float32, kept where a hub cache keeps
+``BASE``, so that it has a hub id as the embedded model does), the SDK's
+ServiceClient/TrainingClient/SamplingClient/RestClient in this one, and transformers + peft here
+as the reference."""
 
 import os
 import socket
@@ -17,7 +19,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+BASE = "plainrl-tests/tiny-llama"  # the hub id of the served base (its directory names it)
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)
 
@@ -29,13 +31,31 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def base_dir(tmp_path_factory, tokenizer) -> Path:
+    """A 2-layer, hidden-64 random Llama with the real tokenizer and an 8192-token context, saved
+    as a hub cache's snapshot of ``BASE`` (plainrl names such a directory's base by its hub id)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("hub") / f"models--{BASE.replace('/', '--')}" / "snapshots" / "0"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, base_dir):
     root = tmp_path_factory.mktemp("tinker")
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "plainrl", "tinker", f"run_dir={root}", "model.dtype=float32",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "plainrl", "tinker", f"run_dir={root}", f"model.name={base_dir}",
+                             "model.dtype=float32", "--port", str(port)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -188,7 +208,7 @@ def test_policy_gradient_losses_against_hand_computed(client, reference):
         assert out.metrics["loss:sum"] == pytest.approx(float(want.sum()), rel=1e-4, abs=1e-4)
 
 
-def test_sample_logprobs_equal_a_forward_of_the_sampled_tokens(server, client, reference):
+def test_sample_logprobs_equal_a_forward_of_the_sampled_tokens(server, client, reference, capsys):
     base_path, tok = reference
     tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
     prompt = tok.encode("Count: one, two, three,")
@@ -224,11 +244,12 @@ def test_sample_logprobs_equal_a_forward_of_the_sampled_tokens(server, client, r
                                                   dtype=torch.float32)
     np.testing.assert_allclose(_logps(merged, prompt).detach().numpy(), _logps(model, prompt).detach().numpy(),
                                atol=2e-4)
-    evaluated = subprocess.run([sys.executable, "-m", "plainrl", "eval", str(d.parent), "data.eval_size=2",
-                                "eval.max_new_tokens=4"], capture_output=True, text=True, timeout=600,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    assert '"eval/n": 2' in evaluated.stdout and str(d) in evaluated.stdout
+    from plainrl.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", str(d.parent), "data.eval_size=2", "eval.max_new_tokens=4"]) == 0
+    evaluated = capsys.readouterr().out
+    assert '"eval/n": 2' in evaluated and str(d) in evaluated
     from_path = client.create_sampling_client(model_path=path)
     np.testing.assert_allclose(from_path.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:],
                                _logps(model, prompt).detach().numpy(), atol=2e-4)
@@ -291,12 +312,13 @@ def test_forward_backward_custom_runs_as_cross_entropy_weights(client, reference
 @pytest.mark.parametrize("script, args", [("tinker_sl.py", ["--steps", "2", "--batch-size", "2", "--rank", "4"]),
                                           ("tinker_rl.py", ["--steps", "1", "--problems", "2", "--group-size", "2",
                                                             "--max-tokens", "4", "--rank", "4"])])
-def test_examples_run_against_the_service(server, script, args):
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / script), "--base-url", server[0], *args],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step 0:" in proc.stdout
+def test_examples_run_against_the_service(server, script, args, monkeypatch, capsys):
+    import runpy
+
+    # run as `python examples/SCRIPT ...` runs it (as __main__), in this process: a client needs no interpreter of its own
+    monkeypatch.setattr(sys, "argv", [str(REPO / "examples" / script), "--base-url", server[0], "--model", BASE, *args])
+    runpy.run_path(str(REPO / "examples" / script), run_name="__main__")
+    assert "step 0:" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -75,8 +75,9 @@ def test_rows_carry_each_task(tmp_path):
 def test_two_tiny_steps_rewards_as_the_trace_records_them(tiny_model_dir, tmp_path):
     (tmp_path / "count.py").write_text(TASKSET)
     run = tmp_path / "run"
+    # each task a verifiers episode in a process of its own: one prompt a step, its group of two
     over = [f"data.source_args={{taskset: {tmp_path / 'count.py'}, size: 4}}", "data.eval_source_args=null",
-            "eval.before=false", "eval.after=false"]
+            "eval.before=false", "eval.after=false", "rollout.prompts_per_step=1"]
     assert main(["train", str(EXAMPLE), *tiny_overrides(tiny_model_dir, run), *over]) == 0
     steps = [r for r in records(run, "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in steps] == [0, 1]
@@ -96,13 +97,15 @@ def test_two_tiny_steps_rewards_as_the_trace_records_them(tiny_model_dir, tmp_pa
 def test_a_failed_verifiers_episode_fails_its_own_episode(tiny_model_dir, tmp_path):
     (tmp_path / "count.py").write_text(TASKSET)
     run = tmp_path / "run"
-    over = [f"data.source_args={{taskset: {tmp_path / 'count.py'}, size: 5}}", "data.eval_source_args=null",
-            "eval.before=false", "eval.after=false", "train.steps=1", "rollout.prompts_per_step=5",
+    # the last two tasks ("d", "boom") in one step: "boom"'s scorer raises, "d"'s does not
+    over = [f"data.source_args={{taskset: {tmp_path / 'count.py'}, size: 2, skip: 3}}", "data.eval_source_args=null",
+            "eval.before=false", "eval.after=false", "train.steps=1", "rollout.prompts_per_step=2",
             "rollout.group_size=1", "algorithm.name=reinforce_pp"]
     assert main(["train", str(EXAMPLE), *tiny_overrides(tiny_model_dir, run), *over]) == 0
     errors = records(run, "errors.jsonl")
     assert errors and all("VerifiersError" in e["error"] and "scorer broke" in e["error"] for e in errors)
-    assert len(errors) == 1  # the four other tasks scored
+    assert len(errors) == 1  # the other task scored
+    assert sorted(r["env"]["error"] is None for r in records(run, "rollouts.jsonl")) == [False, True]
 
 
 def test_segments_get_the_reward_of_the_trace_whose_branch_they_begin():
