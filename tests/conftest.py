@@ -64,7 +64,8 @@ SERVER_TEST_TIMEOUT_S = 1800
 # smaller one cannot.
 SLOW_TESTS: dict[str, tuple[float, str]] = {
     "tests/test_e2e.py::test_the_real_model_learns_the_answer_format_and_eval_reproduces_the_loop": (
-        120, "the suite's one real-model learning check: 3 GRPO steps of the 135M model and 4 greedy evaluations"),
+        240, "the suite's one real-model learning check: 3 GRPO steps of the 135M model and 4 greedy evaluations "
+             "(not yet timed on an idle machine; the target is 60 s)"),
     "tests/test_e2e.py::test_gsm8k_config_one_step_on_the_real_file": (
         60, "GSM8K's whole train file (7,473 rows) read, split and rendered twice (the run, then plainrl eval)"),
     "tests/test_distributed_faults.py::test_a_hung_rank_ends_the_job_through_the_collective_timeout": (
@@ -72,7 +73,7 @@ SLOW_TESTS: dict[str, tuple[float, str]] = {
     "tests/test_distributed_faults.py::test_sigterm_to_one_rank_checkpoints_all_then_resumes_at_another_world_size": (
         80, "a 2-rank torchrun job stopped by SIGTERM, then its checkpoint resumed in one process"),
     "tests/test_distributed.py::test_sigkilled_rank_ends_the_job_and_rerun_resumes": (
-        90, "two 2-rank FSDP2 torchrun jobs: the one SIGKILLed and the rerun that resumes it"),
+        120, "two 2-rank FSDP2 torchrun jobs: the one SIGKILLed and the rerun that resumes it"),
     "tests/test_distributed.py::test_four_rank_hsdp_update_equals_one_process": (
         80, "HSDP needs a 2x2 mesh: 4 ranks and the launcher, each importing torch and transformers"),
     "tests/test_distill.py::test_two_rank_distillation_equals_one_process": (
