@@ -125,6 +125,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(SERVER_TEST_TIMEOUT_S))
 
 
+@pytest.fixture(scope="session")
+def two_rank_updates(tiny_model_dir, tmp_path_factory) -> dict:
+    """tests/dist_update.py's results of one 2-rank launch, shared by the tests that compare 2-rank
+    updates with the one-process update (three interpreters importing torch are most of a launch's
+    cost): every case under DDP and FSDP2 (GKD distillation too: tests/test_distill.py), full
+    fine-tuning under DDP with the optimizer offloaded."""
+    from test_distributed import torchrun
+
+    out = tmp_path_factory.mktemp("dist-update") / "updates.pt"
+    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out),
+             env={"DIST_CASES": "lora,full,critic,dpo,sft,gkd", "DIST_STRATEGIES": "ddp,fsdp2,ddp-offload:full"})
+    return torch.load(out, weights_only=False)
+
+
 class Preempted(Exception):
     """A simulated preemption: raised right after a checkpoint is committed."""
 

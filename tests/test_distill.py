@@ -346,12 +346,12 @@ def test_distillation_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch, los
     assert (cut / "rollouts.jsonl").read_text() == (full / "rollouts.jsonl").read_text()
 
 
-def test_two_rank_distillation_equals_one_process(tiny_model_dir, tmp_path_factory):
+def test_two_rank_distillation_equals_one_process(two_rank_updates):
     """Under torchrun (gloo, DDP and FSDP2) each rank scores its share of the samples with the
     teacher and the GKD term joins the loss: the update equals the one-process update (the case
-    rides on tests/test_distributed.py's launch of tests/dist_update.py, run once a session)."""
-    from test_distributed import assert_updates_equal, two_rank_updates
+    rides on the session's launch of tests/dist_update.py: tests/conftest.py::two_rank_updates)."""
+    from test_distributed import assert_updates_equal
 
-    results = two_rank_updates(tiny_model_dir, tmp_path_factory)
+    results = two_rank_updates
     assert results[("gkd", "single")]["stats"]["teacher_logps_sum"] < 0
     assert_updates_equal(results, ("gkd",))

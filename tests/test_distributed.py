@@ -27,35 +27,12 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None 
     return proc
 
 
-_LAUNCHES: dict = {}
-
-
-def launched_once(key, launch):
-    """``launch()``'s result, computed once a session for ``key``: a torchrun launch (three interpreters
-    importing torch, most of a launch's cost) whose results several tests check."""
-    if key not in _LAUNCHES:
-        _LAUNCHES[key] = launch()
-    return _LAUNCHES[key]
-
-
-def two_rank_updates(model_dir: Path, tmp_path_factory) -> dict:
-    """tests/dist_update.py's results of one 2-rank launch for the tests that compare 2-rank updates with
-    the one-process update: every case under DDP and FSDP2 (GKD distillation too: tests/test_distill.py),
-    full fine-tuning under DDP with the optimizer offloaded."""
-    def launch():
-        out = tmp_path_factory.mktemp("dist-update") / "updates.pt"
-        torchrun(str(REPO / "tests" / "dist_update.py"), str(model_dir), str(out),
-                 env={"DIST_CASES": "lora,full,critic,dpo,sft,gkd", "DIST_STRATEGIES": "ddp,fsdp2,ddp-offload:full"})
-        return torch.load(out, weights_only=False)
-    return launched_once(("dist_update", str(model_dir)), launch)
-
-
-def test_two_rank_ddp_and_fsdp2_update_equals_one_process(tiny_model_dir, tmp_path_factory):
+def test_two_rank_ddp_and_fsdp2_update_equals_one_process(two_rank_updates):
     """The heart of data parallelism: on the same rows, the loss, its statistics and the
     updated weights of 2 ranks (DDP, FSDP2) are the one-process update's, to float32
     rounding (Adam's first steps amplify gradient rounding a little: 2e-5 on updates of ~1e-2).
     Policy learner (LoRA; full fine-tuning), PPO's critic, DPO and SFT (tests/dist_update.py)."""
-    assert_updates_equal(two_rank_updates(tiny_model_dir, tmp_path_factory), ("lora", "full", "critic", "dpo", "sft"))
+    assert_updates_equal(two_rank_updates, ("lora", "full", "critic", "dpo", "sft"))
 
 
 def assert_updates_equal(results: dict, cases, strategies=("ddp", "fsdp2")) -> None:
@@ -92,23 +69,22 @@ def mid_model_dir(tmp_path_factory) -> Path:
     return d
 
 
-def meta_memory_launch(mid_model_dir: Path, tiny_model_dir: Path, tmp_path_factory) -> Path:
+@pytest.fixture(scope="module")
+def meta_memory(mid_model_dir, tiny_model_dir, tmp_path_factory) -> Path:
     """One 2-rank launch of tests/dist_meta_memory.py for the two tests below: the memory of loading
     ``mid_model_dir``, then the mismatched build of ``tiny_model_dir``; returns its OUT path."""
-    def launch():
-        out = tmp_path_factory.mktemp("meta") / "memory.pt"
-        torchrun(str(REPO / "tests" / "dist_meta_memory.py"), str(mid_model_dir), str(out), str(tiny_model_dir),
-                 timeout=300)
-        return out
-    return launched_once(("dist_meta_memory", str(mid_model_dir), str(tiny_model_dir)), launch)
+    out = tmp_path_factory.mktemp("meta") / "memory.pt"
+    torchrun(str(REPO / "tests" / "dist_meta_memory.py"), str(mid_model_dir), str(out), str(tiny_model_dir),
+             timeout=300)
+    return out
 
 
-def test_fsdp2_ranks_other_than_0_never_hold_the_full_weights(mid_model_dir, tiny_model_dir, tmp_path_factory):
+def test_fsdp2_ranks_other_than_0_never_hold_the_full_weights(meta_memory):
     """Meta-device initialisation: rank 1 builds the model on the meta device and allocates only
     its float32 shards (half the model), so its peak resident memory over loading and sharding
     stays well under the full model's size; rank 0, which reads the weights, holds them all
     (the control that the measurement sees a full load)."""
-    out = meta_memory_launch(mid_model_dir, tiny_model_dir, tmp_path_factory)
+    out = meta_memory
     main, other = torch.load(out, weights_only=False)
     full = main["full_bytes"]
     assert full > 150e6 and not main["built_on_meta"] and other["built_on_meta"]
@@ -116,11 +92,11 @@ def test_fsdp2_ranks_other_than_0_never_hold_the_full_weights(mid_model_dir, tin
     assert other["peak_bytes"] < 0.8 * full, other  # its shards: 0.5 (measured 0.61); a full load: over 1
 
 
-def test_fsdp2_stops_every_rank_when_one_built_another_model(mid_model_dir, tiny_model_dir, tmp_path_factory):
+def test_fsdp2_stops_every_rank_when_one_built_another_model(meta_memory):
     """Rank 1 builds its meta model in bfloat16, rank 0 loads float32: both raise before any shard is
     filled (none is left waiting in a collective: the launch, which ends with this, exits 0), rank 1
     naming the first differing tensor."""
-    out = meta_memory_launch(mid_model_dir, tiny_model_dir, tmp_path_factory)
+    out = meta_memory
     main, other = (Path(f"{out}.rank{r}").read_text() for r in (0, 1))
     assert "a rank built another model than rank 0, see its error" in main
     assert "torch.bfloat16) here" in other and "torch.float32) on rank 0" in other
@@ -145,11 +121,11 @@ def test_four_rank_hsdp_update_equals_one_process(tiny_model_dir, tmp_path):
                                        msg=lambda m: f"{case}/hsdp {name}: {m}")
 
 
-def test_two_rank_ddp_with_optimizer_offload_equals_one_process(tiny_model_dir, tmp_path_factory):
+def test_two_rank_ddp_with_optimizer_offload_equals_one_process(two_rank_updates):
     """train.offload=optimizer under DDP (the all-reduced gradients copied to host buffers, a
     fused CPU AdamW step on host masters, the weights copied back on each rank) gives the
     one-process update without offload: full fine-tuning with clipping, two PPO epochs."""
-    results = two_rank_updates(tiny_model_dir, tmp_path_factory)
+    results = two_rank_updates
     single, got = results[("full", "single")], results[("full", "ddp-offload")]
     assert got["offload"] and not single["offload"]
     for key in ("loss", "kl", "grad_norm"):
