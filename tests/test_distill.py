@@ -71,6 +71,35 @@ def test_topk_generalized_jsd_by_hand():
         topk_generalized_jsd(s, t, 1.5)
 
 
+def test_generalized_jsd_moves_from_forward_to_reverse_kl_across_beta():
+    # the same T, S over top-2 + rest as above, in plain Python
+    t = torch.log(torch.tensor([0.5, 0.3]))
+    s = torch.log(torch.tensor([0.25, 0.25]))
+    T, S = [0.5, 0.3, 0.2], [0.25, 0.25, 0.5]
+
+    def kl(p, q):
+        return sum(a * math.log(a / b) for a, b in zip(p, q))
+
+    fwd, rev = kl(T, S), kl(S, T)  # 0.2180..., 0.2393...
+    for beta in (0.1, 0.25, 0.9):
+        M = [beta * a + (1 - beta) * b for a, b in zip(T, S)]
+        by_hand = (1 - beta) * kl(T, M) + beta * kl(S, M)
+        assert topk_generalized_jsd(s, t, beta).item() == pytest.approx(by_hand, rel=1e-5)
+    # continuous at both ends: the interior tends to the endpoint branches, not to 0
+    assert topk_generalized_jsd(s, t, 1e-4).item() == pytest.approx(fwd, rel=2e-3)
+    assert topk_generalized_jsd(s, t, 1 - 1e-4).item() == pytest.approx(rev, rel=2e-3)
+    # beta = 0.9 carries most of beta = 1's signal (the coefficient-matched form gave ~1/15 of it)
+    assert topk_generalized_jsd(s, t, 0.9).item() > 0.5 * rev
+    # and its gradient on the student is of the reverse KL's size and direction
+    g = {}
+    for beta in (0.9, 1.0):
+        x = s.clone().requires_grad_(True)
+        topk_generalized_jsd(x, t, beta).backward()
+        g[beta] = x.grad
+    assert torch.nn.functional.cosine_similarity(g[0.9], g[1.0], dim=0).item() > 0.95
+    assert g[0.9].norm().item() > 0.5 * g[1.0].norm().item()
+
+
 def test_mass_moved_off_the_top_k_is_penalised():
     # renormalising over the top-k would call these equal; the tail class does not
     t = torch.log(torch.tensor([0.6, 0.3]))

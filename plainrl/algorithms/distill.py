@@ -22,8 +22,9 @@ importance-sampling/clip loss, so several passes or stale samples stay corrected
 :func:`reverse_kl_advantages` is (1); :func:`mix_advantages` adds the task reward's group
 advantage, ``A_t = distill_coef * A^distill_t + reward_coef * A^reward``.
 
-``gkd_topk``: GKD's generalised Jensen-Shannon divergence (Agarwal et al. 2024, eq. 3;
-TRL's ``GKDTrainer.generalized_jsd_loss`` uses the same beta convention) per sampled position,
+``gkd_topk``: a generalised Jensen-Shannon divergence between the teacher and the student
+(Agarwal et al. 2024, eq. 3), with beta the direction knob the docs describe (0: forward KL,
+1: reverse KL, continuous in between; see :func:`topk_generalized_jsd`) per sampled position,
 computed over the teacher's top-k tokens plus one class for the rest of the vocabulary. The
 coarsening keeps it a divergence between two proper distributions over k + 1 classes, so a
 student that moves mass off the teacher's top-k is penalised (renormalising over the k tokens
@@ -112,16 +113,24 @@ def with_tail(topk_logps: torch.Tensor) -> torch.Tensor:
 
 
 def topk_generalized_jsd(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:
-    """GKD's generalised JSD per position, over the teacher's top-k tokens and one class for the rest.
+    """The generalised JSD per position, over the teacher's top-k tokens and one class for the rest,
+    interpolating from the forward KL (beta = 0) to the reverse KL (beta = 1).
 
     With S and T the student's and teacher's distributions over the k + 1 classes
-    (:func:`with_tail`) and M = beta * T + (1 - beta) * S (Agarwal et al. 2024, eq. 3):
+    (:func:`with_tail`) and the mixture M = beta * T + (1 - beta) * S:
 
         beta = 0:       KL(T || S)                                  (forward KL, supervised KD)
         beta = 1:       KL(S || T)                                  (reverse KL)
-        0 < beta < 1:   beta * KL(T || M) + (1 - beta) * KL(S || M)
+        0 < beta < 1:   (1 - beta) * KL(T || M) + beta * KL(S || M)
 
-    (the two ends are the limits up to a factor: JSD_beta / beta -> KL(T || S) as beta -> 0).
+    Why these weights: GKD's eq. 3 (Agarwal et al. 2024, arXiv:2306.13649) weights KL(T || M) by
+    beta, the "coefficient-matched" form. Its limits are 0 at both ends (beta -> 1: M -> T, so
+    KL(T || M) -> 0 and the other term carries a factor 1 - beta; symmetrically at beta -> 0), so
+    between the ends beta scales the signal instead of choosing its direction (at beta = 0.9 about
+    1/15 of beta = 1's). Attaching each weight to the other term gives the limits above: beta -> 0:
+    M -> S and the value -> KL(T || S); beta -> 1: M -> T and the value -> KL(S || T), the same
+    expressions as the endpoints, so the divergence is continuous in beta on [0, 1]; beta = 0.5 is
+    the symmetric JSD either way. The same fix: ms-swift #10213 (issue #10078), verl-recipe #151.
 
     Args:
         student_logps: [..., k] the student's full-vocabulary logprobs of the teacher's top-k
@@ -148,4 +157,4 @@ def topk_generalized_jsd(student_logps: torch.Tensor, teacher_logps: torch.Tenso
     if beta == 1.0:
         return kl(s, t)
     m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1.0 - beta)]), dim=0)
-    return beta * kl(t, m) + (1.0 - beta) * kl(s, m)
+    return (1.0 - beta) * kl(t, m) + beta * kl(s, m)
