@@ -15,7 +15,7 @@ from conftest import REPO, learner_logps, tiny_overrides
 from plainrl.data import PromptRow, build_prompt_ids
 from plainrl.rollout import (AgentError, ContextLengthError, LoopSettings, agent_rollout, env_metrics,
                              render_chat_continuation)
-from plainrl.rollout.trajectory import Trajectory
+from plainrl.rollout.trajectory import Trajectory, distinct_tokens
 from plainrl.samples import training_samples
 from plainrl.types import Generation, SamplingParams
 
@@ -79,21 +79,35 @@ def run(engine, tok, agent, rows, *, group_size=1, params=None, budget=96, **kw)
 
 def test_trajectory_records_extensions_as_inserted_tokens_and_starts_segments():
     t = Trajectory()
-    assert t.feed([1, 2, 3])  # the first call opens a segment
-    t.add_sample([4, 5], [-0.5, -0.25])
-    assert not t.feed([1, 2, 3, 4, 5, 6, 7])  # extends: 6, 7 are inserted
-    t.add_sample([8], [-1.0])
-    assert not t.feed([1, 2, 3, 4, 5, 6, 7, 8])  # the same context: continue, nothing inserted
-    seg = t.current
-    assert seg.prompt_ids == [1, 2, 3] and seg.completion_ids == [4, 5, 6, 7, 8]
-    assert seg.loss_mask == [1, 1, 0, 0, 1] and seg.logprobs == [-0.5, -0.25, 0.0, 0.0, -1.0]
-    assert t.feed([1, 2, 9])  # diverges: a new segment with that prompt
-    assert [s.prompt_ids for s in t.segments] == [[1, 2, 3], [1, 2, 9]] and t.current.completion_ids == []
-    assert t.feed([1, 2, 3, 4])  # a prefix of the current context is no extension either
+    first = t.feed([1, 2, 3])  # the first call opens a segment
+    t.add_sample([4, 5], [-0.5, -0.25], seg=first)
+    assert t.feed([1, 2, 3, 4, 5, 6, 7]) is first  # extends: 6, 7 are inserted
+    t.add_sample([8], [-1.0], seg=first)
+    assert t.feed([1, 2, 3, 4, 5, 6, 7, 8]) is first  # the same context: continue, nothing inserted
+    t.add_sample([], [], seg=first)
+    assert first.prompt_ids == [1, 2, 3] and first.completion_ids == [4, 5, 6, 7, 8]
+    assert first.loss_mask == [1, 1, 0, 0, 1] and first.logprobs == [-0.5, -0.25, 0.0, 0.0, -1.0]
+    side = t.feed([1, 2, 9])  # diverges: a new segment with that prompt
+    assert [s.prompt_ids for s in t.segments] == [[1, 2, 3], [1, 2, 9]] and side.completion_ids == []
+    t.add_sample([10], [-0.1], seg=side)
+    assert t.current is side
+    # the main lineage continues after the side call: its own segment, not a third one
+    assert t.feed([1, 2, 3, 4, 5, 6, 7, 8, 11]) is first and len(t.segments) == 2
+    # while first has a call in flight, a call extending it forks: a segment of its own
+    fork = t.feed([1, 2, 3, 4, 5, 6, 7, 8, 11, 12])
+    assert fork is not first and fork.prompt_ids == [1, 2, 3, 4, 5, 6, 7, 8, 11, 12]
+    t.release(fork)  # its call failed: the empty segment is dropped
+    assert len(t.segments) == 2
+    assert t.feed([1, 2, 3, 4]) not in (first, side)  # a prefix of a segment's context is no extension
     with pytest.raises(RuntimeError, match="logprobs"):
         t.add_sample([1, 2], [0.0])
     with pytest.raises(ValueError, match="empty"):
         Trajectory().feed([])
+
+
+def test_distinct_tokens_counts_a_shared_prefix_once():
+    assert distinct_tokens([[1, 2, 3], [1, 2, 4], [1, 2, 3, 5], [7]]) == 6  # 1 2 3 | 4 | 5 | 7
+    assert distinct_tokens([]) == 0
 
 
 # -------------------------------------------------------- token-exact chat episodes

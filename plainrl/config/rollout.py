@@ -157,9 +157,9 @@ class RolloutConfig(_Section):
     max_turns: int = Field(8, gt=0)
     """Model turns per multi-turn episode at most."""
     max_total_tokens: int | None = Field(None, gt=0)
-    """Multi-turn completion budget over all turns (per segment for agents); null: `max_new_tokens` for environments,
-    and for agents room for several calls: `AGENT_BUDGET_CALLS` (4) x `max_new_tokens`, at most half of
-    `model.max_context` (the run prints the value it chose)."""
+    """Multi-turn completion budget over all turns (for agents: per episode, every segment and untrained call
+    together); null: `max_new_tokens` for environments, and for agents room for several calls: `AGENT_BUDGET_CALLS`
+    (4) x `max_new_tokens`, at most half of `model.max_context` (the run prints the value it chose)."""
     tool_timeout_s: float = Field(5.0, gt=0)
     """Wall-clock limit of one code run of the Python tool's sandbox, and of one tool call of an environment class
     (TRL `environment_factory`, OpenEnv): one that runs over fails its episode."""

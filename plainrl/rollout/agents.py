@@ -25,7 +25,7 @@ from plainrl.rollout.envs.base import EnvError
 from plainrl.rollout.episode_loop import EpisodeRun, LoopSettings, run_episodes
 from plainrl.rollout.llm import LLM, SyncLLM
 from plainrl.rollout.seeding import rollout_seed
-from plainrl.rollout.trajectory import token_versions
+from plainrl.rollout.trajectory import distinct_tokens, token_versions
 from plainrl.types import EnvOutcome, Episode, SamplingParams
 
 __all__ = ["AgentError", "agent_rollout", "load_agent"]
@@ -81,18 +81,20 @@ def agent_rollout(
     returned another type, never called the model, or spent more than
     ``settings.timeout_s`` seconds outside model calls.
 
-    Every segment (:class:`~plainrl.rollout.trajectory.Segment`: calls whose context extended
-    the previous call's) is trained as a sample of its own. The episode's ``prompt_ids`` is
-    its last segment's prompt and ``completion_ids`` everything after it, sampled tokens with
-    ``loss_mask`` 1 and the engine's logprobs, inserted ones (the chat template's
-    continuation, tool output) with 0; earlier segments are Episodes of the same form in
+    Every segment (:class:`~plainrl.rollout.trajectory.Segment`: a lineage of calls, each
+    extending the segment's context; a sub-agent or side call opens its own) is trained as a
+    sample of its own. The episode's ``prompt_ids`` is the prompt of its latest call's segment
+    and ``completion_ids`` everything after it, sampled tokens with ``loss_mask`` 1 and the
+    engine's logprobs, inserted ones (the chat template's continuation, tool output) with 0;
+    the other segments, in the order opened, are Episodes of the same form in
     ``Episode.earlier``. ``{"reward": r, "segment_rewards": [...]}`` gives each segment its
-    own reward (one per segment, in call order; another length fails the episode).
+    own reward (one per segment, in the order opened; another length fails the episode).
+    Calls marked not trained are in no segment.
 
     Args:
         agent: ``async def agent(llm, row)`` or a plain function (run in a thread of its
             own, its ``llm.chat`` blocking); see :func:`load_agent`.
-        settings: budgets and limits (``rollout.max_total_tokens`` per segment,
+        settings: budgets and limits (``rollout.max_total_tokens`` per episode,
             ``model.max_context``, ``rollout.agent_timeout_s``, ...): :class:`LoopSettings`.
         generator: the run's sampling generator: one draw seeds the rollout, each episode and
             each of its model calls its own stream (:mod:`plainrl.rollout.seeding`).
@@ -100,11 +102,14 @@ def agent_rollout(
     Returns:
         ``len(prompts) * group_size`` episodes, each prompt's contiguous. ``env`` is an
         :class:`~plainrl.types.EnvOutcome`: the agent's reward, its error, and ``info``:
-        the agent's info plus ``generate_calls``, ``segments``, ``model_tokens`` and
-        ``observation_tokens`` (of all segments), ``seconds`` and ``end_reason``
+        the agent's info plus ``generate_calls`` (``untrained_calls`` of them not trained),
+        ``segments``, ``model_tokens`` and ``observation_tokens`` (of all segments),
+        ``tokens_fed`` (the learner's: every segment's prompt and completion) and
+        ``tokens_distinct`` (the same counted once per distinct prefix:
+        :func:`~plainrl.rollout.trajectory.distinct_tokens`), ``seconds`` and ``end_reason``
         (``agent_done``, ``agent_error``, ``agent_timeout``).
-        ``messages``: the last chat call's messages and its reply (None when the last call
-        was ``llm.generate``).
+        ``messages``: the latest trained chat call's messages and its reply (None when it was
+        ``llm.generate``).
     Raises:
         AgentError: every episode failed (a broken agent, not a hard prompt).
         ValueError: bad ``group_size`` (or the loop's arguments).
@@ -190,23 +195,33 @@ def _episode(run: EpisodeRun, prompt: PromptRow, tokenizer, sample_id: str, grou
     if error is None and llm.calls == 0:
         error = "the agent returned without calling the model (llm.chat / llm.generate)"
     segments = llm.trajectory.segments
+    if error is None and not segments:
+        error = (f"the agent made {llm.untrained_calls} model call(s), none of them trained (each was marked "
+                 "not trained: train=False, a model name ending in +notrain or X-PlainRL-Train: false)")
     if error is None and per_segment is not None and len(per_segment) != len(segments):
         error = (f"ValueError: the agent returned {len(per_segment)} segment_rewards for {len(segments)} "
-                 "segment(s) (a call whose context does not extend the previous call's starts a new one); "
-                 "return one reward per segment, in call order (docs/agents.md)")
+                 "segment(s) (a call whose context extends no earlier call's starts a new one); "
+                 "return one reward per segment, in the order they were opened (docs/agents.md)")
     seg = llm.trajectory.current
+    # the episode's own sample is the segment of its latest call; the others, in the order opened, are earlier
+    others = [s for s in segments if s is not seg]
+    if per_segment is not None and error is None and seg is not None:
+        own = next(r for s, r in zip(segments, per_segment) if s is seg)
+        per_segment = [r for s, r in zip(segments, per_segment) if s is not seg] + [own]
     ids = seg.completion_ids if seg is not None else []
     end = "agent_timeout" if run.timed_out else "agent_error" if error is not None else "agent_done"
     model = sum(sum(s.loss_mask) for s in segments)
-    info.update(generate_calls=llm.calls, segments=len(segments), model_tokens=model,
-                observation_tokens=sum(len(s.loss_mask) for s in segments) - model,
+    fed = [s.prompt_ids + s.completion_ids for s in segments]
+    info.update(generate_calls=llm.calls, untrained_calls=llm.untrained_calls, segments=len(segments),
+                model_tokens=model, observation_tokens=sum(len(s.loss_mask) for s in segments) - model,
+                tokens_fed=sum(map(len, fed)), tokens_distinct=distinct_tokens(fed),
                 seconds=run.seconds, end_reason=end)
     env = EnvOutcome(reward=reward, error=None if error is None else f"rollout.agent: {error}", info=info)
     earlier = tuple(Episode(sample_id=f"{sample_id}-seg{k}", group=group, row=prompt.row, prompt_ids=list(s.prompt_ids),
                        completion_ids=list(s.completion_ids), logprobs=list(s.logprobs), loss_mask=list(s.loss_mask),
                        finish_reason=s.finish_reason, env=env, token_versions=token_versions(s),
                        completion_text=tokenizer.decode(s.completion_ids, skip_special_tokens=True))
-               for k, s in enumerate(segments[:-1]))
+               for k, s in enumerate(others))
     return Episode(
         sample_id=sample_id, group=group, row=prompt.row,
         prompt_ids=seg.prompt_ids if seg is not None else list(prompt.prompt_ids),

@@ -56,7 +56,8 @@ class EpisodeRun:
 class LoopSettings:
     """How :func:`run_episodes` runs a rollout's episodes (the config's values, set at setup).
 
-    max_total_tokens: completion tokens per segment (model and inserted tokens together).
+    max_total_tokens: an episode's tokens after its segments' prompts (model and inserted tokens, every
+                      segment together).
     max_context:      the model's context; a call that would run past it raises
                       :class:`~plainrl.rollout.llm.ContextLengthError` in the runner (None: unchecked).
     max_live:         episodes in flight at once (None: all).
@@ -145,12 +146,13 @@ def run_episodes(
     if run_loop is None:
         run_loop = RunLoop()
 
-    def make_llm(batcher: RequestBatcher, i: int) -> LLM:
+    def make_llm(batcher: RequestBatcher, i: int, on_abort: Callable[[str], None]) -> LLM:
         p = prompts[i]
         return LLM(batcher, i, tokenizer, params, row=p.row, prompt_ids=p.prompt_ids,
                    prompt_messages=_messages(p, s.system_prompt, s.prompt_template),
                    max_total_tokens=s.max_total_tokens, max_context=s.max_context,
-                   chat_template_kwargs=s.chat_template_kwargs, gateway=gateway, seed=episode_seed(seed, i))
+                   chat_template_kwargs=s.chat_template_kwargs, gateway=gateway, seed=episode_seed(seed, i),
+                   on_abort=on_abort)
 
     async def main() -> list[EpisodeRun]:
         async with gateway.serving():
@@ -180,7 +182,8 @@ def _messages(p: PromptRow, system_prompt: str | None, prompt_template: str) -> 
         return []
 
 
-async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[[RequestBatcher, int], LLM],
+async def _run_all(prompts: list[PromptRow], runner: Runner,
+                   make_llm: Callable[[RequestBatcher, int, Callable[[str], None]], LLM],
                    calls: EngineCalls, max_live: int, timeout_s: float | None, busy_wait_s: float) -> list[EpisodeRun]:
     batcher = RequestBatcher(calls, busy_wait_s=busy_wait_s)
     slots = asyncio.Semaphore(max_live)
@@ -190,12 +193,11 @@ async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[
 
     async def one(i: int) -> None:
         async with slots:
-            llm = make_llm(batcher, i)
+            ended = asyncio.get_running_loop().create_future()  # None when out of time, else why it was aborted
+            llm = make_llm(batcher, i, lambda reason: None if ended.done() else ended.set_result(reason))
             run = runs[i] = EpisodeRun(llm)
             batcher.start_episode(i)
-            live[i], expired[i] = llm, asyncio.get_running_loop().create_future()
-            ended = expired[i]  # its result: None when out of time, else why the episode was aborted
-            llm.on_abort = lambda reason: None if ended.done() else ended.set_result(reason)
+            live[i], expired[i] = llm, ended
             inner = asyncio.create_task(runner(llm, prompts[i]), name=f"episode {i}")
             try:
                 await asyncio.wait({inner, expired[i]}, return_when=asyncio.FIRST_COMPLETED)
@@ -216,7 +218,7 @@ async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[
             finally:
                 if not inner.done():  # the rollout itself is being cancelled
                     inner.cancel()
-                llm.closed = True
+                llm.close()
                 run.seconds = time.monotonic() - llm.started
                 live.pop(i, None)
                 expired.pop(i, None)
@@ -229,7 +231,7 @@ async def _run_all(prompts: list[PromptRow], runner: Runner, make_llm: Callable[
             now = time.monotonic()
             for i, llm in list(live.items()):
                 if llm.agent_time(now) > timeout_s and not expired[i].done():
-                    llm.closed = True
+                    llm.close()
                     expired[i].set_result(None)
 
     batching = asyncio.create_task(batcher.run())

@@ -15,25 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, TypeVar
 
 from plainrl.rollout.batcher import RequestBatcher
 from plainrl.rollout.chat import encode_rendered, render_chat_continuation, render_with_tools, same_message
-from plainrl.rollout.reaper import MARK_ENV
 from plainrl.rollout.seeding import call_seed
-from plainrl.rollout.trajectory import Trajectory
-from plainrl.types import FinishReason, Generation, SamplingParams
+from plainrl.rollout.trajectory import Completion, Segment, Trajectory, Turn
+from plainrl.types import Generation, SamplingParams
 
-__all__ = ["AgentCancelled", "Completion", "ContextLengthError", "LLM", "SyncLLM", "Turn"]
+__all__ = ["AgentCancelled", "Completion", "ContextLengthError", "LLM", "NO_TRAIN_HEADER", "NO_TRAIN_SUFFIX",
+           "SyncLLM", "Turn"]
 
 T = TypeVar("T")
 # what a call may change: the temperature is the run's (the learner's logprobs assume it)
 SAMPLING_KEYS = ("max_new_tokens", "stop", "top_p", "top_k", "temperature")
 # OpenAI's names for a sampling key, accepted as aliases (an agent written for the OpenAI API keeps its calls)
 SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+# how a client marks a call as not trained (a title, a summary, a judge): the model name it asks for
+# ends with the suffix (a harness's per-role model setting reaches it unchanged), or the header says so
+NO_TRAIN_SUFFIX = "+notrain"
+NO_TRAIN_HEADER = "x-plainrl-train"
 
 
 class ContextLengthError(RuntimeError):
@@ -44,42 +46,6 @@ class AgentCancelled(RuntimeError):
     """The episode is over (it timed out, or the rollout ended); raised at the agent's next model call."""
 
 
-@dataclass(frozen=True)
-class Completion:
-    """What one model call sampled.
-
-    text:          the sampled tokens decoded, special tokens skipped (a stop string is kept).
-    token_ids:     [n] the sampled ids, exactly as the engine returned them.
-    logprobs:      [n] their logprobs under the sampling policy.
-    finish_reason: ``"eos"``, ``"stop"`` (a stop string) or ``"length"`` (``max_new_tokens``
-                   or the episode's budget).
-    """
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-
-    @property
-    def message(self) -> dict[str, str]:
-        """``{"role": "assistant", "content": text}``: append it to continue the conversation."""
-        return {"role": "assistant", "content": self.text}
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One model call as the gateway sees it (:meth:`LLM.chat_turn`, :meth:`LLM.generate_turn`).
-
-    context:    [C] the ids the engine continued (prompt, earlier turns, inserted tokens).
-    completion: what it sampled.
-    message:    the assistant message handed back (chat calls; None for ``generate``).
-    """
-
-    context: list[int]
-    completion: Completion
-    message: dict[str, Any] | None = None
-
-
 class LLM:
     """One episode's access to the policy; every call is recorded token-exactly.
 
@@ -88,12 +54,17 @@ class LLM:
         prompt_ids: [P] the row's prompt ids, as the data pipeline rendered them.
         prompt_messages: the row's prompt as chat messages (a fresh list per read).
         tokenizer: the policy's tokenizer.
-        trajectory: the recorded segments.
+        trajectory: the recorded segments, one per lineage of calls (:class:`Trajectory`).
 
-    Calls of one episode must not overlap (await each before the next). The ``k``-th call
-    samples with the random stream ``call_seed(seed, k)`` (:mod:`plainrl.rollout.seeding`;
-    ``seed``: the episode's, None for unseeded), so an episode's samples do not depend on
-    the other episodes.
+    Each call continues the segment whose context is the longest prefix of its own (a
+    sub-agent, a side call and the main conversation each keep their own lineage), and calls
+    may overlap (parallel sub-agents): each is recorded. A call made with ``train=False`` (over
+    HTTP: a model name ending in :data:`NO_TRAIN_SUFFIX`, or the header :data:`NO_TRAIN_HEADER`
+    ``: false``) is sampled and counted in the budget but recorded in no segment.
+    ``rollout.max_total_tokens`` bounds the episode's tokens after its segments' prompts, every
+    segment together. The ``k``-th call samples with the random stream ``call_seed(seed, k)``
+    (:mod:`plainrl.rollout.seeding`; ``seed``: the episode's, None for unseeded), so an
+    episode's samples do not depend on the other episodes.
 
     Agents written for the OpenAI API reach the same handle over HTTP: ``llm.openai_client()``,
     ``llm.base_url`` / ``llm.api_key``, ``llm.openai_env()``; agents written for Anthropic's
@@ -105,7 +76,7 @@ class LLM:
                  row: dict[str, Any], prompt_ids: list[int], prompt_messages: list[dict[str, Any]],
                  max_total_tokens: int, max_context: int | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None, gateway: Any = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, on_abort: Callable[[str], None] | None = None) -> None:
         self._batcher, self._order, self._params = batcher, order, params
         self._seed, self._calls_made = seed, 0  # the episode's seed; model calls sent so far
         self._chat_kwargs = dict(chat_template_kwargs or {})  # data.chat_template_kwargs
@@ -114,18 +85,15 @@ class LLM:
         self._prompt_messages = [dict(m) for m in prompt_messages]
         self.max_total_tokens, self.max_context = max_total_tokens, max_context
         self.trajectory = Trajectory()
-        self.last: Completion | None = None  # the latest call's result
-        self.chat_messages: list[dict[str, Any]] | None = None  # the latest chat call's conversation + reply
-        # the latest chat call (its messages, the reply message handed back, what was sampled),
-        # while the context is still its
-        self._chat: tuple[list[dict[str, Any]], dict[str, Any], Completion] | None = None
-        self.closed = False
-        self.on_abort: Callable[[str], None] | None = None  # set by the episode loop: fails the episode
+        self._latest: Turn | None = None  # the latest trained call's record
+        self._untrained_calls = self._untrained_tokens = 0  # calls marked not trained; what they sampled
+        self._closed = False
+        self._on_abort = on_abort  # the episode loop's: fails the episode
         self.gateway = gateway  # plainrl.rollout.gateway.Gateway: the HTTP route to this handle
         self.started = time.monotonic()
         self.model_wait_s = 0.0
         self._waiting_since: float | None = None
-        self._busy = False
+        self._in_flight = 0
 
     @property
     def params(self) -> SamplingParams:
@@ -138,18 +106,43 @@ class LLM:
 
     @property
     def token_ids(self) -> list[int]:
-        """[C] the context the next continuing call extends (the current segment's), [] before the first call."""
+        """[C] the context of the latest call's segment, with its sample; [] before the first call."""
         seg = self.trajectory.current
         return seg.context if seg is not None else []
 
     @property
+    def last(self) -> Completion | None:
+        """What the latest trained call sampled (None before it returns)."""
+        return self._latest.completion if self._latest is not None else None
+
+    @property
+    def last_turn(self) -> Turn | None:
+        """The latest trained call's record."""
+        return self._latest
+
+    @property
     def conversation(self) -> list[dict[str, Any]] | None:
-        """The latest chat call's messages plus its reply; None when the latest call was ``generate``."""
-        return [dict(m) for m in self.chat_messages] if self._chat is not None and self.chat_messages else None
+        """The latest trained chat call's messages plus its reply; None when it was ``generate``."""
+        return self._latest.conversation if self._latest is not None else None
 
     @property
     def calls(self) -> int:
-        return sum(s.calls for s in self.trajectory.segments)
+        """Model calls that returned, trained or not."""
+        return sum(s.calls for s in self.trajectory.segments) + self._untrained_calls
+
+    @property
+    def untrained_calls(self) -> int:
+        """Calls marked as not trained that returned."""
+        return self._untrained_calls
+
+    @property
+    def closed(self) -> bool:
+        """The episode is over: the next call raises :class:`AgentCancelled`."""
+        return self._closed
+
+    def close(self) -> None:
+        """End the episode's calls (it ended, timed out, or the rollout is over)."""
+        self._closed = True
 
     def agent_time(self, now: float) -> float:
         """Seconds since the episode started, minus the time spent waiting for the model."""
@@ -159,9 +152,9 @@ class LLM:
     def abort(self, reason: str) -> None:
         """End this episode as failed, with ``reason`` as its error (the gateway: the client
         went away mid-request); its next call raises :class:`AgentCancelled`."""
-        self.closed = True
-        if self.on_abort is not None:
-            self.on_abort(reason)
+        self._closed = True
+        if self._on_abort is not None:
+            self._on_abort(reason)
 
     # ------------------------------------------------- agents written for the OpenAI API
 
@@ -177,39 +170,24 @@ class LLM:
 
     def openai_env(self) -> dict[str, str]:
         """``{"OPENAI_BASE_URL": ..., "OPENAI_API_KEY": ...}``: merge into a subprocess's environment
-        so an ``openai`` client made there is this episode's. In a run it also carries the run's
-        ``PLAINRL_RUN_MARK``, by which the subprocess and what it starts are killed if the trainer
-        dies (:mod:`plainrl.rollout.reaper`)."""
-        env = {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key}
-        if MARK_ENV in os.environ:
-            env[MARK_ENV] = os.environ[MARK_ENV]
-        return env
+        so an ``openai`` client made there is this episode's (and the run's ``PLAINRL_RUN_MARK``:
+        :func:`plainrl.rollout.gateway.clients.client_env`)."""
+        return _clients().client_env(self, "openai")
 
     def openai_client(self, **kwargs: Any):
         """An ``openai.AsyncOpenAI`` bound to this episode (its base URL and key). Retries are off
         (``max_retries=0``): a retried request would sample again. ``kwargs`` go to the client."""
-        import openai
-
-        kwargs.setdefault("max_retries", 0)
-        kwargs.setdefault("http_client", self._gateway().http_client())
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        return _clients().make_client(self, "openai", **kwargs)
 
     def anthropic_env(self) -> dict[str, str]:
         """``{"ANTHROPIC_BASE_URL": ..., "ANTHROPIC_API_KEY": ...}`` (and the run's mark, as
         :meth:`openai_env`): an ``anthropic`` client made in a subprocess is this episode's."""
-        env = {"ANTHROPIC_BASE_URL": self._gateway().url, "ANTHROPIC_API_KEY": self.api_key}
-        if MARK_ENV in os.environ:
-            env[MARK_ENV] = os.environ[MARK_ENV]
-        return env
+        return _clients().client_env(self, "anthropic")
 
     def anthropic_client(self, **kwargs: Any):
         """An ``anthropic.AsyncAnthropic`` bound to this episode (the gateway's root, its key);
         retries off, as :meth:`openai_client`. ``kwargs`` go to the client."""
-        import anthropic
-
-        kwargs.setdefault("max_retries", 0)
-        kwargs.setdefault("http_client", self._gateway().http_client(httpx_module=_httpx_of(anthropic)))
-        return anthropic.AsyncAnthropic(base_url=self._gateway().url, api_key=self.api_key, **kwargs)
+        return _clients().make_client(self, "anthropic", **kwargs)
 
     def _gateway(self):
         if self.gateway is None:
@@ -217,13 +195,15 @@ class LLM:
                                "(plainrl.rollout.agent_rollout gives every episode one)")
         return self.gateway
 
-    def room(self, context: list[int]) -> int:
-        """How many tokens a call on ``context`` may sample: what is left of the completion
-        budget of its segment, and of the model's context."""
-        seg = self.trajectory.current
-        extends = seg is not None and context[: len(seg.context)] == seg.context
-        completion = len(context) - len(seg.prompt_ids) if extends else 0
-        room = self.max_total_tokens - completion
+    def room(self, context: list[int], *, train: bool = True) -> int:
+        """How many tokens a call on ``context`` may sample: what is left of the episode's budget
+        (its segments' tokens after their prompts, the tokens this call would insert into the
+        segment it continues, and what untrained calls sampled), and of the model's context."""
+        used = self.trajectory.completion_tokens() + self._untrained_tokens
+        seg = self.trajectory.match(context) if train else None
+        if seg is not None:
+            used += len(context) - len(seg.prompt_ids) - len(seg.completion_ids)
+        room = self.max_total_tokens - used
         if self.max_context is not None:
             room = min(room, self.max_context - len(context))
         return room
@@ -231,21 +211,22 @@ class LLM:
     # ------------------------------------------------------------------ calls
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-                   **sampling: Any) -> Completion:
+                   train: bool = True, **sampling: Any) -> Completion:
         """Sample the assistant's next message after ``messages``.
 
-        When ``messages`` is the previous chat call's conversation, its reply
-        (``reply.message``, compared by role and stripped content) and new messages after
-        it, only the new messages are rendered, as the chat template continues the
-        conversation (:func:`~plainrl.rollout.chat.render_chat_continuation`), and appended
-        with loss mask 0 to the ids the model already saw and sampled. Any other
-        ``messages`` are rendered whole (the row's own prompt gives the row's prompt ids)
-        and start a new segment.
+        When ``messages`` is an earlier chat call's conversation, its reply (``reply.message``,
+        compared by role and stripped content) and new messages after it, only the new
+        messages are rendered, as the chat template continues the conversation
+        (:func:`~plainrl.rollout.chat.render_chat_continuation`), and appended with loss mask 0
+        to the ids that call saw and sampled: the call continues that call's segment. Any other
+        ``messages`` are rendered whole (the row's own prompt gives the row's prompt ids) and
+        continue the segment whose context their ids start with, or start a new one.
 
         Args:
             messages: chat messages ``{"role", "content", ...}``.
             tools: JSON schemas for the template's ``tools=``, rendered into a segment's
                 first prompt only.
+            train: False: sample, but record nothing to train (a title, a summary).
             sampling: ``max_new_tokens`` (or OpenAI's ``max_tokens`` /
                 ``max_completion_tokens``; None there: no limit of its own), ``stop`` (added to
                 the run's stop strings), ``top_p``, ``top_k``.
@@ -257,14 +238,14 @@ class LLM:
                 a chat template.
             AgentCancelled: the episode is over.
         """
-        return (await self.chat_turn(messages, tools, self._sampling(sampling))).completion
+        return (await self.chat_turn(messages, tools, self._sampling(sampling), train=train)).completion
 
     async def chat_turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                         params: SamplingParams, *, reply: Callable[[Completion], dict[str, Any]] | None = None,
-                        stop_token_ids: tuple[int, ...] = (), prefix: str = "") -> Turn:
+                        stop_token_ids: tuple[int, ...] = (), prefix: str = "", train: bool = True) -> Turn:
         """:meth:`chat` with the sampling settings given whole (the gateway's entry).
 
-        Earlier messages are compared with the previous call's after dropping None-valued
+        Earlier messages are compared with an earlier call's after dropping None-valued
         keys (an empty ``content`` beside ``tool_calls`` equals none, tool calls compare by
         name and parsed arguments); the reply also up to surrounding whitespace.
 
@@ -278,8 +259,9 @@ class LLM:
             prefix: text the reply starts with, written into the context (not sampled, not
                 trained) before sampling; ``reply`` gets the completion with its text after it
                 (the gateway's forced tool calls).
+            train: as :meth:`chat`.
         Returns:
-            The :class:`Turn` (context, completion, reply message).
+            The call's record (:class:`Turn`).
         Raises:
             As :meth:`chat`.
         """
@@ -288,67 +270,84 @@ class LLM:
         context = self._chat_context(messages, tools)
         if prefix:
             context = context + encode_rendered(self.tokenizer, prefix)
-        self._chat = None
-        sampled = await self._sample(context, params, stop_token_ids)
-        out = sampled.completion
-        if prefix:  # the reply's text is what follows the assistant header: the prefix and the sample
-            out = dataclasses.replace(out, text=prefix + out.text)
-        message = reply(out) if reply is not None else out.message
-        self.chat_messages = [dict(m) for m in messages] + [message]
-        self._chat = ([dict(m) for m in messages], message, out)
-        return Turn(sampled.context, out, message)
+        asked = tuple(dict(m) for m in messages)
 
-    async def generate(self, token_ids: list[int], **sampling: Any) -> Completion:
-        """Sample a continuation of ``token_ids`` [C], the whole context. When it extends the
-        previous call's context, the ids beyond it are recorded with loss mask 0; otherwise
-        it starts a new segment. Same ``sampling`` settings and errors as :meth:`chat`."""
-        return (await self.generate_turn(token_ids, self._sampling(sampling))).completion
+        def record(ctx: list[int], out: Completion) -> Turn:
+            if prefix:  # the reply's text is what follows the assistant header: the prefix and the sample
+                out = dataclasses.replace(out, text=prefix + out.text)
+            message = reply(out) if reply is not None else out.message
+            return Turn(ctx, out, message, asked, train)
+
+        return (await self._call(context, params, stop_token_ids, train, record))[1]
+
+    async def generate(self, token_ids: list[int], *, train: bool = True, **sampling: Any) -> Completion:
+        """Sample a continuation of ``token_ids`` [C], the whole context. When it extends a
+        segment's context, the ids beyond it are recorded with loss mask 0; otherwise it
+        starts a new segment. Same ``train``, ``sampling`` settings and errors as :meth:`chat`."""
+        return (await self.generate_turn(token_ids, self._sampling(sampling), train=train)).completion
 
     async def generate_turn(self, token_ids: list[int], params: SamplingParams, *,
-                            stop_token_ids: tuple[int, ...] = ()) -> Turn:
+                            stop_token_ids: tuple[int, ...] = (), train: bool = True) -> Turn:
         """:meth:`generate` with the sampling settings given whole (the gateway's entry); the
         arguments and errors of :meth:`chat_turn`."""
         if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
             raise TypeError("llm.generate(token_ids): token_ids must be a list of ints (the whole context)")
-        self._chat = None
-        sampled = await self._sample(list(token_ids), params, stop_token_ids)
-        return Turn(sampled.context, sampled.completion)
+        return (await self._call(list(token_ids), params, stop_token_ids, train,
+                                 lambda ctx, out: Turn(ctx, out, trained=train)))[1]
 
     async def sample(self, params: SamplingParams) -> Generation:
         """Continue the current context with ``params`` as they are (``max_new_tokens`` cut to
         the room left); for loops that keep their own bookkeeping (the environment adapter)."""
-        return (await self._sample(self.token_ids, params)).generation
+        return (await self._call(self.token_ids, params, (), True, lambda ctx, out: Turn(ctx, out)))[0]
 
-    async def _sample(self, context: list[int], params: SamplingParams, stop_token_ids: tuple[int, ...] = ()
-                      ) -> _Sampled:
-        if self.closed:
+    async def _call(self, context: list[int], params: SamplingParams, stop_token_ids: tuple[int, ...], train: bool,
+                    record: Callable[[list[int], Completion], Turn]) -> tuple[Generation, Turn]:
+        """One model call on ``context``: fed to its segment (``train``), sampled, cut to what is
+        left of the budget when it returns (parallel calls share it), recorded as ``record`` makes it."""
+        if self._closed:
             raise AgentCancelled("this episode is over (it timed out, or the rollout ended)")
-        if self._busy:
-            raise RuntimeError("model calls of one episode must not overlap: await each call before the next")
         if not context:
             raise ValueError("a model call needs at least one context token")
-        room = self.room(context)
+        room = self.room(context, train=train)
         if room <= 0:
             raise ContextLengthError(
-                f"no room for another model call: the context has {len(context)} tokens, the completion "
-                f"budget is {self.max_total_tokens} tokens per segment (rollout.max_total_tokens)"
-                + (f" and the model's context {self.max_context} (model.max_context)" if self.max_context else ""))
-        self.trajectory.feed(context)
+                f"no room for another model call: the context has {len(context)} tokens, the episode's budget "
+                f"is {self.max_total_tokens} tokens after its segments' prompts (rollout.max_total_tokens), "
+                f"{self.trajectory.completion_tokens() + self._untrained_tokens} used"
+                + (f", and the model's context {self.max_context} (model.max_context)" if self.max_context else ""))
+        seg: Segment | None = self.trajectory.feed(context) if train else None
         params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
-        self._busy, self._waiting_since = True, time.monotonic()
         seed, self._calls_made = call_seed(self._seed, self._calls_made), self._calls_made + 1
+        if self._in_flight == 0:
+            self._waiting_since = time.monotonic()
+        self._in_flight += 1
         try:
-            gen = await self._batcher.generate(self._order, self.trajectory.current.context, params, seed)
+            gen = await self._batcher.generate(self._order, context, params, seed)
+            if stop_token_ids:
+                gen = _cut_at(gen, stop_token_ids)
+            # parallel calls of the episode share its budget: what is left now, not when this call began
+            left = self.max_total_tokens - self.trajectory.completion_tokens() - self._untrained_tokens
+            gen = _cut_to(gen, max(left, 0))
+            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            turn = record(list(context), Completion(text, list(gen.token_ids), [float(x) for x in gen.logprobs],
+                                                    gen.finish_reason))
+        except BaseException:
+            if seg is not None:
+                self.trajectory.release(seg)
+            raise
         finally:
-            self.model_wait_s += time.monotonic() - self._waiting_since
-            self._busy, self._waiting_since = False, None
-        if stop_token_ids:
-            gen = _cut_at(gen, stop_token_ids)
-        context = self.trajectory.current.context
-        self.trajectory.add_sample(list(gen.token_ids), list(gen.logprobs), gen.finish_reason, gen.versions)
-        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        self.last = Completion(text, list(gen.token_ids), [float(x) for x in gen.logprobs], gen.finish_reason)
-        return _Sampled(gen, self.last, context)
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._waiting_since is not None:
+                self.model_wait_s += time.monotonic() - self._waiting_since
+                self._waiting_since = None
+        if seg is None:
+            self._untrained_calls += 1
+            self._untrained_tokens += len(gen.token_ids)
+        else:
+            self.trajectory.add_sample(list(gen.token_ids), list(gen.logprobs), gen.finish_reason, gen.versions,
+                                       seg=seg, turn=turn)
+            self._latest = turn
+        return gen, turn
 
     # ------------------------------------------------------------------ helpers
 
@@ -372,16 +371,26 @@ class LLM:
         return dataclasses.replace(base, **kw)
 
     def _chat_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        seg, prev = self.trajectory.current, self._chat
-        if prev is not None and seg is not None:
-            before, message, reply = prev
-            n = len(before)
-            if (len(messages) > n + 1 and all(same_message(a, b) for a, b in zip(messages, before))
-                    and same_message(messages[n], message, strip=True)):
-                eos_text = self.tokenizer.decode(reply.token_ids[-1:]) if reply.finish_reason == "eos" else ""
-                text = render_chat_continuation(self.tokenizer, before + [message], messages[n + 1:],
-                                                eos_text=eos_text, chat_template_kwargs=self._chat_kwargs)
-                return seg.context + encode_rendered(self.tokenizer, text)
+        """The ids a chat call on ``messages`` samples after: the continuation of the latest chat
+        call of a segment whose conversation and reply ``messages`` repeat (of several, the
+        longest), else ``messages`` rendered whole."""
+        best: Turn | None = None
+        for seg in self.trajectory.segments:
+            last = seg.last
+            if last is None or last.messages is None or last.message is None:
+                continue
+            n = len(last.messages)
+            if (len(messages) > n + 1 and (best is None or n > len(best.messages))
+                    and all(same_message(a, b) for a, b in zip(messages, last.messages))
+                    and same_message(messages[n], last.message, strip=True)):
+                best = last
+        if best is not None:
+            n, reply = len(best.messages), best.completion
+            eos_text = self.tokenizer.decode(reply.token_ids[-1:]) if reply.finish_reason == "eos" else ""
+            text = render_chat_continuation(self.tokenizer, [*best.messages, best.message], messages[n + 1:],
+                                            eos_text=eos_text, chat_template_kwargs=self._chat_kwargs)
+            # the ids that call saw and sampled (its segment may be extended by a call in flight)
+            return list(best.context) + list(reply.token_ids) + encode_rendered(self.tokenizer, text)
         if not tools and len(messages) == len(self._prompt_messages) and all(
                 same_message(a, b) for a, b in zip(messages, self._prompt_messages)):
             return list(self.prompt_ids)
@@ -409,22 +418,12 @@ def _resolve_aliases(sampling: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def _httpx_of(sdk: Any) -> Any:
-    """The package ``sdk`` takes its HTTP clients from: ``httpx``, or ``httpx2`` (the
-    ``anthropic`` SDK's since 2.14, which refuses an ``httpx`` client)."""
-    import importlib
+def _clients():
+    """:mod:`plainrl.rollout.gateway.clients`, imported by the agents that use a vendor client (the
+    gateway and the SDK types under it are imported only by runs that make one)."""
+    from plainrl.rollout.gateway import clients
 
-    for cls in sdk.DefaultAsyncHttpxClient.__mro__:
-        if cls.__name__ == "AsyncClient" and cls.__module__.startswith("httpx"):
-            return importlib.import_module(cls.__module__.split(".")[0])
-    raise TypeError(f"{sdk.__name__}.DefaultAsyncHttpxClient is no httpx AsyncClient")
-
-
-@dataclass(frozen=True)
-class _Sampled:
-    generation: Generation
-    completion: Completion
-    context: list[int]
+    return clients
 
 
 def _cut_at(gen: Generation, stop_ids: tuple[int, ...]) -> Generation:
@@ -436,6 +435,15 @@ def _cut_at(gen: Generation, stop_ids: tuple[int, ...]) -> Generation:
             return Generation(list(gen.token_ids[: i + 1]), list(gen.logprobs[: i + 1]), "stop",
                               None if gen.versions is None else list(gen.versions[: i + 1]))
     return gen
+
+
+def _cut_to(gen: Generation, limit: int) -> Generation:
+    """The generation's first ``limit`` tokens (finish reason ``length`` when cut): the sample a
+    smaller ``max_new_tokens`` gives, its logprobs unchanged."""
+    if len(gen.token_ids) <= limit:
+        return gen
+    return Generation(list(gen.token_ids[:limit]), list(gen.logprobs[:limit]), "length",
+                      None if gen.versions is None else list(gen.versions[:limit]))
 
 
 class SyncLLM:
@@ -459,20 +467,11 @@ class SyncLLM:
 
     def openai_client(self, **kwargs: Any):
         """A blocking ``openai.OpenAI`` client bound to this episode (see :meth:`LLM.openai_client`)."""
-        import openai
-
-        kwargs.setdefault("max_retries", 0)
-        kwargs.setdefault("http_client", self._llm._gateway().http_client(blocking=True))
-        return openai.OpenAI(base_url=self._llm.base_url, api_key=self._llm.api_key, **kwargs)
+        return _clients().make_client(self._llm, "openai", blocking=True, **kwargs)
 
     def anthropic_client(self, **kwargs: Any):
         """A blocking ``anthropic.Anthropic`` client bound to this episode (see :meth:`LLM.anthropic_client`)."""
-        import anthropic
-
-        kwargs.setdefault("max_retries", 0)
-        kwargs.setdefault("http_client", self._llm._gateway().http_client(blocking=True,
-                                                                          httpx_module=_httpx_of(anthropic)))
-        return anthropic.Anthropic(base_url=self._llm._gateway().url, api_key=self._llm.api_key, **kwargs)
+        return _clients().make_client(self._llm, "anthropic", blocking=True, **kwargs)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._llm.closed:

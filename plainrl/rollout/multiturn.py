@@ -375,7 +375,9 @@ def env_metrics(episodes: list[Episode]) -> dict[str, float]:
     ``env/end/<reason>`` = fraction of episodes that ended that way,
     ``env/error_rate`` and ``env/reward_mean`` (over episodes with a reward); for
     ``rollout.agent`` episodes also ``rollout/agent_failures``, the number of episodes whose
-    agent failed (raised, timed out, returned a wrong type or never called the model)."""
+    agent failed (raised, timed out, returned a wrong type or never called the model), and
+    ``rollout/tokens_refed_fraction``, the share of the learner's tokens (every segment's
+    prompt and completion) that repeat tokens already fed for the same episode."""
     if not episodes:
         return {}
     n = len(episodes)
@@ -396,4 +398,7 @@ def env_metrics(episodes: list[Episode]) -> dict[str, float]:
     agent = [o for o in outcomes if str(o.info.get("end_reason", "")).startswith("agent_")]
     if agent:
         out["rollout/agent_failures"] = float(sum(o.error is not None for o in agent))
+        fed = sum(o.info.get("tokens_fed", 0) for o in agent)
+        if fed:  # the share of the learner's tokens that repeat tokens it was already fed for the episode
+            out["rollout/tokens_refed_fraction"] = 1.0 - sum(o.info.get("tokens_distinct", 0) for o in agent) / fed
     return out

@@ -28,7 +28,7 @@ from plainrl.rollout.gateway.errors import parse_body
 from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import template_message
 from plainrl.rollout.gateway.recorder import (
-    ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format,
+    ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format, trains,
 )
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import Message as ChatMessage
@@ -137,7 +137,7 @@ async def messages(episodes: Episodes, request: Request) -> Response:
                             stop=req.stop_sequences)
     stops = tuple(req.stop_sequences or ())
     done = await chat_call(episodes, request, llm, [template_message(m, fmt, renders) for m in chat], tools, choice,
-                           request_sampling(fields, llm.params), cut_stop=stops)
+                           request_sampling(fields, llm.params), cut_stop=stops, train=trains(request, req.model))
     out = build_message(episodes.model, done, stops)
     if req.stream:
         return StreamingResponse(stream_events(out), media_type="text/event-stream")

@@ -1,15 +1,14 @@
 """The episodes a gateway serves, by key: what every route shares, whatever its dialect.
 
 Each episode's :class:`~plainrl.rollout.llm.LLM` gets a random key on first use; a request
-carrying it is a call of that episode. What the gateway keeps per episode (its key, the lock
-that takes its calls one at a time, the Responses API's stored responses) lives here, in
+carrying it is a call of that episode. What the gateway keeps per episode (its key, the
+Responses API's stored responses) lives here, in
 weak maps keyed by the handle: nothing is written onto the handle, and an episode's entries
 go when its handle does.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import threading
 import weakref
@@ -25,7 +24,6 @@ __all__ = ["Episodes"]
 @dataclass
 class _Entry:
     key: str
-    lock: asyncio.Lock | None = None
     responses: dict[str, Any] | None = None  # Responses API: response id -> the conversation after it
 
 
@@ -63,13 +61,6 @@ class Episodes:
         if llm is None or llm.closed:
             return None, True
         return llm, True
-
-    def call_lock(self, llm: LLM) -> asyncio.Lock:
-        """The lock that takes ``llm``'s calls one at a time (made on the serving loop)."""
-        entry = self._entry(llm)
-        if entry.lock is None:
-            entry.lock = asyncio.Lock()
-        return entry.lock
 
     def responses(self, llm: LLM) -> dict[str, Any]:
         """The episode's stored responses (``previous_response_id`` -> what it continues)."""

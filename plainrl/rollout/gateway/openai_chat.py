@@ -22,7 +22,7 @@ from plainrl.rollout.gateway.errors import GatewayError, parse_body
 from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import template_message
 from plainrl.rollout.gateway.recorder import (
-    ToolChoice, bearer_key, chat_call, episode, function_tool, model_call, template_format,
+    ToolChoice, bearer_key, chat_call, episode, function_tool, model_call, template_format, trains,
 )
 from plainrl.rollout.gateway.responses import chat_chunks, chat_completion, completion, generate_response
 from plainrl.rollout.gateway.sampling import request_sampling
@@ -42,7 +42,7 @@ async def chat(episodes: Episodes, request: Request) -> Response:
     messages = [template_message(m, fmt, renders) for m in req.messages]
     tools = [function_tool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
              for t in req.tools] if req.tools else None
-    done = await chat_call(episodes, request, llm, messages, tools, choice, sampling)
+    done = await chat_call(episodes, request, llm, messages, tools, choice, sampling, train=trains(request, req.model))
     kw = dict(logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs, token_ids=bool(req.return_token_ids))
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -65,7 +65,8 @@ async def completions(episodes: Episodes, request: Request) -> Response:
     ids = list(llm.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
     sampling = request_sampling(req, llm.params)
     turn = await model_call(episodes, request, llm, sampling.overridden,
-                            llm.generate_turn(ids, sampling.params, stop_token_ids=sampling.stop_token_ids),
+                            llm.generate_turn(ids, sampling.params, stop_token_ids=sampling.stop_token_ids,
+                                              train=trains(request, req.model)),
                             param="prompt")
     body = completion(episodes.model, llm.tokenizer, turn, logprobs=req.logprobs, token_ids=bool(req.return_token_ids))
     if req.stream:
@@ -84,7 +85,8 @@ async def generate(episodes: Episodes, request: Request) -> Response:
     sampling = request_sampling(sp, llm.params)
     turn = await model_call(episodes, request, llm, sampling.overridden,
                             llm.generate_turn(list(req.token_ids), sampling.params,
-                                              stop_token_ids=sampling.stop_token_ids), param="token_ids")
+                                              stop_token_ids=sampling.stop_token_ids,
+                                              train=trains(request, req.model)), param="token_ids")
     return JSONResponse(generate_response(req.model or episodes.model, turn, req.request_id,
                                           logprobs=sp.logprobs is not None))
 

@@ -41,7 +41,7 @@ from plainrl.rollout.gateway.errors import GatewayError, parse_body, validation_
 from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import template_message
 from plainrl.rollout.gateway.recorder import (
-    ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format,
+    ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format, trains,
 )
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import TAG_MARK, Message, SamplingFields, StrictModel, json_kind, tagged
@@ -143,7 +143,8 @@ async def responses(episodes: Episodes, request: Request) -> HTTPResponse:
     c = req.tool_choice
     choice = ToolChoice(c) if isinstance(c, str) else ToolChoice("required", c.name) if c else ToolChoice()
     done = await chat_call(episodes, request, llm, [template_message(m, fmt, renders) for m in validated], tools,
-                           choice, request_sampling(req, llm.params, req.max_output_tokens), param="input")
+                           choice, request_sampling(req, llm.params, req.max_output_tokens), param="input",
+                           train=trains(request, req.model))
     out = build_response(episodes.model, req, done)
     stored[out.id] = history + [done.reply.openai_message()]
     body = out.model_dump(mode="json", exclude_unset=True)

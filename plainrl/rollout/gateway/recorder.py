@@ -4,8 +4,11 @@ A route (chat completions, the Responses API, Anthropic Messages) turns its requ
 messages as the chat template gets them, tools in OpenAI's function shape and the sampling
 settings; :func:`chat_call` then runs the call on the episode's handle
 (:meth:`plainrl.rollout.llm.LLM.chat_turn`): a request that extends what the episode was last
-handed back appends only its new part; anything else opens a segment. So the same
-conversation trains on the same token ids whichever dialect carried it.
+handed back appends only its new part to that call's segment; anything else continues the
+segment whose ids it starts with, or opens one. So the same conversation trains on the same
+token ids whichever dialect carried it. Requests of one key may run in parallel (parallel
+sub-agents), each recorded; a request whose model name ends in ``+notrain`` or that carries
+``X-PlainRL-Train: false`` is answered but not trained (:func:`trains`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import Reply, make_reply
 from plainrl.rollout.gateway.sampling import RequestSampling
 from plainrl.rollout.gateway.toolcalls import ToolFormat, forced_call_prefix, renders_tool_calls, tool_format
-from plainrl.rollout.llm import LLM, AgentCancelled, ContextLengthError, Turn
+from plainrl.rollout.llm import LLM, NO_TRAIN_HEADER, NO_TRAIN_SUFFIX, AgentCancelled, ContextLengthError, Turn
 
 __all__ = ["ChatCall", "ToolChoice", "bearer_key", "chat_call", "episode", "function_tool", "model_call",
-           "template_format"]
+           "template_format", "trains"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,24 @@ def bearer_key(request: Request) -> str:
     return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
 
 
+def trains(request: Request, model: str | None) -> bool:
+    """Whether the request's call is trained: not when its ``model`` ends in ``+notrain``
+    (:data:`~plainrl.rollout.llm.NO_TRAIN_SUFFIX`) or its ``X-PlainRL-Train`` header is
+    ``false`` / ``0`` / ``no``.
+
+    Raises:
+        GatewayError: 400 for another header value.
+    """
+    header = request.headers.get(NO_TRAIN_HEADER)
+    if header is not None:
+        value = header.strip().lower()
+        if value not in ("true", "1", "yes", "false", "0", "no"):
+            raise GatewayError(400, f"{NO_TRAIN_HEADER}: {header!r}; use true or false", param=NO_TRAIN_HEADER)
+        if value in ("false", "0", "no"):
+            return False
+    return not (model or "").endswith(NO_TRAIN_SUFFIX)
+
+
 def episode(episodes: Episodes, key: str, how: str = "llm.api_key, llm.openai_client(), llm.openai_env()") -> LLM:
     """The live episode of ``key``.
 
@@ -87,7 +108,7 @@ def template_format(llm: LLM) -> tuple[ToolFormat, bool]:
 
 async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None, choice: ToolChoice, sampling: RequestSampling, *,
-                    param: str = "messages", cut_stop: tuple[str, ...] = ()) -> ChatCall:
+                    param: str = "messages", cut_stop: tuple[str, ...] = (), train: bool = True) -> ChatCall:
     """One chat call of ``llm``'s episode, recorded token-exactly.
 
     Args:
@@ -98,6 +119,7 @@ async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: li
         param: the request field a context-length error names.
         cut_stop: stop strings the reply leaves out of its text when the completion ended on
             one (Anthropic's ``stop_sequences``; the record keeps every sampled token).
+        train: False: answered, not trained (:func:`trains`).
     Raises:
         GatewayError: 400 for a tool choice the tools cannot meet, and as :func:`model_call`.
     """
@@ -121,7 +143,8 @@ async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: li
     prefix = forced_call_prefix(choice.mode if choice.name is None else None, choice.name, fmt) if tools else ""
     turn = await model_call(episodes, request, llm, sampling.overridden,
                             llm.chat_turn(messages, tools, sampling.params, reply=reply,
-                                          stop_token_ids=sampling.stop_token_ids, prefix=prefix), param=param)
+                                          stop_token_ids=sampling.stop_token_ids, prefix=prefix, train=train),
+                            param=param)
     return ChatCall(turn, made[-1])
 
 
@@ -129,11 +152,12 @@ async def model_call(episodes: Episodes, request: Request, llm: LLM, overridden:
                      param: str = "messages") -> Turn:
     """Run one model call of ``llm``'s episode; a client that goes away mid-call fails the episode.
 
-    Calls of one episode are taken one at a time, in arrival order (the trajectory is one
-    sequence); a request whose call cannot run is refused with a :class:`GatewayError`
-    (400 ``context_length_exceeded``, 409 ended, 503 engine failure, 400 bad input).
+    Calls of one episode may run at once, each continuing its own lineage
+    (:class:`~plainrl.rollout.trajectory.Trajectory`); a request whose call cannot run is refused
+    with a :class:`GatewayError` (400 ``context_length_exceeded``, 409 ended, 503 engine
+    failure, 400 bad input).
     """
-    task = asyncio.ensure_future(_serialised(episodes.call_lock(llm), call))
+    task = asyncio.ensure_future(call)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -167,11 +191,6 @@ def _client_gone(llm: LLM, request: Request) -> None:
     if not llm.closed:
         llm.abort("rollout.gateway: the client disconnected or gave up before its response was ready "
                   f"({request.url.path}); the episode's record ends mid-call")
-
-
-async def _serialised(lock: asyncio.Lock, call: Awaitable[Turn]) -> Turn:
-    async with lock:
-        return await call
 
 
 async def _disconnected(request: Request) -> None:
