@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from conftest import REPO, Preempted, preempt_after_checkpoint, tiny_overrides
 from plainrl.algorithms.distill import mix_advantages, reverse_kl_advantages, topk_generalized_jsd, with_tail
 from plainrl.config import ConfigError, load_config
+from plainrl.data.rows import DataError
 
 EXAMPLE = REPO / "examples" / "arithmetic_grpo.yaml"
 
@@ -146,6 +147,66 @@ def test_teacher_context_placeholder_is_checked_before_loading(tiny_model_dir, t
         "algorithm.name=opd", "algorithm.teacher=self", "algorithm.teacher_context='Solution: {solution}'"])
     with pytest.raises(DataError, match="algorithm.teacher_context.*solution"):
         run_setup.setup(cfg)
+
+
+def _prompt_data(rows):
+    from plainrl.data.loading import PromptData, PromptRow
+
+    return PromptData(train=[PromptRow(row=r, prompt_ids=[1], source_index=i) for i, r in enumerate(rows)], eval=[])
+
+
+def test_every_rows_teacher_prompt_is_checked_against_the_context(tiny_model_dir, tmp_path, tokenizer):
+    from plainrl.run.teacher import check_teacher
+
+    rows = [{"prompt": "1 + 1?", "solution": "2"}, {"prompt": "2 + 2?", "solution": "4"},
+            {"prompt": "3 + 3?", "solution": "six " * 300}]  # only the last row's teacher prompt is too long
+    over = tiny_overrides(tiny_model_dir, tmp_path / "r") + [
+        "algorithm.name=opd", "algorithm.teacher=self", "algorithm.teacher_context='Solution: {solution}'",
+        "model.max_context=256", "rollout.max_new_tokens=32"]
+    with pytest.raises(ConfigError, match="row 2.*over the budget of 224 prompt tokens"):
+        check_teacher(load_config(EXAMPLE, over), tokenizer, _prompt_data(rows))
+    data = _prompt_data(rows)
+    check_teacher(load_config(EXAMPLE, over + ["data.on_invalid=drop"]), tokenizer, data)
+    assert [r.source_index for r in data.train] == [0, 1] and data.dropped.total == 1
+    # a placeholder only a later row lacks is found too
+    with pytest.raises(DataError, match="training row 1: .*algorithm.teacher_context.*solution"):
+        check_teacher(load_config(EXAMPLE, over), tokenizer, _prompt_data([rows[0], {"prompt": "x"}]))
+
+
+def test_the_teacher_has_its_own_chat_template_and_system_prompt(tiny_model_dir, tmp_path, tokenizer):
+    from transformers import AutoTokenizer
+
+    from plainrl.data.prompts import teacher_prompt_ids
+    from plainrl.run.teacher import teacher_prompt_args
+
+    jinja = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    teacher_dir = tmp_path / "teacher"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = jinja
+    tok.save_pretrained(teacher_dir)  # the same vocabulary, another chat template
+    row = {"prompt": "What is 1 + 1?", "solution": "2"}
+    base = tiny_overrides(tiny_model_dir, tmp_path / "r") + ["algorithm.name=opd", "data.system_prompt=Be brief.",
+                                                          "data.prompt_template='{prompt}'"]
+    want = tokenizer("<system>Be exact.\n<user>What is 1 + 1?\n<assistant>", add_special_tokens=False)["input_ids"]
+    for template in ("teacher", jinja):
+        cfg = load_config(EXAMPLE, base + [f"algorithm.teacher={{name: {teacher_dir}}}",
+                                           "algorithm.teacher.system='Be exact.'"])
+        cfg.algorithm.teacher.template = template
+        got = teacher_prompt_ids(row, tokenizer, **teacher_prompt_args(cfg, tokenizer))
+        assert got == want, tokenizer.decode(got)
+    # teacher_context appends to the user message under the teacher's template; "" drops the system prompt
+    cfg.algorithm.teacher.system = ""
+    cfg.algorithm.teacher_context = "Solution: {solution}"
+    assert teacher_prompt_ids(row, tokenizer, **teacher_prompt_args(cfg, tokenizer)) == tokenizer(
+        "<user>What is 1 + 1?\n\nSolution: 2\n<assistant>", add_special_tokens=False)["input_ids"]
+    # unset, the teacher's prompt is the student's (data.system_prompt, the policy's template)
+    from plainrl.data.prompts import build_prompt_ids
+
+    plain = load_config(EXAMPLE, base + [f"algorithm.teacher={{name: {teacher_dir}}}"])
+    assert teacher_prompt_ids(row, tokenizer, **teacher_prompt_args(plain, tokenizer)) == build_prompt_ids(
+        row, tokenizer, system_prompt="Be brief.")
+    with pytest.raises(ConfigError, match="template=teacher.*remote"):
+        load_config(EXAMPLE, base + ["algorithm.teacher={remote: {urls: ['http://127.0.0.1:1']}, template: teacher}"])
 
 
 # -- the teacher's scores ----------------------------------------------------------------------------

@@ -82,12 +82,22 @@ class TeacherConfig(_Section):
     remote: TeacherServersConfig | None = None
     """Servers that serve the teacher (`backend`, `urls`, `model`, `api_key_env`, timeouts as in `rollout.remote`);
     their tokenizer must be the policy's, and they score at temperature 1."""
+    template: str | None = None
+    """The chat template the teacher's prompt is rendered with: `teacher` (the one of `name`'s tokenizer, e.g. an
+    instruct teacher of a base student), or a Jinja chat template's text; null: the policy's. The completion the
+    teacher scores is the student's token ids, unchanged."""
+    system: str | None = None
+    """The teacher's system prompt, in place of `data.system_prompt` (`""`: none); null: `data.system_prompt`. A
+    `messages` row that starts with a system message keeps its own."""
 
     @model_validator(mode="after")
     def _one_teacher(self) -> "TeacherConfig":
         if (self.name is None) == (self.remote is None):
             raise ValueError("algorithm.teacher: give name (a model loaded in this process) or remote (servers that "
                              "serve the teacher: {urls: [...]}), exactly one of them")
+        if self.template == "teacher" and self.name is None:
+            raise ValueError("algorithm.teacher.template=teacher takes the chat template of algorithm.teacher.name's "
+                             "tokenizer, and a remote teacher has no name here; give the template's Jinja text")
         if self.remote is not None and self.adapter is not None:
             raise ValueError("algorithm.teacher.adapter applies to a teacher loaded here; a remote teacher's adapter "
                              "is the servers' (serve it, e.g. vLLM's --lora-modules NAME=DIR, and name it with "

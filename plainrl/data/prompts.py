@@ -60,6 +60,7 @@ def build_prompt_ids(
     system_prompt: str | None = None,
     prompt_template: str = "{prompt}",
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
     """Token ids of a normalised row's prompt, ready for generation.
 
@@ -82,6 +83,8 @@ def build_prompt_ids(
         prompt_template: ``str.format`` template over the row's columns.
         chat_template_kwargs: variables for the chat template (``data.chat_template_kwargs``,
             e.g. ``{"enable_thinking": False}``).
+        chat_template: a Jinja chat template used instead of the tokenizer's (a distillation
+            teacher's, ``algorithm.teacher.template``); None: the tokenizer's.
 
     Returns:
         The prompt's token ids as a plain ``list[int]``.
@@ -101,9 +104,10 @@ def build_prompt_ids(
     else:
         raise DataError("row has neither 'messages' nor 'prompt'; normalise it with to_prompt_rows first")
 
-    if getattr(tokenizer, "chat_template", None):
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            **(chat_template_kwargs or {}))
+                                            chat_template=template, **(chat_template_kwargs or {}))
         return as_id_list(out)
     if row.get("messages") is not None:
         text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
@@ -112,21 +116,29 @@ def build_prompt_ids(
     return as_id_list(tokenizer(text, add_special_tokens=True))
 
 
-def teacher_prompt_ids(row: Mapping[str, Any], tokenizer: Any, *, context: str, system_prompt: str | None,
-                       prompt_template: str, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-    """The teacher's prompt under self-distillation: the row's prompt as the student sees it
-    (:func:`plainrl.data.prompts.build_prompt_ids`) with ``context`` filled from the row's columns
-    appended to the last user message, after a blank line.
+def teacher_prompt_ids(row: Mapping[str, Any], tokenizer: Any, *, context: str | None, system_prompt: str | None,
+                       prompt_template: str, chat_template_kwargs: Mapping[str, Any] | None = None,
+                       chat_template: str | None = None) -> list[int]:
+    """A distillation teacher's prompt: the row's prompt rendered as for the student
+    (:func:`plainrl.data.prompts.build_prompt_ids`) but with the teacher's system prompt and chat
+    template, and under self-distillation ``context`` filled from the row's columns appended to
+    the last user message, after a blank line.
 
     Args:
         row: the episode's data row (``prompt`` or ``messages`` and the other columns).
-        context: ``algorithm.teacher_context``, a ``str.format`` template over the row's columns.
+        context: ``algorithm.teacher_context``, a ``str.format`` template over the row's columns;
+            None: nothing appended.
+        system_prompt: the teacher's system prompt (``algorithm.teacher.system``, else ``data.system_prompt``).
+        chat_template: the teacher's Jinja chat template; None: the tokenizer's.
     Returns:
         The prompt's token ids.
     Raises:
         DataError: a placeholder that is not a column of the row (the message names
             ``algorithm.teacher_context``), or a ``messages`` row without a user message.
     """
+    if context is None:
+        return build_prompt_ids(row, tokenizer, system_prompt=system_prompt, prompt_template=prompt_template,
+                                chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
     try:
         extra = render_prompt(row, context)
     except DataError as e:
@@ -142,7 +154,7 @@ def teacher_prompt_ids(row: Mapping[str, Any], tokenizer: Any, *, context: str, 
         row = {**row, "prompt": f"{render_prompt(row, prompt_template)}\n\n{extra}"}
         prompt_template = "{prompt}"
     return build_prompt_ids(row, tokenizer, system_prompt=system_prompt, prompt_template=prompt_template,
-                            chat_template_kwargs=chat_template_kwargs)
+                            chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
 
 
 def check_prompt_lengths(
