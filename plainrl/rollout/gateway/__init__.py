@@ -12,7 +12,8 @@ Modules: ``server`` (the socket, serving each rollout), ``keys`` (the episodes b
 kept per episode), ``app`` (the routes of every dialect), one module per dialect over the shared
 ``recorder`` (``openai_chat``: Chat Completions, Completions, vLLM's generate, models;
 ``openai_responses``: the Responses API; ``anthropic_messages``: Anthropic's Messages),
-``schema`` (chat request validation), ``sampling`` (request -> sampling settings), ``messages``
+``clients`` (the vendor SDK clients handed to agents), ``schema`` (chat request validation; the
+parts and tools every dialect refuses or drops), ``sampling`` (request -> sampling settings), ``messages``
 and ``toolcalls`` (messages for the chat template, tool calls in the model's format),
 ``responses`` (the chat and completion response objects, vLLM's generate response), ``errors``.
 """

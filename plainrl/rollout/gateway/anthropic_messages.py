@@ -3,9 +3,11 @@
 What an agent built on the ``anthropic`` SDK (Claude-style harnesses) sends. A request becomes
 chat messages as ``/v1/chat/completions`` would get them (``system`` a system message; a user
 turn's ``tool_result`` blocks tool messages, then its text; an assistant turn's text and
-``tool_use`` blocks one assistant message with ``tool_calls``; ``thinking`` blocks dropped),
-so a conversation trains on the same token ids in every dialect
-(:func:`~plainrl.rollout.gateway.recorder.chat_call`). The reply (a ``text`` block and
+``tool_use`` blocks one assistant message with ``tool_calls``; ``thinking`` blocks dropped;
+``image`` and ``document`` blocks a 400), so a conversation trains on the same token ids in every
+dialect (:func:`~plainrl.rollout.gateway.recorder.chat_call`). Tools: :func:`anthropic_tools`
+(``bash_*`` and ``text_editor_*`` as functions with Anthropic's published schemas, server tools
+dropped and counted). The reply (a ``text`` block and
 ``tool_use`` blocks parsed from the model's text) is the ``anthropic`` package's own
 ``Message``; ``stream`` replays it as Anthropic's event stream. ``stop_reason``: ``tool_use``,
 ``max_tokens``, ``stop_sequence`` (a request's stop sequence, left out of the text as Anthropic
@@ -28,11 +30,11 @@ from plainrl.rollout.gateway.errors import parse_body
 from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import template_message
 from plainrl.rollout.gateway.recorder import (
-    ChatCall, ToolChoice, bearer_key, chat_call, episode, function_tool, template_format, trains,
+    ChatCall, ToolChoice, ToolSet, bearer_key, chat_call, episode, function_tool, template_format, trains,
 )
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import Message as ChatMessage
-from plainrl.rollout.gateway.schema import SamplingFields, StrictModel, json_kind, tagged
+from plainrl.rollout.gateway.schema import MediaPart, SamplingFields, StrictModel, json_kind, parts, tagged, tools_of
 
 __all__ = ["MessagesRequest", "error_response", "messages"]
 
@@ -54,10 +56,14 @@ class ToolUse(StrictModel):
     input: dict[str, Any]
 
 
+ResultContent = tagged({"string": str, "array": list[parts(Text, "a text block")]}, json_kind,
+                      "a string or a list of text blocks")
+
+
 class ToolResult(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Text] | None = None
+    content: ResultContent | None = None
     is_error: bool | None = None
 
 
@@ -67,7 +73,13 @@ class Thinking(StrictModel):
     type: Literal["thinking", "redacted_thinking"]
 
 
-Block = Annotated[Union[Text, ToolUse, ToolResult, Thinking], Field(discriminator="type")]
+class Media(MediaPart):
+    """An ``image`` or ``document`` block: refused, naming it (the model is text-only)."""
+
+    type: Literal["image", "document"]
+
+
+Block = Annotated[Union[Text, ToolUse, ToolResult, Thinking, Media], Field(discriminator="type")]
 
 
 Content = tagged({"string": str, "array": list[Block]}, json_kind, "a string or a list of content blocks")
@@ -80,12 +92,66 @@ class AnthropicMessage(StrictModel):
 
 
 class Tool(StrictModel):
-    """A client tool (``custom``); Anthropic's server tools (web search, ...) are not served."""
+    """A client tool (``custom``)."""
 
     name: str
     input_schema: dict[str, Any]
     description: str | None = None
     type: Literal["custom"] | None = None
+
+
+class VersionedTool(StrictModel):
+    """One of Anthropic's schema-less client tools (``bash_20250124``, ``text_editor_20250728``, ...):
+    its input schema is Anthropic's, published in its tool-use docs (:data:`BASH`, :data:`TEXT_EDITOR`)."""
+
+    type: str
+    name: str
+
+
+# the input schemas Anthropic publishes for its client tools (docs.anthropic.com, "Bash tool" and "Text editor
+# tool"), which Claude models know without a schema in the request; a model trained here needs them written out
+BASH = ("Run a command in a persistent bash session.", {"type": "object", "properties": {
+    "command": {"type": "string", "description": "The bash command to run (required unless restart is true)."},
+    "restart": {"type": "boolean", "description": "Set to true to restart the bash session."}}})
+_EDIT_COMMANDS = ["view", "create", "str_replace", "insert", "undo_edit"]
+
+
+def text_editor(version: str) -> tuple[str, dict[str, Any]]:
+    """The text editor's description and input schema; ``undo_edit`` only before ``text_editor_20250429``."""
+    commands = _EDIT_COMMANDS if version < "text_editor_20250429" else _EDIT_COMMANDS[:-1]
+    return ("View, create and edit text files: view a file (with line numbers) or a directory, create a file, "
+            "replace a unique string, insert text after a line.", {"type": "object", "properties": {
+                "command": {"type": "string", "enum": commands, "description": "The command to run."},
+                "path": {"type": "string", "description": "Absolute path to the file or directory."},
+                "file_text": {"type": "string", "description": "create: the new file's content."},
+                "old_str": {"type": "string", "description": "str_replace: the exact text to replace (unique)."},
+                "new_str": {"type": "string", "description": "str_replace: the replacement; insert: the text."},
+                "insert_line": {"type": "integer", "description": "insert: the line after which to insert (0: "
+                                                                  "the start)."},
+                "view_range": {"type": "array", "items": {"type": "integer"},
+                               "description": "view: [start, end] lines, 1-based; end -1: to the end."}},
+                "required": ["command", "path"]})
+
+
+def _tool_kind(v: Any) -> str:
+    t = (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or "custom"
+    return "custom" if t == "custom" else "bash" if t.startswith("bash_") else \
+        "text_editor" if t.startswith("text_editor_") else t
+
+
+def anthropic_tools(tools: list[Any] | None) -> ToolSet:
+    """The request's tools as functions: client tools as they are, ``bash_*`` and ``text_editor_*``
+    with Anthropic's published schemas; server tools (``web_search_*``, ``web_fetch_*``,
+    ``code_execution_*``, ...), which Anthropic's servers run, and ``computer_*`` (screenshots: the
+    model is text-only) dropped."""
+    functions = []
+    for t in tools or []:
+        if isinstance(t, Tool):
+            functions.append(function_tool(t.name, t.description, t.input_schema))
+        elif isinstance(t, VersionedTool):
+            description, schema = BASH if t.type.startswith("bash_") else text_editor(t.type)
+            functions.append(function_tool(t.name, description, schema))
+    return ToolSet(tuple(functions), dropped=len(tools or []) - len(functions))
 
 
 class AnthropicToolChoice(StrictModel):
@@ -101,7 +167,7 @@ class MessagesRequest(StrictModel):
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: System | None = None
-    tools: list[Tool] | None = None
+    tools: list[tools_of({"custom": Tool, "bash": VersionedTool, "text_editor": VersionedTool}, _tool_kind)] | None = None
     tool_choice: AnthropicToolChoice | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0)
@@ -129,7 +195,7 @@ async def messages(episodes: Episodes, request: Request) -> Response:
     req = await parse_body(request, MessagesRequest)
     fmt, renders = template_format(llm)
     chat = [_CHAT.validate_python(m) for m in chat_messages(req)]
-    tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools] if req.tools else None
+    tools = anthropic_tools(req.tools)
     c = req.tool_choice
     mode = {"auto": "auto", "any": "required", "tool": "required", "none": "none"}[c.type] if c else "auto"
     choice = ToolChoice(mode, c.name if c is not None and c.type == "tool" else None)

@@ -41,6 +41,7 @@ class Episodes:
         self._by_key: dict[str, weakref.ref[LLM]] = {}  # every key handed out; a dead ref: ended
         self._by_llm: weakref.WeakKeyDictionary[LLM, _Entry] = weakref.WeakKeyDictionary()
         self.sampling_overrides = 0  # requests whose temperature/top_p/top_k the run replaced
+        self.dropped_tools = 0  # tools left out of requests: the vendor's hosted ones, unknown types
 
     def key_for(self, llm: LLM) -> str:
         """The episode's key (``sk-plainrl-`` and 32 random bytes), made on first use."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 
+from openai.types.chat import ChatCompletionFunctionTool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -22,7 +23,7 @@ from plainrl.rollout.gateway.errors import GatewayError, parse_body
 from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import template_message
 from plainrl.rollout.gateway.recorder import (
-    ToolChoice, bearer_key, chat_call, episode, function_tool, model_call, template_format, trains,
+    ToolChoice, ToolSet, bearer_key, chat_call, episode, function_tool, model_call, template_format, trains,
 )
 from plainrl.rollout.gateway.responses import chat_chunks, chat_completion, completion, generate_response
 from plainrl.rollout.gateway.sampling import request_sampling
@@ -40,8 +41,9 @@ async def chat(episodes: Episodes, request: Request) -> Response:
     choice = ToolChoice(c) if isinstance(c, str) else ToolChoice("required", c.function.name) if c else ToolChoice()
     sampling = request_sampling(req, llm.params, req.max_completion_tokens)
     messages = [template_message(m, fmt, renders) for m in req.messages]
-    tools = [function_tool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
-             for t in req.tools] if req.tools else None
+    functions = [function_tool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
+                 for t in req.tools or [] if isinstance(t, ChatCompletionFunctionTool)]
+    tools = ToolSet(tuple(functions), dropped=len(req.tools or []) - len(functions))  # custom, or unknown: dropped
     done = await chat_call(episodes, request, llm, messages, tools, choice, sampling, train=trains(request, req.model))
     kw = dict(logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs, token_ids=bool(req.return_token_ids))
     if req.stream:

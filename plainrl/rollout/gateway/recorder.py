@@ -14,7 +14,7 @@ sub-agents), each recorded; a request whose model name ends in ``+notrain`` or t
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable
 
 from openai.types.chat import ChatCompletionFunctionTool
@@ -28,7 +28,7 @@ from plainrl.rollout.gateway.sampling import RequestSampling
 from plainrl.rollout.gateway.toolcalls import ToolFormat, forced_call_prefix, renders_tool_calls, tool_format
 from plainrl.rollout.llm import LLM, NO_TRAIN_HEADER, NO_TRAIN_SUFFIX, AgentCancelled, ContextLengthError, Turn
 
-__all__ = ["ChatCall", "ToolChoice", "bearer_key", "chat_call", "episode", "function_tool", "model_call",
+__all__ = ["ChatCall", "ToolChoice", "ToolSet", "bearer_key", "chat_call", "episode", "function_tool", "model_call",
            "template_format", "trains"]
 
 
@@ -42,6 +42,30 @@ class ToolChoice:
 
     mode: str = "auto"
     name: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolSet:
+    """A request's tools as the chat template gets them, whatever the dialect.
+
+    functions: OpenAI function tools (:func:`function_tool`), rendered into the prompt, in the
+               request's order; a hosted tool the client runs itself (Responses' ``custom`` and
+               ``local_shell``, Anthropic's ``bash_*`` and ``text_editor_*``) is one of them, with
+               its published input schema.
+    kinds:     function name -> how the dialect hands a call of it back, where that is not as a
+               plain function call (``"custom"``, ``"local_shell"``).
+    dropped:   tools left out: ones the vendor's own servers run (web search, file search, code
+               interpreter, ...), which no one here can run, and types the gateway does not know.
+               Counted in ``gateway/dropped_tools``; the request goes on without them.
+    """
+
+    functions: tuple[dict[str, Any], ...] = ()
+    kinds: dict[str, str] = field(default_factory=dict)
+    dropped: int = 0
+
+    @property
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.functions}
 
 
 @dataclass(frozen=True)
@@ -107,13 +131,13 @@ def template_format(llm: LLM) -> tuple[ToolFormat, bool]:
 
 
 async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None, choice: ToolChoice, sampling: RequestSampling, *,
+                    tools: ToolSet, choice: ToolChoice, sampling: RequestSampling, *,
                     param: str = "messages", cut_stop: tuple[str, ...] = (), train: bool = True) -> ChatCall:
     """One chat call of ``llm``'s episode, recorded token-exactly.
 
     Args:
         messages: the conversation as the chat template gets it (:func:`~plainrl.rollout.gateway.messages.template_message`).
-        tools: OpenAI function tools (``{"type": "function", "function": {...}}``), None for none.
+        tools: the request's tools (:class:`ToolSet`); its dropped ones are counted here.
         choice: the tool choice; ``required`` or a named function writes the call's start into
             the context (:func:`~plainrl.rollout.gateway.toolcalls.forced_call_prefix`).
         param: the request field a context-length error names.
@@ -123,14 +147,16 @@ async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: li
     Raises:
         GatewayError: 400 for a tool choice the tools cannot meet, and as :func:`model_call`.
     """
-    names = {t["function"]["name"] for t in tools or []}
+    episodes.dropped_tools += tools.dropped
+    names = tools.names
     if choice.mode == "required" and not names:
         raise GatewayError(400, 'tool_choice "required" needs tools: the request has none', param="tool_choice")
     if choice.name is not None and choice.name not in names:
         raise GatewayError(400, f"tool_choice names the function {choice.name!r}, which is not among the "
                                 f"request's tools {sorted(names)}", param="tool_choice")
     fmt, renders = template_format(llm)
-    parse = bool(tools) and choice.mode != "none"
+    functions = list(tools.functions) or None
+    parse = bool(functions) and choice.mode != "none"
     made: list[Reply] = []
 
     def reply(c) -> dict[str, Any]:
@@ -140,9 +166,9 @@ async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: li
         made.append(make_reply(text, fmt, renders, parse))
         return made[-1].template
 
-    prefix = forced_call_prefix(choice.mode if choice.name is None else None, choice.name, fmt) if tools else ""
+    prefix = forced_call_prefix(choice.mode if choice.name is None else None, choice.name, fmt) if functions else ""
     turn = await model_call(episodes, request, llm, sampling.overridden,
-                            llm.chat_turn(messages, tools, sampling.params, reply=reply,
+                            llm.chat_turn(messages, functions, sampling.params, reply=reply,
                                           stop_token_ids=sampling.stop_token_ids, prefix=prefix, train=train),
                             param=param)
     return ChatCall(turn, made[-1])

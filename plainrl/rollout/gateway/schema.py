@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from openai.types.chat import ChatCompletionFunctionTool, ChatCompletionMessageFunctionToolCall
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-__all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "Message", "SamplingFields", "StrictModel", "TAG_MARK", "json_kind",
-           "tagged"]
+__all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "MEDIA_TYPES", "MediaPart", "Message", "SamplingFields",
+           "OtherTool", "StrictModel", "TAG_MARK", "json_kind", "parts", "tagged", "tools_of"]
 
 
 class StrictModel(BaseModel):
@@ -69,8 +69,35 @@ class TextPart(StrictModel):
     text: str
 
 
-Content = tagged({"string": str, "array": list[TextPart]}, json_kind,
-                  'a string or a list of text parts ({"type": "text", "text": ...})')
+# the part types of every dialect that carry an image, audio or a document (not text)
+MEDIA_TYPES = frozenset({"image_url", "input_audio", "file", "input_image", "input_file", "image", "document"})
+
+
+class MediaPart(BaseModel):
+    """An image, audio or document part of any dialect: refused, naming the part (the gateway
+    serves text models; a vision path is later work)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+    @model_validator(mode="after")
+    def _refuse(self) -> MediaPart:
+        raise ValueError(f"a {self.type!r} part: the model is text-only, so images, audio and documents cannot be "
+                         "read; send the content as text parts")
+
+
+def parts(text: Any, expected: str) -> Any:
+    """A content part union: the dialect's ``text`` part type, or a :class:`MediaPart` (refused
+    with a message naming it) for the types in :data:`MEDIA_TYPES`; anything else must be ``expected``."""
+    def kind(v: Any) -> str | None:
+        t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+        return TAG_MARK + ("media" if t in MEDIA_TYPES else "text")
+
+    return tagged({"text": text, "media": MediaPart}, kind, expected)
+
+
+Content = tagged({"string": str, "array": list[parts(TextPart, 'a text part ({"type": "text", "text": ...})')]},
+                 json_kind, 'a string or a list of text parts ({"type": "text", "text": ...})')
 
 
 class SystemMessage(StrictModel):
@@ -112,6 +139,24 @@ Message = tagged({"system": SystemMessage, "developer": DeveloperMessage, "user"
                   "a message whose role is system, developer, user, assistant or tool")
 
 
+class OtherTool(BaseModel):
+    """A tool of a type the dialect does not render (a vendor-hosted tool, or one this gateway does
+    not know): kept whole, dropped from the prompt and counted."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str | None = None
+
+
+def tools_of(members: dict[str, Any], kind: Any = None) -> Any:
+    """A tool union: ``members`` (tag -> model) chosen by ``kind(value)`` (default: the value's
+    ``type``), any other tool an :class:`OtherTool`."""
+    def by(v: Any) -> str:
+        tag = kind(v) if kind is not None else (v.get("type") if isinstance(v, dict) else getattr(v, "type", None))
+        return TAG_MARK + (tag if tag in members else "other")
+
+    return tagged({**members, "other": OtherTool}, by, "a tool")
+
+
 class NamedFunction(StrictModel):
     name: str
 
@@ -149,7 +194,7 @@ class ChatRequest(SamplingFields):
 
     model: str
     messages: list[Message] = Field(min_length=1)
-    tools: list[ChatCompletionFunctionTool] | None = None
+    tools: list[tools_of({"function": ChatCompletionFunctionTool})] | None = None
     tool_choice: tagged({"string": Literal["none", "auto", "required"], "object": NamedToolChoice}, json_kind,
                          '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}') | None = None
     max_completion_tokens: int | None = Field(None, ge=1)

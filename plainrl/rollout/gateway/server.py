@@ -116,12 +116,14 @@ class Gateway:
         return self.episodes.lookup(key)
 
     def take_metrics(self) -> dict[str, float]:
-        """``rollout/sampling_overrides`` since the last call (requests whose sampling settings
-        the run's replaced); {} when the gateway never served."""
+        """``rollout/sampling_overrides`` (requests whose sampling settings the run's replaced) and
+        ``gateway/dropped_tools`` (tools left out of requests: hosted by the vendor, or of an unknown
+        type) since the last call; {} when the gateway never served."""
         if self._sock is None:
             return {}
-        n, self.episodes.sampling_overrides = self.episodes.sampling_overrides, 0
-        return {"rollout/sampling_overrides": float(n)}
+        e = self.episodes
+        n, dropped, e.sampling_overrides, e.dropped_tools = e.sampling_overrides, e.dropped_tools, 0, 0
+        return {"rollout/sampling_overrides": float(n), "gateway/dropped_tools": float(dropped)}
 
     # ------------------------------------------------------------------ serving
 
