@@ -173,3 +173,32 @@ def test_the_token_budget_is_the_episodes_not_each_segments(tokenizer):
     assert ep.env.info["answered"] == ["stop", "stop", "length"]
     assert ep.env.info["segments"] == 3
     assert sum(len(e.completion_ids) for e in (*ep.earlier, ep)) == 2 * n + 2
+
+
+async def handoff_agent(llm, row):
+    """The OpenAI Agents SDK, unchanged: a triage agent hands off to a sub-agent with instructions of its own."""
+    from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)  # the SDK's traces go to OpenAI's servers; none are reachable here
+    model = OpenAIResponsesModel(model="policy", openai_client=llm.openai_client())
+    math = Agent(name="math", instructions="You solve arithmetic.", model=model)
+    triage = Agent(name="triage", instructions="Hand arithmetic to the math agent.", handoffs=[math], model=model)
+    result = await Runner.run(triage, "What is 6*7?", max_turns=4)
+    llm.row["last_agent"] = result.last_agent.name
+    return 1.0 if "42" in result.final_output else 0.0
+
+
+def test_an_agents_sdk_handoff_records_the_sub_agent_as_its_own_lineage(tokenizer):
+    pytest.importorskip("agents")
+    from test_gateway_tools import ToolScript, call
+
+    engine, gateway = ToolScript(tokenizer, [call("transfer_to_math", {}), "The answer is 42."]), Gateway("policy", 4096)
+    try:
+        [ep] = rollout(engine, tokenizer, handoff_agent, 1, budget=2000, gateway=gateway)
+    finally:
+        gateway.close()
+    assert ep.env.error is None and ep.env.reward == 1.0 and ep.row["last_agent"] == "math"
+    # the triage agent's call and the math agent's (its own system prompt): two lineages, each call trained once
+    assert ep.env.info["segments"] == 2 and ep.env.info["generate_calls"] == 2
+    assert "You solve arithmetic." in tokenizer.decode(ep.prompt_ids)  # the episode's own: the latest call's
+    assert "Hand arithmetic" in tokenizer.decode(ep.earlier[0].prompt_ids)
