@@ -188,6 +188,7 @@ def make_micro_batches(
     packing: bool = False,
     share_prompts: bool = False,
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    behaviour_logps: torch.Tensor | None = None,
 ) -> list[MicroBatch]:
     """Group episodes into padded micro-batches of at most ``token_budget`` padded tokens,
     or, with ``packing``, of at most ``token_budget`` real tokens (:func:`pack_by_tokens`).
@@ -205,6 +206,8 @@ def make_micro_batches(
             (All [N, L] tensors are in the completion frame of :func:`completion_tensor`.)
         teacher_topk: ``(ids, logps)``, [N, L, k] each: a distillation teacher's top-k tokens
             (``algorithm.distill_loss: gkd_topk``).
+        behaviour_logps: [N, L] ``old_logps`` after the sampler's top-k/top-p filter (the
+            off-policy correction's pi_old, :mod:`plainrl.algorithms.sampling_filter`).
         packing: budget by real tokens (the packed forward's cost), not padded ones.
         share_prompts: with ``packing``, a prompt shared by several episodes counts once.
     Returns:
@@ -217,7 +220,7 @@ def make_micro_batches(
         groups = pack_by_length([_len(e) for e in episodes], token_budget)
     frames = {"advantages": advantages, "old_logps": old_logps, "old_values": old_values, "returns": returns,
               "teacher_ids": None if teacher_topk is None else teacher_topk[0],
-              "teacher_logps": None if teacher_topk is None else teacher_topk[1]}
+              "teacher_logps": None if teacher_topk is None else teacher_topk[1], "behaviour_logps": behaviour_logps}
     return [_collate(episodes, g, pad_id, {k: v for k, v in frames.items() if v is not None}) for g in groups]
 
 

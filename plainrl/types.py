@@ -39,9 +39,11 @@ class Generation:
     """One sampled completion exactly as the engine produced it.
 
     token_ids: [L] sampled ids (no padding; includes the EOS id when it ended on EOS).
-    logprobs:  [L] log pi_T(token | prefix), float32, of the tempered policy
-               softmax(logits / T) before top-k/top-p filtering (T = 1 when greedy),
-               the distribution the learner recomputes and optimises (as TRL does).
+    logprobs:  [L] log mu(token | prefix), float32, of the distribution sampled from: the
+               tempered policy softmax(logits / T) after the top-k/top-p filter, renormalised
+               (T = 1 and no filter when greedy), as vLLM's processed logprobs; the learner
+               filters its own logits alike for the off-policy ratio
+               (:mod:`plainrl.algorithms.sampling_filter`).
     versions:  [L] the policy version that sampled each token (``rollout.partial``: a
                completion may span weight pushes); None: one version throughout.
     """
@@ -185,10 +187,12 @@ class MicroBatch:
     prompt_lens:    [B] prompt tokens of each row (rows with equal prompts share their
                     computation in :func:`plainrl.models.sequence_logps`).
     engine_logps:   [B, T-1] the engine's logprobs of the targets, whatever ``old_logps``
-                    holds (truncated importance sampling, ``algorithm.tis_cap``).
+                    holds (the off-policy correction, ``algorithm.correction``).
     teacher_ids:    [B, T-1, k] a distillation teacher's top-k token ids at each target
                     (``algorithm.distill_loss: gkd_topk``), 0 off the completion.
     teacher_logps:  [B, T-1, k] the teacher's logprobs of those tokens.
+    behaviour_logps: [B, T-1] the recomputed ``old_logps`` after the sampler's top-k/top-p
+                    filter (several passes with a filtering sampler; the correction's pi_old).
     """
 
     input_ids: torch.Tensor
@@ -204,3 +208,4 @@ class MicroBatch:
     engine_logps: torch.Tensor | None = None
     teacher_ids: torch.Tensor | None = None
     teacher_logps: torch.Tensor | None = None
+    behaviour_logps: torch.Tensor | None = None

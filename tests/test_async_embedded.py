@@ -83,7 +83,7 @@ def test_async_steps_2_on_the_embedded_engine_bounds_staleness_and_resumes_after
                               "rollout.partial=true", "rollout.partial_chunk=3"),
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "algorithm.is_correction: ['token_tis', 'geometric_mask'] (auto:" in out.stdout + out.stderr
+    assert "algorithm.correction.methods: ['token_tis', 'geometric_mask'] (auto:" in out.stdout + out.stderr
     resumed = {r["step"]: r for r in _steps(b)}
     rollouts = _rows(b, "rollouts.jsonl")
     for batch in saved:  # trained as saved: the same completions, sampled with the same weights

@@ -33,13 +33,12 @@ class PerStepEngine(HFEngine):
         uniforms = row_uniforms(seeds, n, params.max_new_tokens, dev) if params.temperature > 0 else None
         logits = self._prefill(dec, prompts, params.max_new_tokens)
         for t in range(params.max_new_tokens):
-            logprobs = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
+            # the distribution sampled from (after top-k/top-p) is the one whose logprobs are recorded
             if params.temperature == 0:
+                logprobs = torch.log_softmax(logits, dim=-1)
                 tok = logits.argmax(-1)
-            elif 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0:
-                probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
-                tok = sample_categorical(probs, uniforms[active, t])
             else:
+                logprobs = torch.log_softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), -1)
                 tok = sample_categorical(logprobs.exp(), uniforms[active, t])
             tok_lp = logprobs.gather(-1, tok[:, None]).squeeze(-1)
             done = torch.isin(tok, eos_ids)

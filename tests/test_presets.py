@@ -377,33 +377,20 @@ def test_lora_critic_shares_the_policys_frozen_base_and_generation_leaves_it_int
     run.prep.close()
 
 
-# ----------------------------------------------------------------------------- tis_cap: auto
+# ----------------------------------------------------------------------------- correction: auto
 
 
-@pytest.mark.parametrize("engine, dtype, async_steps, expected", [
-    ("hf", torch.float32, 0, None),            # the learner's own float32 weights, in step: on-policy
-    ("hf", torch.bfloat16, 0, 2.0),            # bf16 decode against float32 learner logprobs
-    ("vllm", torch.float32, 0, 2.0),           # another engine's kernels and copy of the weights
-    ("remote", torch.float32, 1, 2.0),         # one step behind
-])
-def test_tis_cap_auto_corrects_whenever_the_engine_can_differ(engine, dtype, async_steps, expected):
-    cap, why = run_setup.resolve_tis_cap("auto", engine=engine, weights_dtype=dtype, async_steps=async_steps)
-    assert cap == expected and why.startswith("auto")
-    assert run_setup.resolve_tis_cap(1.5, engine=engine, weights_dtype=dtype, async_steps=async_steps)[0] == 1.5
-    assert run_setup.resolve_tis_cap(None, engine=engine, weights_dtype=dtype, async_steps=async_steps)[0] is None
-
-
-@pytest.mark.parametrize("dtype, expected", [(torch.float32, None), (torch.bfloat16, 2.0)])
-def test_make_learner_resolves_tis_cap_auto_from_the_model(dtype, expected):
+@pytest.mark.parametrize("dtype, expected", [(torch.float32, []), (torch.bfloat16, ["token_tis"])])
+def test_make_learner_resolves_correction_auto_from_the_model(dtype, expected):
     cfg = _cfg("grpo")
-    assert cfg.algorithm.tis_cap == "auto"
+    assert cfg.algorithm.correction.methods == "auto"
     model = torch.nn.Linear(2, 2).to(dtype)
     learner = make_learner(cfg, model, pad_id=0)
-    assert learner.algorithm.tis_cap == expected
+    assert learner.algorithm.correction.methods == expected == learner.is_methods
 
 
-def test_tis_cap_must_be_positive_auto_or_null():
-    with pytest.raises(ConfigError, match="tis_cap"):
-        _cfg("grpo", "algorithm.tis_cap=0")
-    with pytest.raises(ConfigError, match="tis_cap"):
-        _cfg("grpo", "algorithm.tis_cap=always")
+def test_correction_caps_must_be_positive():
+    with pytest.raises(ConfigError, match="token_tis_cap"):
+        _cfg("grpo", "algorithm.correction.token_tis_cap=0")
+    with pytest.raises(ConfigError, match="methods"):
+        _cfg("grpo", "algorithm.correction.methods=always")

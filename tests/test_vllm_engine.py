@@ -133,8 +133,8 @@ def test_lora_sync_makes_the_engine_follow_the_adapter(tok):
 
 def test_a_training_run_with_the_colocated_engine(tmp_path):
     steps = demo_steps_with_engine(tmp_path / "run", ["rollout.engine=vllm", "rollout.vllm.enforce_eager=true",
-                                                      "algorithm.tis_cap=2.0"])
+                                                      "algorithm.correction.methods=[token_tis]"])
     assert len(steps) == 2
     # after each sync (auto on CPU: the LoRA model merged, in full) vLLM samples the learner's
     # policy: logprobs agree, no weight is truncated
-    assert all(r["rollout/logprob_diff"] < LOGPROB_TOL and r["rollout/tis_clip_frac"] == 0.0 for r in steps)
+    assert all(r["rollout/logprob_diff"] < LOGPROB_TOL and r["is/truncated_fraction"] == 0.0 for r in steps)

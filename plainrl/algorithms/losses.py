@@ -175,7 +175,7 @@ def truncated_is_weights(
         logps:        [B, T] log pi_old of the sampled tokens as the learner computes them.
         engine_logps: [B, T] the engine's logprobs of the same tokens.
         mask:         [B, T] 1 on loss tokens.
-        cap:          C > 0 (``algorithm.tis_cap``; the paper uses 2).
+        cap:          C > 0 (``algorithm.correction.token_tis_cap``; the paper uses 2).
     Returns:
         (weights [B, T] float32, 0 off the mask; fraction of loss tokens truncated, 0-dim).
     Raises:
@@ -186,7 +186,7 @@ def truncated_is_weights(
     the policy gradient; truncated IS after Ionides 2008 (J. Comput. Graph. Stat. 17:295).
     """
     if cap <= 0:
-        raise ValueError(f"tis_cap must be > 0, got {cap}")
+        raise ValueError(f"the cap (algorithm.correction.token_tis_cap) must be > 0, got {cap}")
     _check_bt(logps=logps, engine_logps=engine_logps, mask=mask)
     m = mask.bool()
     log_w = (logps.detach().float() - engine_logps.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)

@@ -3,12 +3,13 @@ functions in :mod:`plainrl.algorithms` (formulas and papers: docs/algorithms.md)
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from plainrl.config.base import _Section
-from plainrl.config.correction import ISBoundsConfig, ISMethod, check_is_correction
+from plainrl.config.correction import CorrectionConfig, migrate_deprecated
 from plainrl.config.rollout import ServersConfig
 
 AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "opd", "sft", "dpo", "rm"]
@@ -136,35 +137,10 @@ class AlgorithmConfig(_Section):
     """Upper clip range of the importance ratio (1 + clip_high; DAPO's clip-higher: 0.28)."""
     dual_clip: float | None = Field(None, gt=1.0)
     """Dual-clip bound on the ratio for negative advantages (null: off)."""
-    tis_cap: float | Literal["auto"] | None = "auto"
-    """Truncated importance sampling: the policy loss weighted per token by min(pi_learner / pi_engine, tis_cap), for
-    an engine whose logprobs differ from the learner's (Yao et al. 2025, 'Your efficient RL framework secretly
-    brings you off-policy RL training'; null: off). `auto`: 2.0 (the paper's cap; TRL corrects vLLM rollouts by
-    default) when the engine's logprobs can differ from the learner's (`vllm` or `remote` engines, 16-bit weights,
-    `rollout.async_steps > 0`), off when the embedded engine samples with the learner's own float32 weights
-    (`plainrl.run.setup.resolve_tis_cap`; the run's log says which)."""
-
-    @field_validator("tis_cap")
-    @classmethod
-    def _positive_cap(cls, v):
-        if isinstance(v, float) and v <= 0:
-            raise ValueError(f"algorithm.tis_cap must be > 0, auto or null, got {v}")
-        return v
-
-    is_correction: list[ISMethod] | Literal["auto"] = "auto"
-    """Off-policy correction of the policy loss for tokens the engine sampled with other numerics or older weights
-    (ratio rho = pi_learner / pi_engine): a list of one weighting, `token_tis` (min(rho, tis_cap) per token),
-    `sequence_tis`, `token_mis`, `sequence_mis` (masked IS: rho kept, tokens/sequences outside the band dropped) or
-    `icepop`, plus `geometric_mask` (drops sequences whose geometric mean ratio leaves its band) or not; [] off.
-    `auto`: `[token_tis]` when `tis_cap` resolves to a cap, and `geometric_mask` added when `rollout.async_steps >
-    0` (`plainrl.run.correction`; the run's log says which). Thresholds: `is_bounds`; docs/algorithms.md."""
-    is_bounds: ISBoundsConfig = Field(default_factory=ISBoundsConfig)
-    """Thresholds of the `is_correction` methods."""
-
-    @field_validator("is_correction")
-    @classmethod
-    def _one_weighting(cls, v):
-        return check_is_correction(v)
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    """Off-policy correction of the policy loss for tokens the engine sampled with other numerics, older weights or
+    a top-k/top-p filter: `methods` (`auto`: by engine, dtype, `rollout.async_steps` and `ratio_level`) and their
+    thresholds; docs/algorithms.md, "Off-policy correction"."""
 
     ratio_level: Literal["token", "sequence"] = "token"
     """`token` ratios, or `sequence` (GSPO's length-normalised sequence ratio)."""
@@ -238,6 +214,21 @@ class AlgorithmConfig(_Section):
             del data["norm_std"]
         preset = PRESETS.get(data.get("name", "grpo"), {})  # an unknown name is reported by the Literal check
         return {**preset, **data}
+
+    _deprecations: list[str] = PrivateAttr(default_factory=list)  # deprecated keys read; printed with the config
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _deprecated_keys(cls, data: Any, handler: Any) -> "AlgorithmConfig":
+        messages: list[str] = []
+        if isinstance(data, dict):
+            data, messages = migrate_deprecated(data)
+        for message in messages:  # FutureWarning: shown to users (DeprecationWarning is hidden outside __main__)
+            warnings.warn(message, FutureWarning, stacklevel=2)
+        out = handler(data)
+        if messages:
+            out._deprecations = messages
+        return out
 
     @model_validator(mode="after")
     def _one_reward_kl(self) -> "AlgorithmConfig":

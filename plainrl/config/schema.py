@@ -325,6 +325,15 @@ class Config(_Section):
     def _check_combinations(self) -> "Config":
         a = self.algorithm
         t = self.train
+        self._notes.extend(m for m in a._deprecations if m not in self._notes)
+        r = self.rollout
+        if (r.top_p < 1.0 or r.top_k > 0) and r.engine == "remote" and r.remote.backend == "sglang" and not a.offline:
+            raise ValueError(
+                f"rollout.top_p={r.top_p} / rollout.top_k={r.top_k} with SGLang servers: the learner takes the "
+                "off-policy ratio after the same top-k/top-p filter as the engine's logprobs, which is checked for "
+                "vLLM (processed logprobs) and the embedded engine, not for SGLang's; set rollout.top_p=1 and "
+                "rollout.top_k=0, or use rollout.remote.backend=vllm (plainrl serve) or rollout.engine=hf"
+            )
         if t.steps is not None and t.warmup_steps is not None and t.warmup_steps > t.steps:
             raise ValueError(f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}; lower it")
         if problem := strategy_problem(self.train, self.model.quantization, rl=not a.offline):

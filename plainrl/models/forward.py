@@ -12,6 +12,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from plainrl.algorithms import entropy_from_logits
+from plainrl.algorithms.sampling_filter import filtered_logprobs
 from plainrl.models.loading import unwrap
 from plainrl.models.packing import packed_hidden
 
@@ -157,7 +158,8 @@ def shared_prompt_hidden(
 
 
 def head_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, *,
-               temperature: float = 1.0, with_entropy: bool = False) -> list[torch.Tensor]:
+               temperature: float = 1.0, with_entropy: bool = False,
+               sampling_filter: tuple[int, float] | None = None) -> list[torch.Tensor]:
     """Float32 log pi_T(target | hidden state) of K positions through the LM head, in chunks of
     :data:`LOGIT_BLOCK_ELEMENTS` logits (a frozen head's chunk with its gradient computed in the
     forward pass, a trainable head's checkpointed; see :func:`sequence_logps`).
@@ -166,8 +168,12 @@ def head_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Te
         hidden: [K, H] the decoder's last hidden states at the K positions.
         targets: [K] the token each position is scored on, or [K, m]: m tokens per position
             (the chosen one and a teacher's top-k; checkpointed: the fused gradient covers one token).
+        sampling_filter: ``(top_k, top_p)``: also the chosen token's logprob under pi_T after the
+            sampler's filter (:func:`plainrl.algorithms.sampling_filter.filtered_logprobs`), without
+            gradient; its logits are computed a second time, so only runs that filter pay for it.
     Returns:
-        ``[logps]`` ([K] or [K, m]), or ``[logps, entropy]`` with ``with_entropy``.
+        ``[logps]`` ([K] or [K, m]), ``[logps, entropy]`` with ``with_entropy``, then the filtered
+        logprobs ([K], -inf where the filter drops the token) with ``sampling_filter``.
     """
     chunk = max(1, LOGIT_BLOCK_ELEMENTS // lm_head.weight.shape[0])
     fused = torch.is_grad_enabled() and hidden.requires_grad and _frozen_head(lm_head) and targets.dim() == 1
@@ -180,8 +186,14 @@ def head_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Te
             out = checkpoint(_target_logps, h, lm_head, y, temperature, with_entropy, use_reentrant=False)
         else:
             out = _target_logps(h, lm_head, y, temperature, with_entropy)
-        outs.append(out if with_entropy else (out,))
-    return [torch.cat(c) for c in zip(*outs)] or [hidden.new_zeros(0, dtype=torch.float32)] * (1 + with_entropy)
+        out = out if with_entropy else (out,)
+        if sampling_filter is not None:
+            with torch.no_grad():
+                logits = lm_head(h.detach()).float() / temperature  # [c, V]
+                out = (*out, filtered_logprobs(logits, y if y.dim() == 1 else y[:, 0], *sampling_filter))
+        outs.append(out)
+    width = 1 + with_entropy + (sampling_filter is not None)
+    return [torch.cat(c) for c in zip(*outs)] or [hidden.new_zeros(0, dtype=torch.float32)] * width
 
 
 def sequence_logps(
@@ -195,6 +207,7 @@ def sequence_logps(
     prompt_lens: torch.Tensor | None = None,
     packing: bool = False,
     extra_targets: torch.Tensor | None = None,
+    sampling_filter: tuple[int, float] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """log pi_T(x_{t+1} | x_{<=t}) for every position, in float32, where
     pi_T = softmax(logits / temperature) is the policy the engine sampled from;
@@ -220,10 +233,13 @@ def sequence_logps(
         extra_targets: optional [B, T-1, k] more token ids per position (a teacher's top-k,
             :mod:`plainrl.algorithms.distill`) whose logprobs are returned too; their chunks are
             checkpointed (the fused frozen-head gradient covers the chosen token only).
+        sampling_filter: ``(top_k, top_p)`` of the engine's sampler: also the logprobs of
+            ``input_ids[:, 1:]`` under the filtered, renormalised pi_T (:func:`head_logps`).
     Returns:
         [B, T-1] float32 logprobs of ``input_ids[:, 1:]`` (0 where ``positions`` is False);
         with ``with_entropy``, ``(logps, entropy)``, both [B, T-1]; with ``extra_targets``
-        their [B, T-1, k] logprobs come last.
+        their [B, T-1, k] logprobs come next; with ``sampling_filter`` the filtered [B, T-1]
+        logprobs come last.
     """
     base = unwrap(model)
     hidden = _hidden(model, input_ids, attention_mask, prompt_lens, packing)  # [B, T, H]
@@ -239,7 +255,7 @@ def sequence_logps(
         index = positions.reshape(-1).nonzero().squeeze(-1)  # [K]
         hidden, targets = hidden[index], targets[index]
     columns = head_logps(hidden, base.get_output_embeddings(), targets, temperature=temperature,
-                         with_entropy=with_entropy)
+                         with_entropy=with_entropy, sampling_filter=sampling_filter)
 
     def unflatten(flat: torch.Tensor) -> torch.Tensor:
         if index is None:
@@ -248,8 +264,10 @@ def sequence_logps(
         return full.index_put((index,), flat).view(b, t - 1, *flat.shape[1:])
 
     results = [unflatten(c) for c in columns]
+    filtered = [results.pop()] if sampling_filter is not None else []
     if extra_targets is not None:  # split the chosen token's column from the extra ones
         results = [results[0][..., 0], *results[1:], results[0][..., 1:]]
+    results += filtered
     return tuple(results) if len(results) > 1 else results[0]
 
 

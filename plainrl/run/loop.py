@@ -17,6 +17,7 @@ from plainrl.rollout import env_metrics, rollout
 from plainrl.rollout.reaper import Reaper
 from plainrl.run.collect import dynamic_sampling, observe_curriculum, shape_overlong
 from plainrl.run.distributed import gather_episodes, join, leave, local_rows
+from plainrl.run.correction import rejection_warning
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
 from plainrl.run.overlap import Rollouts
 from plainrl.run.setup import Run, setup
@@ -43,7 +44,6 @@ def step_metrics(
     m.update({
         "loss": stats.loss, "kl": stats.kl, "grad_norm": stats.grad_norm, "clip_frac": stats.clip_frac,
         "lr": stats.lr, "skipped_step": float(stats.skipped), "rollout/logprob_diff": stats.logprob_diff,
-        "rollout/tis_clip_frac": stats.tis_clip_frac,
         "response_length/mean": statistics.fmean(lengths), "response_length/max": max(lengths),
         "response_length/clipped_frac": statistics.fmean(e.finish_reason == "length" for e in samples),
         "tokens/completion": sum(lengths), **times,
@@ -235,7 +235,9 @@ def _train(run: Run) -> Path:
                     warm = step >= cfg.critic.warmup_steps
                     topk = teacher.topk if teacher is not None else None  # gkd_topk: the teacher's top-k
                     stats = run.learner.update(samples, adv.advantages, topk) if warm else run.learner.skip()
-                extra.update(run.learner.is_tally.take(run.learner.parallel.sum))  # is/ratio_mean, is/masked_fraction
+                extra.update(is_metrics := run.learner.is_tally.take(run.learner.parallel.sum))  # is/*
+                if warning := rejection_warning(is_metrics):
+                    logger.print(f"step {step}: {warning}")
                 rollouts.sync(run.model, step, timer)  # async: after the next batch finished sampling
                 extra.update(run.engine.take_metrics())
                 times = dict(batch.times)  # the batch's sampling and scoring, then this step's phases

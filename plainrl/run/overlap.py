@@ -22,7 +22,7 @@ RLHF", arXiv:2410.18252), deterministically: batch s is sampled with version s -
 version a batch gets depends on timing (the bound does not).
 
 Every episode records ``policy_version`` (the version that sampled it); the learner recomputes
-pi_old with its own weights and ``algorithm.is_correction`` corrects for the engine's older
+pi_old with its own weights and ``algorithm.correction`` corrects for the engine's older
 policy.
 
 Checkpoints and evaluation hold the rollout thread: no batch starts, and the one being sampled

@@ -42,7 +42,7 @@ from plainrl.rollout.episodes import check_rows_fit_env, env_constructor
 from plainrl.rollout.run_loop import RunLoop
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
-from plainrl.run.correction import TIS_CAP_AUTO, resolve_is_correction
+from plainrl.run.correction import resolve_correction
 from plainrl.run.engines import make_engine, require_trainable_engine
 from plainrl.run.final import save_final
 from plainrl.run.evaluate import evaluate
@@ -282,49 +282,26 @@ def state_step(ckpt: Path) -> int:
 
 
 
-def resolve_tis_cap(tis_cap: float | str | None, *, engine: str, weights_dtype: torch.dtype,
-                    async_steps: int) -> tuple[float | None, str]:
-    """``algorithm.tis_cap`` with ``auto`` resolved, and why (for the run's log).
-
-    ``auto`` corrects whenever the engine's logprobs can differ from the learner's: a vLLM or
-    server engine (other kernels, its own copy of the weights), 16-bit weights (the embedded
-    engine decodes in bf16 while the learner's logprobs are float32), or rollouts one step
-    behind (``rollout.async_steps=1``). Only the embedded engine sampling with the learner's
-    own float32 weights in step is on-policy to float tolerance, and there it stays off.
-
-    Returns:
-        ``(cap or None, reason)``.
-    """
-    if tis_cap != "auto":
-        return tis_cap, "as configured" if tis_cap is not None else "off, as configured"
-    why = [f"the {engine} engine samples with its own copy of the weights"] if engine != "hf" else []
-    if weights_dtype != torch.float32:
-        why.append(f"the policy's weights are {str(weights_dtype).removeprefix('torch.')}")
-    if async_steps:
-        why.append(f"rollouts are up to {async_steps} step(s) behind (rollout.async_steps)")
-    if not why:
-        return None, "auto: off, the embedded engine samples with the learner's float32 weights"
-    return TIS_CAP_AUTO, f"auto: {TIS_CAP_AUTO} since " + " and ".join(why)
-
-
-def _algorithm(cfg: Config, model: torch.nn.Module):
-    """``cfg.algorithm`` with ``tis_cap`` and ``is_correction`` resolved for ``model``, and the reasons."""
+def _algorithm(cfg: Config, model: torch.nn.Module) -> tuple[AlgorithmConfig, str]:
+    """``cfg.algorithm`` with ``correction.methods`` resolved for ``model`` (:mod:`plainrl.run.correction`),
+    and the reason."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    cap, why = resolve_tis_cap(cfg.algorithm.tis_cap, engine=cfg.rollout.engine, weights_dtype=dtype,
-                               async_steps=cfg.rollout.async_steps)
-    methods, cap, why_is = resolve_is_correction(cfg.algorithm.is_correction, tis_cap=cap,
-                                                 async_steps=cfg.rollout.async_steps)
-    return cfg.algorithm.model_copy(update={"tis_cap": cap, "is_correction": methods}), why, why_is
+    a = cfg.algorithm
+    section, why = resolve_correction(a.correction, engine=cfg.rollout.engine, weights_dtype=dtype,
+                                      async_steps=cfg.rollout.async_steps, ratio_level=a.ratio_level)
+    return a.model_copy(update={"correction": section}), why
 
 
 def make_learner(cfg: Config, model: torch.nn.Module, pad_id: int, parallel: Parallel | None = None, *,
                  algorithm: AlgorithmConfig | None = None) -> Learner:
-    """The policy learner for ``model`` with the config's algorithm (``tis_cap: auto`` resolved by
-    :func:`resolve_tis_cap`, or ``algorithm`` already resolved), optimiser and sampling temperature;
+    """The policy learner for ``model`` with the config's algorithm (``correction.methods: auto``
+    resolved by :func:`plainrl.run.correction.resolve_correction`, or ``algorithm`` already resolved),
+    optimiser and sampling temperature and filter (top-k/top-p, for the behaviour ratio);
     the reference (a KL, or ``teacher: self``) is a frozen copy only for full fine-tuning.
     ``parallel``: under torchrun, the model is wrapped for ``train.strategy``."""
     return Learner(model, algorithm or _algorithm(cfg, model)[0], cfg.train, pad_id=pad_id,
-                   temperature=cfg.rollout.temperature, completion_budget=cfg.rollout.completion_budget,
+                   temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                   completion_budget=cfg.rollout.completion_budget,
                    copy_reference=cfg.algorithm.needs_reference and not cfg.model.lora.enabled, parallel=parallel)
 
 
@@ -380,9 +357,8 @@ def _setup(cfg: Config, prep: Prepared, run_dir: Path, resume_from: Path | None,
     _announce(cfg, prep, logger, run_dir, device, parallel, resume_warnings)
     prep.prestart()
     model, engine = _policy_and_engine(cfg, prep, logger, device, parallel)
-    algorithm, why_cap, why_is = _algorithm(cfg, model)
-    logger.print(f"algorithm.tis_cap: {algorithm.tis_cap} ({why_cap})")
-    logger.print(f"algorithm.is_correction: {algorithm.is_correction} ({why_is})")
+    algorithm, why = _algorithm(cfg, model)
+    logger.print(f"algorithm.correction.methods: {algorithm.correction.methods} ({why})")
     pad_id = pad_token_id(prep.tokenizer)
     run = Run(
         cfg=cfg, run_dir=run_dir, prep=prep, logger=logger, model=model, engine=engine,

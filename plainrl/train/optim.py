@@ -86,11 +86,16 @@ class MasterAdamW:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def step(self, loss_finite: bool = True) -> tuple[float, bool]:
+    def step(self, loss_finite: bool = True, grad_scale: float = 1.0) -> tuple[float, bool]:
         """Apply the accumulated gradients (clipped) and clear them.
 
         A non-finite loss or gradient norm skips the update (the weights stay as they were).
 
+        Args:
+            loss_finite: the step's loss was finite.
+            grad_scale: multiplies the gradients before clipping: the learner's loss normaliser
+                corrected once it knows how many tokens an off-policy rejection kept; 0: nothing
+                was kept, the update is skipped (AdamW would still move the weights on zero gradients).
         Returns:
             ``(grad_norm, skipped)``.
         """
@@ -101,10 +106,15 @@ class MasterAdamW:
                 if m is not p:
                     m.grad = None if p.grad is None else p.grad.float()
                     p.grad = None
+        if grad_scale != 1.0:
+            with torch.no_grad():
+                for m in self.master:
+                    if m.grad is not None:
+                        m.grad.mul_(grad_scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm or float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards, replicated
             grad_norm = grad_norm.full_tensor()
-        skipped = not torch.isfinite(grad_norm).item() or not loss_finite
+        skipped = not torch.isfinite(grad_norm).item() or not loss_finite or grad_scale == 0
         if not skipped:
             self.optimizer.step()
             with torch.no_grad():

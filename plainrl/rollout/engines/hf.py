@@ -14,6 +14,7 @@ from typing import Literal, Protocol, get_args
 
 import torch
 
+from plainrl.algorithms import sampling_filter
 from plainrl.models import is_quantized, lora_delta, pad_token_id, unwrap
 from plainrl.rollout.engines.static_decoder import StaticDecoder, unsupported_reason
 from plainrl.rollout.seeding import row_uniforms
@@ -21,7 +22,8 @@ from plainrl.types import FinishReason, Generation, SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus; Holtzman et al. 2020) filtering.
+    """Temperature, then the sampler's top-k and top-p filter
+    (:func:`plainrl.algorithms.sampling_filter.filter_logits`, the one the learner applies too).
 
     Args:
         logits: [B, V] float32. Filtered-out entries become -inf.
@@ -32,18 +34,7 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     Returns:
         [B, V] processed logits.
     """
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the mass before it already reaches top_p
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    return sampling_filter.filter_logits(logits / temperature, top_k, top_p)
 
 
 def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -425,14 +416,14 @@ class HFEngine:
         logits = self._prefill(dec, prompts, steps)  # [n, V]
         block_start = 0
         for t in range(steps):
-            # logprobs of the tempered policy softmax(z / T), before top-k/top-p: what the learner recomputes
-            logprobs = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)  # [b, V]
+            # logprobs of the distribution sampled from: softmax(z / T) after top-k/top-p, as vLLM's
+            # processed_logprobs (the learner filters its own logits alike for the behaviour ratio)
             if params.temperature == 0:
+                logprobs = torch.log_softmax(logits, dim=-1)  # [b, V]
                 tok = logits.argmax(-1)
-            elif 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0:
-                probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(-1)
-                tok = sample_categorical(probs, uniforms[:, t])
             else:
+                logprobs = torch.log_softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p),
+                                             dim=-1)  # [b, V], -inf off the kept set
                 tok = sample_categorical(logprobs.exp(), uniforms[:, t])
             out_tok[:, t].index_copy_(0, active, tok)
             out_lp[:, t].index_copy_(0, active, logprobs.gather(-1, tok[:, None]).squeeze(-1))
