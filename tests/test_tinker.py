@@ -199,13 +199,101 @@ def test_policy_gradient_losses_against_hand_computed(client, reference):
         "importance_sampling": -(ratio * adv),
         "ppo": -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv),
         "cispo": -(np.clip(ratio, 0.0, 4.0) * adv * lp),
+        "dro": -(lp * adv - 0.5 * 0.05 * (lp - q) ** 2),
     }
+    # gspo: the sequence ratio over the tokens the mask marks (all but the first), clipped as one
+    mask = (np.arange(n) > 0).astype(np.float32)
+    s = np.exp((lp - q)[1:].mean())
+    expected["gspo"] = -np.minimum(s * adv, np.clip(s, 0.9, 1.1) * adv)
+    config = {"dro": {"beta": 0.05}, "gspo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}}
     for loss_fn, want in expected.items():
-        d = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                        loss_fn_inputs={"target_tokens": np.array(ids[1:]), "logprobs": q, "advantages": adv})
-        out = tc.forward([d], loss_fn).result()
+        inputs = {"target_tokens": np.array(ids[1:]), "logprobs": q, "advantages": adv}
+        if loss_fn == "gspo":
+            inputs["sequence_ratio_mask"] = mask
+        d = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
+        out = tc.forward([d], loss_fn, config.get(loss_fn)).result()
         np.testing.assert_allclose(out.loss_fn_outputs[0]["elementwise_loss"].to_numpy(), want, rtol=1e-4, atol=1e-5)
         assert out.metrics["loss:sum"] == pytest.approx(float(want.sum()), rel=1e-4, abs=1e-4)
+
+
+def test_stable_reinforce_trains_on_the_recorded_samples(client, reference):
+    """The cookbook's rl_loop datum (tinker_cookbook/recipes/rl_loop.py, its default loss): sampled
+    with record_stability_info, each token's sequence named by provenance."""
+    _, tok = reference
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=6).result()
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = types.ModelInput.from_ints(tok.encode("Count: one, two,"))
+    seqs = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=5, seed=3, stop=[])).result().sequences
+    advantages = [1.0, -1.0]
+
+    def datum(seq, adv, logprobs=None, targets=None):
+        ob = prompt.length - 1
+        d = types.Datum(model_input=prompt.append(types.EncodedTextChunk(tokens=seq.tokens[:-1])), loss_fn_inputs={
+            "target_tokens": np.array(targets or [0] * ob + seq.tokens),
+            "logprobs": np.array([0.0] * ob + (logprobs or seq.logprobs), dtype=np.float32),
+            "advantages": np.array([0.0] * ob + [adv] * len(seq.tokens), dtype=np.float32)})
+        return d.with_provenance(
+            model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=prompt.length),
+                         types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1)],
+            loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=ob),
+                            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens))])
+
+    # wrong logprobs from the client: the recorded ones are used on the sampled tokens
+    data = [datum(s, a, logprobs=[-9.0] * len(s.tokens)) for s, a in zip(seqs, advantages)]
+    out = tc.forward(data, "stable_reinforce", {"kl_coeff": 0.1}).result()
+    for d, s, a, o in zip(data, seqs, advantages, out.loss_fn_outputs):
+        lp = o["logprobs"].to_numpy()[-len(s.tokens):]
+        q = np.array(s.logprobs)
+        want = -np.minimum(np.exp(lp - q), 2.0) * a * lp + 0.05 * (lp - q) ** 2
+        np.testing.assert_allclose(o["elementwise_loss"].to_numpy()[-len(s.tokens):], want, rtol=1e-4, atol=1e-5)
+        assert np.abs(o["elementwise_loss"].to_numpy()[: -len(s.tokens)]).max() == 0.0  # prompt: advantage 0
+    tc.forward_backward(data, "stable_reinforce").result()
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["skipped"] == 0.0
+    # provenance that does not hold, or is missing, or names a sequence never recorded: a 400 naming it
+    s = seqs[0]
+    bad = [0] * (prompt.length - 1) + [(s.tokens[0] + 1) % len(tok)] + s.tokens[1:]
+    with pytest.raises(tinker.BadRequestError, match=rf"target_tokens\[{prompt.length - 1}\].*sampled token 0"):
+        tc.forward([datum(s, 1.0, targets=bad)], "stable_reinforce").result()
+    plain = types.Datum(model_input=data[0].model_input, loss_fn_inputs=data[0].loss_fn_inputs)
+    with pytest.raises(tinker.BadRequestError, match="needs provenance"):
+        tc.forward([plain], "stable_reinforce").result()
+    unrecorded = client.create_sampling_client(base_model=BASE).sample(
+        prompt, 1, types.SamplingParams(max_tokens=5, seed=3, stop=[])).result().sequences[0]
+    with pytest.raises(tinker.BadRequestError, match="has no stability information"):
+        tc.forward([datum(unrecorded, 1.0)], "stable_reinforce").result()
+
+
+def test_topk_prompt_logprobs_and_cross_entropy_over_k_targets(client, reference):
+    """Tinker's top-K distillation as the cookbook's sdft does it: a teacher's top-K prompt
+    logprobs, then cross_entropy with (N, K) targets and weights."""
+    from transformers import AutoModelForCausalLM
+
+    base_path, tok = reference
+    ids = tok.encode("The capital of France is Paris.")
+    k = 3
+    res = client.create_sampling_client(base_model=BASE).sample(
+        types.ModelInput.from_ints(ids), 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+        topk_prompt_logprobs=k).result()
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits.float()[0, :-1], -1).topk(k)  # [P-1, k]
+    top = res.topk_prompt_logprobs
+    assert len(top) == len(ids) and top[0] is None
+    for i, entries in enumerate(top[1:]):
+        assert [t for t, _ in entries] == ref.indices[i].tolist()
+        np.testing.assert_allclose([lp for _, lp in entries], ref.values[i].numpy(), atol=2e-4)
+    # the student trains on the teacher's renormalised top-K at every position
+    targets = np.array([[t for t, _ in e] for e in top[1:]], dtype=np.int64)  # [N, K], N = P - 1
+    w = torch.softmax(torch.tensor([[lp for _, lp in e] for e in top[1:]]), -1).numpy().astype(np.float32)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    d = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                    loss_fn_inputs={"target_tokens": targets, "weights": w})
+    out = tc.forward_backward([d], "cross_entropy").result()
+    lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert lp.shape == (len(ids) - 1, k)
+    np.testing.assert_allclose(lp, ref.values.numpy(), atol=2e-4)  # a fresh adapter (B = 0) is the base
+    np.testing.assert_allclose(out.loss_fn_outputs[0]["elementwise_loss"].to_numpy(), -(w * lp).sum(-1), rtol=1e-4)
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm"] > 0
 
 
 def test_sample_logprobs_equal_a_forward_of_the_sampled_tokens(server, client, reference, capsys):
@@ -275,8 +363,9 @@ def test_bad_input_is_a_4xx_naming_the_field(client, reference):
         tc.forward_backward([_datum([ids[0], 10**7, ids[1]])], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match=r"loss_fn_inputs\['weights'\]: shape"):
         tc.forward_backward([_datum(ids, weights=np.ones(2))], "cross_entropy").result()
-    with pytest.raises(tinker.BadRequestError, match="loss_fn='dro'"):
-        tc.forward_backward([_datum(ids)], "dro").result()
+    with pytest.raises(tinker.BadRequestError, match=r"loss_fn='dro' needs loss_fn_config \['beta'\]"):
+        tc.forward_backward([_datum(ids, advantages=np.ones(len(ids) - 1, dtype=np.float32),
+                                    logprobs=np.zeros(len(ids) - 1, dtype=np.float32))], "dro").result()
     with pytest.raises(tinker.BadRequestError, match="advantages"):
         tc.forward_backward([_datum(ids)], "ppo").result()
     with pytest.raises(tinker.BadRequestError, match="over the model's context of 8192"):

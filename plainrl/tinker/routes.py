@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from typing import Any
 
 import pydantic
@@ -106,7 +107,7 @@ def build_app(service: Service) -> Starlette:
             raise UserError(f"forward_backward takes a {PROTOBUF} ForwardBackwardRequest, as the tinker SDK sends")
         call = decode_forward_backward(body)
         s.model(call.model_id)
-        check_call(call, vocab_size=s.adapters.vocab_size, context=s.adapters.context)
+        check_call(call, vocab_size=s.adapters.vocab_size, context=s.adapters.context, stability=s.stability)
         return _json(s.forward_backward(call))
 
     async def optim(request: Request):
@@ -156,13 +157,14 @@ def build_app(service: Service) -> Starlette:
             sampler = s.add_sampler("direct", 0, req.model_path, req.base_model)
         else:
             raise UserError("sample: give sampling_session_id, model_path or base_model")
-        unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+        unsupported = [k for k in ("topk_sample_logprobs", "prompt_alt_tokens_k")
                        if getattr(req, k)] + (["target_prompt_logprobs"] if req.target_prompt_logprobs else [])
         if unsupported:
             raise UserError(f"sample: {unsupported} are not computed by this service")
         call = check_sample(req, vocab_size=s.adapters.vocab_size, context=s.adapters.context)
-        fut = s.sample(sampler, call)
-        ids = [f"{fut.request_id}:{i}" for i in range(call.num_samples)]
+        # the ids the SDK stamps on the sequences, by which stable_reinforce's provenance names them
+        ids = [f"{uuid.uuid4().hex[:12]}:{i}" for i in range(call.num_samples)]
+        fut = s.sample(sampler, call, record_as=ids if req.record_stability_info else None)
         return _json(fut.model_copy(update={"sample_sequence_ids": ids}))
 
     async def retrieve_future(request: Request):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from plainrl.models import sequence_logps
+from plainrl.models import sequence_logps, sequence_topk
 from plainrl.rollout.engines.hf import HFEngine
 from plainrl.tinker.errors import UserError
 from plainrl.types import Generation, SamplingParams
@@ -38,6 +38,7 @@ class SampleCall:
     seed: int | None
     prompt_logprobs: bool
     last_n: int | None
+    topk: int = 0  # topk_prompt_logprobs: the prompt's k most likely tokens per position
 
 
 def check_sample(request, *, vocab_size: int, context: int) -> SampleCall:
@@ -87,9 +88,12 @@ def check_sample(request, *, vocab_size: int, context: int) -> SampleCall:
     last_n = request.prompt_logprobs_last_n
     if last_n is not None and not 1 <= last_n <= len(ids) - 1:
         raise UserError(f"prompt_logprobs_last_n={last_n} must be between 1 and len(prompt) - 1 = {len(ids) - 1}")
+    topk = request.topk_prompt_logprobs or 0
+    if not 0 <= topk <= min(vocab_size, 1024):
+        raise UserError(f"topk_prompt_logprobs={topk} must be between 0 and {min(vocab_size, 1024)}")
     return SampleCall(ids, request.num_samples, max_tokens, p.temperature, p.top_p,
                       p.top_k if p.top_k and p.top_k > 0 else 0, strings, stop_ids, p.seed,
-                      bool(request.prompt_logprobs), last_n)
+                      bool(request.prompt_logprobs), last_n, topk)
 
 
 def engine_params(call: SampleCall) -> tuple[SamplingParams, list[int]]:
@@ -131,3 +135,27 @@ def prompt_logprobs(model: torch.nn.Module, call: SampleCall) -> np.ndarray:
         if call.last_n is not None:
             out[: len(call.prompt) - call.last_n] = np.nan
     return out
+
+
+# what the SDK reads as "no entry" in a top-k row (tinker.types.topk_logprobs.MASK_LOGPROB, token id 0)
+MASK_LOGPROB = -99999.0
+
+
+def topk_prompt_logprobs(model: torch.nn.Module, call: SampleCall) -> tuple[np.ndarray, np.ndarray]:
+    """The prompt's ``call.topk`` most likely tokens at each position under ``model`` as it is, from
+    the same forward as :func:`prompt_logprobs` (temperature 1): ``(ids [P, k] int32, logprobs
+    [P, k] float32)``, row i the distribution of prompt token i given the tokens before it; rows
+    without one (position 0, and those before ``call.last_n``) hold the SDK's empty entry
+    (id 0, :data:`MASK_LOGPROB`)."""
+    p, k = len(call.prompt), call.topk
+    ids = np.zeros((p, k), dtype=np.int32)
+    lps = np.full((p, k), MASK_LOGPROB, dtype=np.float32)
+    if p > 1:
+        device = next(model.parameters()).device
+        x = torch.tensor([call.prompt], device=device)
+        with torch.no_grad():
+            _, top_i, top_v = sequence_topk(model, x, torch.ones_like(x), k=k)  # [1, P-1, k] each
+        ids[1:], lps[1:] = top_i[0].cpu().numpy(), top_v[0].float().cpu().numpy()
+        if call.last_n is not None:
+            ids[: p - call.last_n], lps[: p - call.last_n] = 0, MASK_LOGPROB
+    return ids, lps

@@ -39,8 +39,9 @@ from tinker import types
 from plainrl.checkpoint.files import torch_save
 from plainrl.tinker.adapters import Adapters, lora_targets, read_optimizer
 from plainrl.tinker.errors import UserError, not_found
-from plainrl.tinker.sampling import SampleCall, prompt_logprobs, sample
+from plainrl.tinker.sampling import SampleCall, prompt_logprobs, sample, topk_prompt_logprobs
 from plainrl.tinker.served import ServedSampling
+from plainrl.tinker.stability import StabilityRecords
 from plainrl.tinker.training import TrainingModel, forward_backward, make_optimizer, optim_step
 from plainrl.tinker.wire import ForwardBackwardCall, encode_sample_response
 
@@ -88,6 +89,7 @@ class Service:
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
         self.futures: dict[str, concurrent.futures.Future] = {}
+        self.stability = StabilityRecords()  # sequences sampled with record_stability_info (stable_reinforce)
         self._ids = itertools.count(1)
         self._adapter_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -385,17 +387,24 @@ class Service:
         if self.served is not None:
             self.served.push(directory / "final")
 
-    def sample(self, sampler: Sampler, call: SampleCall) -> types.UntypedAPIFuture:
+    def sample(self, sampler: Sampler, call: SampleCall,
+               record_as: list[str] | None = None) -> types.UntypedAPIFuture:
+        """Queue ``call`` on ``sampler``; with ``record_as`` (one sequence id per sample) what each
+        sample drew is recorded in :attr:`stability` under its id (``record_stability_info``)."""
         def run() -> bytes:
             seqs = None if self.served is None else self.served.sample(sampler.directory, call)
-            prompt_lp = None
-            if seqs is None or call.prompt_logprobs:
+            prompt_lp = topk = None
+            if seqs is None or call.prompt_logprobs or call.topk:
                 name = None if sampler.directory is None else self.adapters.snapshot(sampler.directory)
                 with self.adapters.use(name) as model:
                     if seqs is None:
                         seqs = sample(model, self.adapters.tokenizer, call)
                     if call.prompt_logprobs:
                         prompt_lp = prompt_logprobs(model, call)
-            return encode_sample_response(seqs, prompt_lp)
+                    if call.topk:
+                        topk = topk_prompt_logprobs(model, call)
+            for sequence_id, (tokens, logprobs, _) in zip(record_as or [], seqs):
+                self.stability.record(sequence_id, call.prompt, tokens, logprobs)
+            return encode_sample_response(seqs, prompt_lp, topk)
 
         return self.submit(run)

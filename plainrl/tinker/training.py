@@ -10,12 +10,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from plainrl.algorithms.tinker_losses import CONFIG_KEYS, INPUTS, LOSSES, elementwise_loss
+from plainrl.algorithms.tinker_losses import (DERIVED_INPUTS, INPUTS, NEEDS_PROVENANCE, TOP_K_LOSSES,
+                                              check_config, elementwise_loss)
 from plainrl.config import TrainConfig
 from plainrl.models.forward import head_logps
 from plainrl.models.loading import unwrap
 from plainrl.tinker.adapters import Adapters
 from plainrl.tinker.errors import UserError
+from plainrl.tinker.stability import StabilityRecords
 from plainrl.tinker.wire import ForwardBackwardCall, encode_forward_backward_output
 from plainrl.train.optim import MasterAdamW
 
@@ -43,21 +45,28 @@ def make_optimizer(params: list[torch.nn.Parameter]) -> MasterAdamW:
     return MasterAdamW(params, TrainConfig(lr=1e-4, max_grad_norm=None, warmup_steps=0))
 
 
-def check_call(call: ForwardBackwardCall, *, vocab_size: int, context: int) -> None:
+def check_call(call: ForwardBackwardCall, *, vocab_size: int, context: int,
+               stability: StabilityRecords | None = None) -> None:
     """Reject a ``forward_backward`` / ``forward`` request the model cannot run, before it is queued.
+    For a loss that trains on recorded samples (``stable_reinforce``) every datum's ``logprobs``
+    input is replaced, on the positions its provenance names as sampled, by the sampler's recorded
+    logprobs (:meth:`StabilityRecords.sampling_logprobs`).
 
     Raises:
-        UserError: an unknown loss or config key, no data, an empty or over-long sequence, a token id
-            outside the vocabulary, a missing input, or an input whose shape is not the sequence's [N].
+        UserError: an unknown loss or config key (or a required one missing), no data, an empty or
+            over-long sequence, a token id outside the vocabulary, a missing input, an input whose
+            shape is not the sequence's [N] (or [N, K] for top-K targets), or missing or false provenance.
     """
-    if call.loss_fn not in INPUTS:
-        raise UserError(f"loss_fn={call.loss_fn!r} is not one this service computes; use one of {list(LOSSES)}")
-    unknown = sorted(set(call.loss_fn_config) - set(CONFIG_KEYS[call.loss_fn]))
-    if unknown:
-        raise UserError(f"loss_fn_config keys {unknown} do not apply to loss_fn={call.loss_fn!r}; "
-                        f"it takes {list(CONFIG_KEYS[call.loss_fn]) or 'none'}")
+    try:
+        check_config(call.loss_fn, call.loss_fn_config)
+    except ValueError as e:
+        raise UserError(str(e)) from e
     if not call.data:
         raise UserError("data: no Datum given")
+    widths = {d.inputs["target_tokens"].shape[1:] for d in call.data if "target_tokens" in d.inputs}
+    if len(widths) > 1:
+        raise UserError(f"data: target_tokens of shapes (N,) and (N, K) with several K {sorted(widths)} in one "
+                        "request; send datums with one K together")
     for i, d in enumerate(call.data):
         n = len(d.tokens)
         if n == 0:
@@ -70,10 +79,21 @@ def check_call(call: ForwardBackwardCall, *, vocab_size: int, context: int) -> N
                 raise UserError(f"data[{i}].loss_fn_inputs: {key!r} is missing; loss_fn={call.loss_fn!r} needs "
                                 f"{['target_tokens', *INPUTS[call.loss_fn]]}")
             shape = tuple(d.inputs[key].shape)
-            if shape != (n,):
+            top_k = call.loss_fn in TOP_K_LOSSES and len(shape) == 2 and key in ("target_tokens", "weights")
+            if shape != (n,) and not (top_k and shape[0] == n and shape == d.inputs["target_tokens"].shape):
                 raise UserError(f"data[{i}].loss_fn_inputs[{key!r}]: shape {shape}, but model_input has {n} "
-                                f"tokens; every loss input is one value per input position, shape ({n},)")
+                                f"tokens; every loss input is one value per input position, shape ({n},)"
+                                + (f", or ({n}, K) for target_tokens and weights alike" if call.loss_fn in TOP_K_LOSSES
+                                   else ""))
         _check_ids(d.inputs["target_tokens"], vocab_size, f"data[{i}].loss_fn_inputs['target_tokens']")
+        if call.loss_fn in NEEDS_PROVENANCE:
+            if d.spans is None:
+                raise UserError(f"data[{i}]: loss_fn={call.loss_fn!r} needs provenance on every datum "
+                                "(Datum.with_provenance naming the sampled sequences by their sequence_id)")
+            if stability is None:
+                raise UserError(f"loss_fn={call.loss_fn!r}: this service records no stability information")
+            d.inputs["logprobs"], d.inputs["sampled"] = stability.sampling_logprobs(
+                d.spans, d.inputs["target_tokens"], d.inputs["logprobs"], f"data[{i}]")
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
@@ -85,14 +105,15 @@ def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
 
 def target_logprobs(model: torch.nn.Module, rows: list[tuple[np.ndarray, np.ndarray]],
                     pad_id: int) -> list[torch.Tensor]:
-    """log p(target_i | input_<=i) for each row (input ids [N], target ids [N]): float32 [N] per row,
-    differentiable when grad is enabled. Rows are right-padded into one [B, T] forward."""
+    """log p(target_i | input_<=i) for each row (input ids [N], target ids [N] or [N, K]): float32 [N]
+    (or [N, K]) per row, differentiable when grad is enabled. Rows are right-padded into one [B, T]
+    forward."""
     base = unwrap(model)
     device = next(model.parameters()).device
     lengths = [len(t) for t, _ in rows]
     width = max(lengths)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    targets = torch.zeros((len(rows), width), dtype=torch.long)
+    targets = torch.zeros((len(rows), width, *rows[0][1].shape[1:]), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for r, (tok, tgt) in enumerate(rows):
         ids[r, : len(tok)] = torch.from_numpy(np.array(tok))
@@ -102,7 +123,7 @@ def target_logprobs(model: torch.nn.Module, rows: list[tuple[np.ndarray, np.ndar
     hidden = base.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
     keep = mask.reshape(-1).bool()
     flat = head_logps(hidden.reshape(-1, hidden.shape[-1])[keep], base.get_output_embeddings(),
-                      targets.reshape(-1)[keep])[0]  # [sum N]
+                      targets.flatten(0, 1)[keep])[0]  # [sum N] or [sum N, K]
     return list(torch.split(flat, lengths))
 
 
@@ -127,7 +148,7 @@ def forward_backward(adapters: Adapters, tm: TrainingModel, call: ForwardBackwar
             losses = []
             for d, lp in zip(batch, logps):
                 inputs = {k: torch.from_numpy(np.array(d.inputs[k], dtype=np.float32)).to(device)
-                          for k in INPUTS[call.loss_fn]}
+                          for k in INPUTS[call.loss_fn] + DERIVED_INPUTS.get(call.loss_fn, ())}
                 losses.append(elementwise_loss(call.loss_fn, lp, inputs, call.loss_fn_config))
             loss = torch.stack([x.sum() for x in losses]).sum()
             if not call.forward_only:

@@ -16,17 +16,29 @@ import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
 from plainrl.tinker.errors import UserError
+from plainrl.tinker.stability import Span
 
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
 @dataclass
 class DatumArrays:
-    """One ``types.Datum`` decoded: ``tokens`` [N] int64 (the model input's text chunks joined)
-    and its ``loss_fn_inputs`` as flat numpy arrays with their shapes."""
+    """One ``types.Datum`` decoded: ``tokens`` [N] int64 (the model input's text chunks joined),
+    its ``loss_fn_inputs`` as numpy arrays with their shapes, and the provenance of its targets
+    (``loss_fn_input_spans``; None: the datum has none)."""
 
     tokens: np.ndarray
     inputs: dict[str, np.ndarray]
+    spans: list[Span] | None = None
+
+
+def _spans(spans) -> list[Span] | None:
+    out = []
+    for sp in spans:
+        kind = sp.WhichOneof("span")
+        arm = getattr(sp, kind)
+        out.append(Span("prompt" if kind == "prompt_tokens" else "sampled", arm.sequence_id, arm.offset, arm.length))
+    return out or None
 
 
 @dataclass
@@ -86,7 +98,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
             parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
         tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
         inputs = {k: _tensor(v, f"data[{i}].loss_fn_inputs[{k!r}]") for k, v in d.loss_fn_inputs.items()}
-        data.append(DatumArrays(tokens, inputs))
+        data.append(DatumArrays(tokens, inputs, _spans(d.loss_fn_input_spans)))
     config: dict[str, float] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         if v.WhichOneof("value") == "text":
@@ -97,7 +109,8 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
 
 def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
     """A protobuf ``ForwardBackwardOutput``: one ``ArrayRecord`` whose fields hold every datum's
-    [N_i] float32 array back to back, with byte offsets (N_i may differ per datum)."""
+    [N_i] (or [N_i, K]: the field's ``trailing_shape``, the same for every datum) float32 array back
+    to back, with byte offsets (N_i may differ per datum)."""
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for k, v in metrics.items():
         msg.metrics[k] = float(v)
@@ -108,6 +121,7 @@ def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics
         arrays = [np.ascontiguousarray(o[name], dtype=np.float32).reshape(-1) for o in outputs]
         offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
         bt = record.fields[name]
+        bt.trailing_shape.extend(np.shape(outputs[0][name])[1:])
         bt.dtype = pb.DTYPE_FLOAT32
         bt.data = b"".join(a.tobytes() for a in arrays)
         bt.offsets = offsets.tobytes()
@@ -118,9 +132,11 @@ _STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
 def encode_sample_response(sequences: list[tuple[list[int], list[float], str]],
-                           prompt_logprobs: np.ndarray | None) -> bytes:
+                           prompt_logprobs: np.ndarray | None,
+                           topk: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
     """A protobuf ``SampleResponse``: per sequence (token ids, their logprobs, ``stop``|``length``),
-    and the prompt's logprobs [P] float32 (NaN where none was computed) when asked for."""
+    the prompt's logprobs [P] float32 (NaN where none was computed) when asked for, and the
+    prompt's top-k ``(ids [P, k] int32, logprobs [P, k] float32)`` (``topk_prompt_logprobs``)."""
     msg = pb.SampleResponse()
     for tokens, logprobs, reason in sequences:
         seq = msg.sequences.add()
@@ -129,4 +145,9 @@ def encode_sample_response(sequences: list[tuple[list[int], list[float], str]],
         seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if topk is not None:
+        ids, lps = topk
+        msg.topk_prompt_logprobs.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+        msg.topk_prompt_logprobs.logprobs = np.ascontiguousarray(lps, dtype=np.float32).tobytes()
+        msg.topk_prompt_logprobs.length, msg.topk_prompt_logprobs.k = ids.shape
     return msg.SerializeToString()
