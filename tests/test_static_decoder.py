@@ -102,11 +102,38 @@ def test_fused_weight_is_the_stack_of_the_lora_folded_weights(llama):
     assert len(attn.q_proj.active_adapters) == 2
     expected = torch.cat([p.base_layer.weight + lora_delta(p) for p in parts])
     torch.testing.assert_close(_fused_weight(parts), expected, atol=1e-6, rtol=1e-6)
-    # a plain layer comes back as its own weight (no copy), a bf16 LoRA layer on a CPU takes peft's delta
+    # a plain layer comes back as its own weight (no copy); a bf16 LoRA layer on a CPU is summed in
+    # float32 and rounded once
     with llama.disable_adapter():
         assert _fused_weight([attn.o_proj]) is attn.o_proj.base_layer.weight
     bf16 = attn.o_proj.to(torch.bfloat16)
-    torch.testing.assert_close(_fused_weight([bf16]), bf16.base_layer.weight + lora_delta(bf16))
+    once = bf16.base_layer.weight.float() + sum(bf16.scaling[a] * bf16.lora_B[a].weight.float() @ bf16.lora_A[a].weight.float()
+                                                for a in bf16.active_adapters)
+    torch.testing.assert_close(_fused_weight([bf16]), once.to(torch.bfloat16), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch, prepack", [("llama", True), ("qwen3_bias", False)])
+def test_unmerged_lora_logits_equal_the_transformers_forward(arch, prepack, request):
+    """LoRA kept unmerged (A stacked under the fused weight, block-diagonal s B; biases padded
+    with zeros) computes the same function as peft's forward, with two active adapters."""
+    model = request.getfixturevalue(arch)
+    if prepack and not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    model.add_adapter("second", model.peft_config["default"])
+    model.base_model.set_adapter(["default", "second"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B.second" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+    ids, valid, new = _batch()
+    ref = _reference(model, ids, valid, new)
+    dec = StaticDecoder(model, prepack=prepack, merge_lora=False)
+    qkv = dec.layers[0].qkv
+    assert qkv.lora_b is not None and qkv.rank == 3 * 2 * 4  # q, k, v x two adapters x r 4
+    assert StaticDecoder(model).layers[0].qkv.lora_b is None  # float32 folds by default
+    outs = [dec.start(ids, valid, capacity=12)] + [dec.step(new[:, t]) for t in range(3)]
+    for t, out in enumerate(outs):
+        torch.testing.assert_close(out, ref[:, ids.shape[1] - 1 + t], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_bias"])

@@ -69,12 +69,15 @@ def merged_lora(model: torch.nn.Module):
     original weight tensors are kept aside and put back untouched, so repeated
     merges never accumulate rounding error (unlike peft's merge/unmerge, which
     subtracts the delta again). Costs one extra copy of the targeted weights while
-    generating. A no-op for models without adapters, and for quantized models
+    generating. A no-op for models without adapters; for quantized models
     (``model.quantization``): a delta cannot be added to 4-bit or 8-bit codes, and
-    merging into a dequantized copy would undo the memory saving, so they decode
-    through peft's adapter path.
+    merging into a dequantized copy would undo the memory saving; and for 16-bit weights:
+    W + s * B @ A rounded to bfloat16 loses the part of the update below W's spacing
+    (2^-9 |W|), so the engine would sample a policy the learner is not training (the static
+    decoder keeps them unmerged for the same reason). Those decode through peft's adapter path.
     """
-    if not hasattr(model, "disable_adapter") or is_quantized(model):
+    if (not hasattr(model, "disable_adapter") or is_quantized(model)
+            or unwrap(model).get_input_embeddings().weight.dtype != torch.float32):
         yield
         return
     from peft.tuners.lora import LoraLayer
@@ -232,9 +235,10 @@ class HFEngine:
         tokenizer: for EOS/pad ids and for checking stop strings (the decoded text
             is only inspected, never re-tokenised).
         batch_size: sequences decoded together.
-        merge_lora: decode with LoRA folded into the weights (see :func:`merged_lora`;
-            the static decoder always folds them into its own fused copies; ignored
-            for quantized models, which decode through the adapter path).
+        merge_lora: decode float32 weights with LoRA folded in (see :func:`merged_lora`;
+            the static decoder folds them into its own fused copies in float32 and keeps them
+            unmerged in 16-bit precision either way; ignored for quantized and 16-bit models,
+            which decode through the adapter path).
         decoder: ``static`` (:class:`~plainrl.rollout.engines.static_decoder.StaticDecoder`,
             Llama-family models with float weights), ``transformers`` (the model's own
             forward with a ``DynamicCache``, any causal LM, quantized too) or ``auto``

@@ -6,7 +6,8 @@ layer per token (mask building, cache bookkeeping, casts), and its ``DynamicCach
 concatenates every layer's keys and values on every step (a copy that grows with
 the sequence). This module runs the same mathematics with
 
-- q/k/v and gate/up projections fused into one matmul each (LoRA deltas folded in),
+- q/k/v and gate/up projections fused into one matmul each (LoRA deltas folded in for
+  float32 weights, kept unmerged for 16-bit ones: :class:`_Projection`),
 - keys and values written in place into a cache allocated once per batch,
 - rotary tables computed once by the model's own rotary module (any rope type it
   implements statically),
@@ -71,10 +72,9 @@ def _mkldnn_packing_works(dtype: torch.dtype) -> bool:
 
 def _lora_factors(linear: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """(s * B [out, r], A [r, in]) of each active adapter of a peft LoRA Linear, whose delta
-    (peft's ``get_delta_weight``) is then ``s * B @ A``; [] without an active adapter. None
-    where :func:`lora_delta` is the way: another layer type, ``fan_in_fan_out``, or a
-    reduced-precision weight on a CPU (peft forms that delta in float32, since a bf16
-    matmul is ~70x slower than float32 on a CPU without AVX512-BF16)."""
+    (peft's ``get_delta_weight``) is then ``s * B @ A``, in the base weight's dtype (s * B
+    formed in float32, rounded once); [] without an active adapter. None where
+    :func:`lora_delta` is the way: another layer type, ``fan_in_fan_out``, or DoRA."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     active = active_lora_adapters(linear)
@@ -82,10 +82,40 @@ def _lora_factors(linear: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Ten
         return []
     w = linear.base_layer.weight
     if (type(linear) is not LoraLinear or linear.fan_in_fan_out
-            or (w.device.type == "cpu" and w.dtype != torch.float32)):
+            or any(linear.use_dora.get(a, False) for a in active)):
         return None
-    return [((linear.lora_B[a].weight * linear.scaling[a]).to(w.dtype), linear.lora_A[a].weight.to(w.dtype))
+    return [((linear.lora_B[a].weight.float() * linear.scaling[a]).to(w.dtype), linear.lora_A[a].weight.to(w.dtype))
             for a in active]
+
+
+@dataclass
+class _Projection:
+    """One fused projection ``y = x W^T + bias`` [.., out], with its LoRA adapters either folded
+    into ``weight`` or kept unmerged: ``y = x W^T + bias + (x A^T) (s B)^T``.
+
+    Why unmerged for 16-bit weights: W + s B A rounded to bfloat16 keeps 8 bits of mantissa
+    at the scale of W, so an update smaller than half of W's spacing (2^-9 |W|) is rounded
+    away and larger ones are quantised; the engine then samples a policy the learner (peft's
+    unmerged forward, ``W x + s B (A x)``) is not training, by more after every update
+    (measured on the tiny test model in bfloat16 after one Adam step: 0.05 nats mean
+    |engine - learner| logprob folded, 0 unmerged; tests/test_static_decoder.py). vLLM
+    applies LoRA unmerged for the same reason. Float32 keeps 24 bits, so its fold is exact
+    to ~1e-7 and saves the two small products.
+
+    Unmerged, the A of every part (and every active adapter) is stacked under W, so x A^T
+    comes out of the same matmul as x W^T ([.., out + R]: R = the summed ranks); ``lora_b``
+    [out, R] is block-diagonal (each part's s B in its own rows and rank columns, zeros
+    elsewhere, which add exact zeros), so the LoRA path is one more product of inner size R.
+    Both products round as peft's ``lora_B(lora_A(x))`` does.
+    """
+
+    weight: torch.Tensor  # [out + R, in] (R = 0 when merged)
+    bias: torch.Tensor | None  # [out + R]
+    lora_b: torch.Tensor | None = None  # [out, R]: s * B of each part, block-diagonal; None when merged
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.lora_b is None else self.lora_b.shape[1]
 
 
 @torch.no_grad()
@@ -113,11 +143,42 @@ def _fused_weight(linears: list[torch.nn.Module]) -> torch.Tensor:
             torch.add(w, lora_delta(m), out=dest)
         elif not f:
             dest.copy_(w)
+        elif w.device.type == "cpu" and w.dtype != torch.float32:
+            # a 16-bit matmul is ~70x slower than float32 on a CPU without native bf16: B @ A in
+            # float32, the sum rounded once
+            dest.copy_(sum((b.float() @ a.float() for b, a in f), w.float()))
         else:
             torch.addmm(w, *f[0], out=dest)
             for b, a in f[1:]:
                 dest.addmm_(b, a)
     return out
+
+
+@torch.no_grad()
+def _projection(linears: list[torch.nn.Module], *, merge: bool) -> _Projection:
+    """The fused :class:`_Projection` of ``linears`` (which share their input), their LoRA
+    adapters folded in (``merge``) or unmerged. A part that is not a plain peft LoRA Linear
+    (:func:`_lora_factors` None) is folded either way."""
+    biases = [getattr(m, "base_layer", m).bias for m in linears]
+    bias = None if biases[0] is None else torch.cat(biases) if len(biases) > 1 else biases[0]
+    factors = [_lora_factors(m) for m in linears]
+    if merge or not any(factors):
+        return _Projection(_fused_weight(linears), bias)
+    folded = [m if f is None else getattr(m, "base_layer", m) for m, f in zip(linears, factors)]
+    base = _fused_weight(folded)  # [out, in]; only the parts without factors carry a delta
+    pairs = [(i, b, a) for i, f in enumerate(factors) for b, a in (f or [])]
+    sizes = [getattr(m, "base_layer", m).weight.shape[0] for m in linears]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    rank = sum(a.shape[0] for _, _, a in pairs)
+    lora_b = base.new_zeros(base.shape[0], rank)
+    col = 0
+    for i, b, a in pairs:
+        lora_b[starts[i]:starts[i] + sizes[i], col:col + a.shape[0]] = b
+        col += a.shape[0]
+    weight = torch.cat([base] + [a for _, _, a in pairs])  # [out + R, in]
+    if bias is not None:
+        bias = torch.cat([bias, bias.new_zeros(rank)])
+    return _Projection(weight, bias, lora_b)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -157,21 +218,19 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
-    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    qkv: _Projection  # [(Hq + 2 Hkv) D] from [H]
     qk_norm: torch.Tensor | None  # [Hq + Hkv, 1, D]: q_norm's weight for each query head, k_norm's for each kv head
-    o: torch.Tensor  # [H, Hq D]
-    o_bias: torch.Tensor | None  # [H] (attention_bias=True in Llama/Qwen3 configs biases o_proj too)
+    o: _Projection  # [H] from [Hq D] (attention_bias=True in Llama/Qwen3 configs biases o_proj too)
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: _Projection  # [2 I] from [H]
+    down: _Projection  # [H] from [I]
 
 
 class StaticDecoder:
     """Forward passes of a Llama-family decoder over a KV cache of fixed capacity.
 
-    Built from the model's current weights (with LoRA folded in); rebuild it after
-    the weights change. Usage for one batch::
+    Built from the model's current weights (with LoRA folded in, or unmerged: ``merge_lora``);
+    rebuild it after the weights change. Usage for one batch::
 
         dec = StaticDecoder(model)
         logits = dec.start(input_ids, valid, capacity)     # prefill: [b, V] next-token logits
@@ -188,12 +247,16 @@ class StaticDecoder:
         sdpa: attention through ``torch.nn.functional.scaled_dot_product_attention`` (fused
             kernels, no materialised float32 scores [b, Hq, s, C]); None: on CUDA only, since on
             CPU the grouped matmuls below were measured as the faster decode (docs/benchmarks.md).
+        merge_lora: fold LoRA adapters into the fused weights (True) or keep them unmerged
+            (False, :class:`_Projection`); None: fold float32 weights only, since a 16-bit fold
+            rounds the update away.
 
     Raises:
         ValueError: the model is not supported (the message says why).
     """
 
-    def __init__(self, model: torch.nn.Module, *, prepack: bool | None = None, sdpa: bool | None = None):
+    def __init__(self, model: torch.nn.Module, *, prepack: bool | None = None, sdpa: bool | None = None,
+                 merge_lora: bool | None = None):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"StaticDecoder does not support this model: {reason}")
@@ -208,39 +271,46 @@ class StaticDecoder:
         self.scaling = self.head_dim**-0.5
         self.embed = decoder.embed_tokens.weight  # [V, H]
         self.final_norm = decoder.norm.weight
-        self.lm_head = _fused_weight([base.get_output_embeddings()])  # [V, H]
+        dev, dtype = self.embed.device, self.embed.dtype
+        self.merge_lora = dtype == torch.float32 if merge_lora is None else merge_lora
+        fuse = lambda *linears: _projection(list(linears), merge=self.merge_lora)  # noqa: E731
+        self.lm_head = fuse(base.get_output_embeddings())  # [V] from [H]
         self.layers: list[_Layer] = []
         with torch.no_grad():
             for layer in decoder.layers:
                 a, m = layer.self_attn, layer.mlp
-                bq, bk, bv = (getattr(p, "base_layer", p).bias for p in (a.q_proj, a.k_proj, a.v_proj))
-                bias = None if bq is None else torch.cat([bq, bk, bv])
                 qk_norm = None
                 if hasattr(a, "q_norm"):
                     qk_norm = torch.cat([a.q_norm.weight.expand(self.num_heads, -1),
                                          a.k_norm.weight.expand(self.num_kv_heads, -1)])[:, None, :]
                 self.layers.append(_Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv=_fused_weight([a.q_proj, a.k_proj, a.v_proj]), qkv_bias=bias, qk_norm=qk_norm,
-                    o=_fused_weight([a.o_proj]), o_bias=getattr(a.o_proj, "base_layer", a.o_proj).bias,
+                    qkv=fuse(a.q_proj, a.k_proj, a.v_proj), qk_norm=qk_norm, o=fuse(a.o_proj),
                     post_norm=layer.post_attention_layernorm.weight,
-                    gate_up=_fused_weight([m.gate_proj, m.up_proj]),
-                    down=_fused_weight([m.down_proj]),
+                    gate_up=fuse(m.gate_proj, m.up_proj), down=fuse(m.down_proj),
                 ))
-        dev, dtype = self.embed.device, self.embed.dtype
         self.sdpa = dev.type == "cuda" if sdpa is None else sdpa
         if prepack is None:
             prepack = dev.type == "cpu" and _mkldnn_packing_works(dtype)
         self.linear = F.linear
         if prepack:
             self.linear = _packed_linear
-            self.lm_head = _prepack(self.lm_head)
-            for layer in self.layers:
-                layer.qkv, layer.o, layer.gate_up, layer.down = map(_prepack, (layer.qkv, layer.o, layer.gate_up, layer.down))
+            for proj in [self.lm_head] + [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+                proj.weight = _prepack(proj.weight)
+                if proj.lora_b is not None:
+                    proj.lora_b = _prepack(proj.lora_b)
         self.k_cache = self.v_cache = None  # [L, b, Hkv, C, D]
         self.valid = None  # [b, C] bool: columns holding a real token
         self.positions = None  # [b] position id of each row's next token
         self.length = 0  # columns filled
+
+    def _project(self, x: torch.Tensor, proj: _Projection) -> torch.Tensor:
+        """``x`` [.., in] through ``proj``: [.., out]."""
+        y = self.linear(x, proj.weight, proj.bias)
+        if proj.lora_b is None:
+            return y
+        y, xa = y.split([y.shape[-1] - proj.rank, proj.rank], dim=-1)  # x W^T + bias, x A^T
+        return y + self.linear(xa.contiguous(), proj.lora_b)
 
     @property
     def capacity(self) -> int:
@@ -285,7 +355,7 @@ class StaticDecoder:
             mask = mask[:, None, None]  # [b, 1, 1, s, end]
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
-            qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [b, s, (hq + 2 hkv) d]
+            qkv = self._project(x, layer.qkv)  # [b, s, (hq + 2 hkv) d]
             qk, v = qkv.view(b, s, hq + 2 * hkv, d).transpose(1, 2).split([hq + hkv, hkv], dim=1)
             if layer.qk_norm is not None:  # Qwen3: RMSNorm over each head's D features, before RoPE
                 qk = self._rms_norm(qk, layer.qk_norm)
@@ -303,13 +373,13 @@ class StaticDecoder:
                 probs = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
                 out = torch.matmul(probs.view(b, hkv, g * s, end), values)  # [b, hkv, g s, d]
             out = out.view(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d)
-            h = h + self.linear(out, layer.o, layer.o_bias)
+            h = h + self._project(out, layer.o)
             x = self._rms_norm(h, layer.post_norm)
-            gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + self.linear(F.silu(gate) * up, layer.down)
+            gate, up = self._project(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + self._project(F.silu(gate) * up, layer.down)
         self.length = end
         last = self._rms_norm(h[:, -1], self.final_norm)  # [b, H]
-        return self.linear(last, self.lm_head).float()
+        return self._project(last, self.lm_head).float()
 
     def start(self, input_ids: torch.Tensor, valid: torch.Tensor, capacity: int) -> torch.Tensor:
         """Allocate the cache and prefill left-padded prompts.
