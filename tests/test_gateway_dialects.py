@@ -201,9 +201,9 @@ def test_every_route_asks_for_the_key_and_errors_come_in_each_dialects_schema(to
         with pytest.raises(openai.BadRequestError) as e:
             await llm.openai_client().responses.create(model="p", input=5)
         seen["responses_400"] = e.value.body
-        with pytest.raises(openai.NotFoundError) as e:
+        with pytest.raises(openai.BadRequestError) as e:
             await llm.openai_client().responses.create(model="p", input="hi", previous_response_id="resp_nope")
-        seen["responses_404"] = e.value.body
+        seen["responses_missing"] = e.value.body
         bad = anthropic.AsyncAnthropic(base_url=root, api_key="sk-wrong", max_retries=0)
         with pytest.raises(anthropic.AuthenticationError) as e:
             await bad.messages.create(model="p", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
@@ -226,7 +226,8 @@ def test_every_route_asks_for_the_key_and_errors_come_in_each_dialects_schema(to
     seen = ep.row["seen"]
     assert seen["responses_401"]["code"] == "invalid_api_key"
     assert seen["responses_400"]["param"] == "input"
-    assert seen["responses_404"]["param"] == "previous_response_id"
+    assert seen["responses_missing"]["param"] == "previous_response_id"
+    assert seen["responses_missing"]["code"] == "previous_response_not_found"
     assert seen["messages_401"] == {"type": "error", "error": {"type": "authentication_error", "message": (
         "unknown API key: use the episode's own (llm.api_key, llm.anthropic_client(), llm.anthropic_env())")}}
     assert seen["messages_400"]["type"] == "error" and seen["messages_400"]["error"]["type"] == "invalid_request_error"

@@ -267,7 +267,7 @@ class LLM:
         """
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise TypeError("llm.chat(messages): messages must be a list of {'role': ..., 'content': ...} dicts")
-        context = self._chat_context(messages, tools)
+        context = self.chat_context(messages, tools)
         if prefix:
             context = context + encode_rendered(self.tokenizer, prefix)
         asked = tuple(dict(m) for m in messages)
@@ -370,10 +370,14 @@ class LLM:
             raise ValueError(f"max_new_tokens={kw['max_new_tokens']!r}: must be a positive int")
         return dataclasses.replace(base, **kw)
 
-    def _chat_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        """The ids a chat call on ``messages`` samples after: the continuation of the latest chat
-        call of a segment whose conversation and reply ``messages`` repeat (of several, the
-        longest), else ``messages`` rendered whole."""
+    def chat_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """[C] the ids a chat call on ``messages`` would sample after (nothing is recorded): the
+        continuation of the latest chat call of a segment whose conversation and reply
+        ``messages`` repeat (of several, the longest), else ``messages`` rendered whole.
+
+        Raises:
+            ValueError: a tokenizer without a chat template; whatever the template raises.
+        """
         best: Turn | None = None
         for seg in self.trajectory.segments:
             last = seg.last

@@ -22,11 +22,13 @@ import secrets
 from typing import Annotated, Any, Iterator, Literal, Union
 
 from anthropic.types import Message, RawMessageStreamEvent, TextBlock, ToolUseBlock, Usage
+from jinja2 import TemplateError
 from pydantic import Field, TypeAdapter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from plainrl.rollout.gateway.errors import parse_body
+from plainrl.rollout.chat import encode_rendered
+from plainrl.rollout.gateway.errors import GatewayError, parse_body
 from plainrl.rollout.gateway.keys import Episodes
 from plainrl.rollout.gateway.messages import template_message
 from plainrl.rollout.gateway.recorder import (
@@ -36,12 +38,12 @@ from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import Message as ChatMessage
 from plainrl.rollout.gateway.schema import MediaPart, SamplingFields, StrictModel, json_kind, parts, tagged, tools_of
 
-__all__ = ["MessagesRequest", "error_response", "messages"]
+__all__ = ["CountTokensRequest", "MessagesRequest", "anthropic_tools", "count_tokens", "error_response", "messages"]
 
 # Anthropic's error types by status (its SDK maps the status to its exception classes)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
-          499: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
+          499: "invalid_request_error", 500: "api_error", 529: "overloaded_error"}
 
 
 class Text(StrictModel):
@@ -160,15 +162,20 @@ class AnthropicToolChoice(StrictModel):
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(StrictModel):
-    """``POST /v1/messages``: the fields the gateway reads (others are ignored)."""
+class CountTokensRequest(StrictModel):
+    """``POST /v1/messages/count_tokens``: a request's prompt, without its sampling fields."""
 
     model: str
-    max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: System | None = None
     tools: list[tools_of({"custom": Tool, "bash": VersionedTool, "text_editor": VersionedTool}, _tool_kind)] | None = None
     tool_choice: AnthropicToolChoice | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """``POST /v1/messages``: the fields the gateway reads (others are ignored)."""
+
+    max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -182,7 +189,9 @@ _EVENT = TypeAdapter(RawMessageStreamEvent)
 
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> Response:
-    """An error in Anthropic's schema (``param`` and ``code`` go into the message)."""
+    """An error in Anthropic's schema (``param`` and ``code`` go into the message); the gateway's
+    503 (the engine cannot answer) is Anthropic's overload, 529 ``overloaded_error``."""
+    status = 529 if status == 503 else status
     text = f"{param}: {message}" if param and not message.startswith(param) else message
     body = {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": text}}
     return JSONResponse(body, status_code=status, headers={"x-should-retry": "false"})
@@ -203,14 +212,38 @@ async def messages(episodes: Episodes, request: Request) -> Response:
                             stop=req.stop_sequences)
     stops = tuple(req.stop_sequences or ())
     done = await chat_call(episodes, request, llm, [template_message(m, fmt, renders) for m in chat], tools, choice,
-                           request_sampling(fields, llm.params), cut_stop=stops, train=trains(request, req.model))
+                           request_sampling(fields, llm.params), cut_stop=stops, train=trains(request, req.model),
+                           continue_final=True)  # a trailing assistant turn is Anthropic's prefill
     out = build_message(episodes.model, done, stops)
     if req.stream:
         return StreamingResponse(stream_events(out), media_type="text/event-stream")
     return JSONResponse(out.model_dump(mode="json", exclude_none=True))
 
 
-def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
+async def count_tokens(episodes: Episodes, request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: ``{"input_tokens": n}``, the ids the request's prompt
+    is (as a call would continue them: a trailing assistant turn's prefill included); nothing is
+    recorded or sampled."""
+    key = request.headers.get("x-api-key", "") or bearer_key(request)
+    llm = episode(episodes, key, "llm.api_key, llm.anthropic_client(), llm.anthropic_env()")
+    req = await parse_body(request, CountTokensRequest)
+    fmt, renders = template_format(llm)
+    chat = [template_message(_CHAT.validate_python(m), fmt, renders) for m in chat_messages(req)]
+    prefill = ""
+    if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
+        prefill, chat = chat[-1]["content"], chat[:-1]
+    tools = list(anthropic_tools(req.tools).functions) or None
+    try:
+        ids = llm.chat_context(chat, tools)
+    except TemplateError as e:
+        raise GatewayError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
+    except (ValueError, TypeError) as e:
+        raise GatewayError(400, f"{type(e).__name__}: {e}", param="messages") from None
+    n = len(ids) + (len(encode_rendered(llm.tokenizer, prefill)) if prefill else 0)
+    return JSONResponse({"input_tokens": n})
+
+
+def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     """The request as Chat Completions messages (see the module's docstring)."""
     out: list[dict[str, Any]] = []
     if req.system:
@@ -219,7 +252,7 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        text = "".join(b.text for b in m.content if isinstance(b, Text))
+        text = "\n".join(b.text for b in m.content if isinstance(b, Text))
         if m.role == "assistant":
             calls = [{"id": b.id, "type": "function",
                       "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
@@ -228,7 +261,8 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
             continue
         for b in m.content:  # a user turn: its tool results, then what the user wrote
             if isinstance(b, ToolResult):
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content),
+                            **({"is_error": True} if b.is_error else {})})
         if text or not any(isinstance(b, ToolResult) for b in m.content):
             out.append({"role": "user", "content": text})
     return out
@@ -237,7 +271,7 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
 def _text(content: str | list[Text] | None) -> str:
     if content is None:
         return ""
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+    return content if isinstance(content, str) else "\n".join(b.text for b in content)
 
 
 def build_message(model: str, done: ChatCall, stops: tuple[str, ...]) -> Message:

@@ -10,6 +10,7 @@ route                          dialect                    module
 ``GET /v1/models``             OpenAI                     :mod:`~plainrl.rollout.gateway.openai_chat`
 ``POST /v1/responses``         OpenAI Responses           :mod:`~plainrl.rollout.gateway.openai_responses`
 ``POST /v1/messages``          Anthropic Messages         :mod:`~plainrl.rollout.gateway.anthropic_messages`
+``POST /v1/messages/count_tokens`` Anthropic Messages     :mod:`~plainrl.rollout.gateway.anthropic_messages`
 =============================  =========================  ==========================================
 
 Every route asks for the episode's key (``Authorization: Bearer KEY``; Anthropic's
@@ -54,6 +55,8 @@ def build_app(episodes: Episodes, online: OnlineEpisodes | None = None) -> Starl
               route("/v1/models", openai_chat.models, "GET"),
               route("/v1/responses", openai_responses.responses),
               route("/v1/messages", anthropic_messages.messages, errors=anthropic_messages.error_response),
+              route("/v1/messages/count_tokens", anthropic_messages.count_tokens,
+                    errors=anthropic_messages.error_response),
               Route("/health", _health, methods=["GET"])]
     if online is not None:
         routes += [Route("/rl/episodes", functools.partial(_guarded, functools.partial(claim, online), error_response,
@@ -78,6 +81,6 @@ async def _health(request: Request) -> Response:
 
 async def _http_error(request: Request, exc: HTTPException) -> Any:
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    if request.url.path == "/v1/messages":
+    if request.url.path.startswith("/v1/messages"):
         return anthropic_messages.error_response(exc.status_code, message)
     return error_response(exc.status_code, message)

@@ -42,6 +42,7 @@ class Episodes:
         self._by_llm: weakref.WeakKeyDictionary[LLM, _Entry] = weakref.WeakKeyDictionary()
         self.sampling_overrides = 0  # requests whose temperature/top_p/top_k the run replaced
         self.dropped_tools = 0  # tools left out of requests: the vendor's hosted ones, unknown types
+        self.cap_noted = False  # a request's max_tokens above rollout.max_new_tokens was printed (once a run)
 
     def key_for(self, llm: LLM) -> str:
         """The episode's key (``sk-plainrl-`` and 32 random bytes), made on first use."""

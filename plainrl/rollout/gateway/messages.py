@@ -20,18 +20,19 @@ __all__ = ["Reply", "make_reply", "template_message"]
 
 
 def _text(content: Any) -> str:
+    """A message's content as one string: text parts joined with a newline, as vLLM joins them."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    return "\n".join(part.text for part in content)
 
 
 def template_message(m: Any, fmt: ToolFormat, renders_calls: bool) -> dict[str, Any]:
     """One validated request message as the chat template gets it.
 
-    ``developer`` becomes ``system``; content parts are joined into one string (None and
-    missing content become ""); an assistant message's tool calls get their arguments as a
+    ``developer`` becomes ``system``; text parts are joined into one string with newlines (None
+    and missing content become ""); a tool result's ``is_error`` is kept; an assistant message's tool calls get their arguments as a
     dict (what HF templates expect), or, when the template does not render ``tool_calls``,
     are written into the content in the model's format (:func:`render_tool_calls`).
     """
@@ -48,8 +49,11 @@ def template_message(m: Any, fmt: ToolFormat, renders_calls: bool) -> dict[str, 
             else:
                 written = render_tool_calls(calls, fmt)
                 out["content"] = f"{out['content']}\n{written}" if out["content"] else written
-    elif isinstance(m, ToolMessage) and m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
+    elif isinstance(m, ToolMessage):
+        if m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
+        if m.is_error:
+            out["is_error"] = True
     elif getattr(m, "name", None) is not None:
         out["name"] = m.name
     return out

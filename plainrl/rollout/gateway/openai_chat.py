@@ -44,7 +44,8 @@ async def chat(episodes: Episodes, request: Request) -> Response:
     functions = [function_tool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
                  for t in req.tools or [] if isinstance(t, ChatCompletionFunctionTool)]
     tools = ToolSet(tuple(functions), dropped=len(req.tools or []) - len(functions))  # custom, or unknown: dropped
-    done = await chat_call(episodes, request, llm, messages, tools, choice, sampling, train=trains(request, req.model))
+    done = await chat_call(episodes, request, llm, messages, tools, choice, sampling, train=trains(request, req.model),
+                           continue_final=bool(req.continue_final_message))
     kw = dict(logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs, token_ids=bool(req.return_token_ids))
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -66,7 +67,7 @@ async def completions(episodes: Episodes, request: Request) -> Response:
         prompt = prompt[0]
     ids = list(llm.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
     sampling = request_sampling(req, llm.params)
-    turn = await model_call(episodes, request, llm, sampling.overridden,
+    turn = await model_call(episodes, request, llm, sampling,
                             llm.generate_turn(ids, sampling.params, stop_token_ids=sampling.stop_token_ids,
                                               train=trains(request, req.model)),
                             param="prompt")
@@ -85,7 +86,7 @@ async def generate(episodes: Episodes, request: Request) -> Response:
         raise GatewayError(400, "stream is not supported on /inference/v1/generate", param="stream")
     sp = req.sampling_params
     sampling = request_sampling(sp, llm.params)
-    turn = await model_call(episodes, request, llm, sampling.overridden,
+    turn = await model_call(episodes, request, llm, sampling,
                             llm.generate_turn(list(req.token_ids), sampling.params,
                                               stop_token_ids=sampling.stop_token_ids,
                                               train=trains(request, req.model)), param="token_ids")

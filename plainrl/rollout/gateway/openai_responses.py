@@ -73,6 +73,7 @@ class MessageItem(StrictModel):
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: Content
+    status: str | None = None
 
 
 class FunctionCallItem(StrictModel):
@@ -221,8 +222,9 @@ async def responses(episodes: Episodes, request: Request) -> HTTPResponse:
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         if req.previous_response_id not in stored:
-            raise GatewayError(404, f"previous_response_id {req.previous_response_id!r}: no response of this "
-                                    "episode has that id", param="previous_response_id", code="not_found")
+            raise GatewayError(400, f"previous_response_id {req.previous_response_id!r}: no response of this "
+                                    "episode has that id", param="previous_response_id",
+                               code="previous_response_not_found")
         history = stored[req.previous_response_id]
     history = history + chat_items(req.input)
     fmt, renders = template_format(llm)
@@ -237,7 +239,7 @@ async def responses(episodes: Episodes, request: Request) -> HTTPResponse:
         else ToolChoice()
     done = await chat_call(episodes, request, llm, [template_message(m, fmt, renders) for m in validated], tools,
                            choice, request_sampling(req, llm.params, req.max_output_tokens), param="input",
-                           train=trains(request, req.model))
+                           train=trains(request, req.model), continue_final=_incomplete_last(req.input))
     out = build_response(episodes.model, req, done, tools)
     stored[out.id] = history + [done.reply.openai_message()]
     body = out.model_dump(mode="json", exclude_unset=True)
@@ -288,7 +290,13 @@ def _call_of(item: FunctionCallItem | CustomToolCallItem | LocalShellCallItem) -
 
 
 def _text(content: str | list[TextPart]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
+
+
+def _incomplete_last(input: str | list[Any]) -> bool:
+    """The input ends with an assistant message whose ``status`` is ``incomplete``: it is continued."""
+    last = input[-1] if isinstance(input, list) and input else None
+    return isinstance(last, MessageItem) and last.role == "assistant" and last.status == "incomplete"
 
 
 def _id(prefix: str) -> str:

@@ -14,9 +14,12 @@ sub-agents), each recorded; a request whose model name ends in ``+notrain`` or t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable
 
+from jinja2 import TemplateError
 from openai.types.chat import ChatCompletionFunctionTool
 from starlette.requests import Request
 
@@ -30,6 +33,8 @@ from plainrl.rollout.llm import LLM, NO_TRAIN_HEADER, NO_TRAIN_SUFFIX, AgentCanc
 
 __all__ = ["ChatCall", "ToolChoice", "ToolSet", "bearer_key", "chat_call", "episode", "function_tool", "model_call",
            "template_format", "trains"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,10 +75,12 @@ class ToolSet:
 
 @dataclass(frozen=True)
 class ChatCall:
-    """What a chat-shaped call recorded: the turn and the reply handed back."""
+    """What a chat-shaped call recorded: the turn and the reply handed back (without the
+    ``prefill`` it continued, as a client that prefilled expects it)."""
 
     turn: Turn
     reply: Reply
+    prefill: str = ""
 
 
 def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None,
@@ -132,7 +139,8 @@ def template_format(llm: LLM) -> tuple[ToolFormat, bool]:
 
 async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: list[dict[str, Any]],
                     tools: ToolSet, choice: ToolChoice, sampling: RequestSampling, *,
-                    param: str = "messages", cut_stop: tuple[str, ...] = (), train: bool = True) -> ChatCall:
+                    param: str = "messages", cut_stop: tuple[str, ...] = (), train: bool = True,
+                    continue_final: bool = False) -> ChatCall:
     """One chat call of ``llm``'s episode, recorded token-exactly.
 
     Args:
@@ -144,6 +152,10 @@ async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: li
         cut_stop: stop strings the reply leaves out of its text when the completion ended on
             one (Anthropic's ``stop_sequences``; the record keeps every sampled token).
         train: False: answered, not trained (:func:`trains`).
+        continue_final: a trailing assistant message (without tool calls) is continued, not closed:
+            its text is written after the assistant header and the model goes on from it
+            (Anthropic's prefill, vLLM's ``continue_final_message``, a Responses message item
+            ``incomplete``); the reply handed back is what follows it.
     Raises:
         GatewayError: 400 for a tool choice the tools cannot meet, and as :func:`model_call`.
     """
@@ -166,22 +178,28 @@ async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: li
         made.append(make_reply(text, fmt, renders, parse))
         return made[-1].template
 
+    prefill = ""
+    if continue_final and messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+        prefill, messages = messages[-1].get("content") or "", messages[:-1]
     prefix = forced_call_prefix(choice.mode if choice.name is None else None, choice.name, fmt) if functions else ""
-    turn = await model_call(episodes, request, llm, sampling.overridden,
+    turn = await model_call(episodes, request, llm, sampling,
                             llm.chat_turn(messages, functions, sampling.params, reply=reply,
-                                          stop_token_ids=sampling.stop_token_ids, prefix=prefix, train=train),
-                            param=param)
-    return ChatCall(turn, made[-1])
+                                          stop_token_ids=sampling.stop_token_ids, prefix=prefill + prefix,
+                                          train=train), param=param)
+    out = made[-1]
+    if prefill and out.content is not None and out.content.startswith(prefill):
+        out = dataclasses.replace(out, content=out.content[len(prefill):])
+    return ChatCall(turn, out, prefill)
 
 
-async def model_call(episodes: Episodes, request: Request, llm: LLM, overridden: bool, call: Awaitable[Turn], *,
-                     param: str = "messages") -> Turn:
+async def model_call(episodes: Episodes, request: Request, llm: LLM, sampling: RequestSampling,
+                     call: Awaitable[Turn], *, param: str = "messages") -> Turn:
     """Run one model call of ``llm``'s episode; a client that goes away mid-call fails the episode.
 
     Calls of one episode may run at once, each continuing its own lineage
     (:class:`~plainrl.rollout.trajectory.Trajectory`); a request whose call cannot run is refused
     with a :class:`GatewayError` (400 ``context_length_exceeded``, 409 ended, 503 engine
-    failure, 400 bad input).
+    failure, 400 bad input, 400 ``chat_template_error`` naming the template's own message).
     """
     task = asyncio.ensure_future(call)
     gone = asyncio.ensure_future(_disconnected(request))
@@ -206,10 +224,18 @@ async def model_call(episodes: Episodes, request: Request, llm: LLM, overridden:
         raise GatewayError(409, f"this key's episode has ended: {e}", code="episode_ended") from None
     except EngineFailure as e:
         raise GatewayError(503, f"{e}") from None
+    except TemplateError as e:  # the chat template's own refusal (raise_exception in its jinja)
+        raise GatewayError(400, f"the model's chat template refused these messages: {e}", param=param,
+                           code="chat_template_error") from None
     except (ValueError, TypeError) as e:
         raise GatewayError(400, f"{type(e).__name__}: {e}") from None
-    if overridden:
+    if sampling.overridden:
         episodes.sampling_overrides += 1
+    if sampling.capped is not None and not episodes.cap_noted:
+        episodes.cap_noted = True
+        log.warning("rollout.gateway: a request asked for up to %d new tokens, more than rollout.max_new_tokens=%d; "
+                    "each call samples at most %d (every such request counts in rollout/sampling_overrides; "
+                    "printed once)", sampling.capped, llm.params.max_new_tokens, llm.params.max_new_tokens)
     return turn
 
 

@@ -5,8 +5,9 @@ logprobs assume: the run's ``temperature``, ``top_p`` and ``top_k`` win over a r
 settings that would reshape the distribution (penalties, ``logit_bias``, ``min_p``) are not
 applied; each request that asked for something else counts once in
 ``rollout/sampling_overrides``. What does not change the distribution is honoured:
-``max_tokens`` (up to the run's ``rollout.max_new_tokens`` and the episode's room), ``stop``
-strings (added to the run's) and ``stop_token_ids``.
+``max_tokens`` (up to the run's ``rollout.max_new_tokens``, a request asking for more counted
+as an override too, and the episode's room), ``stop`` strings (added to the run's) and
+``stop_token_ids``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ _NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "re
 @dataclass(frozen=True)
 class RequestSampling:
     """params: what the engine samples with; stop_token_ids: ids that end the completion;
-    overridden: the request asked for sampling settings the run replaced."""
+    overridden: the request asked for sampling settings the run replaced; capped: the request's
+    ``max_tokens`` (or its other name) that ``rollout.max_new_tokens`` cut, else None."""
 
     params: SamplingParams
     stop_token_ids: tuple[int, ...]
     overridden: bool
+    capped: int | None = None
 
 
 def request_sampling(req: SamplingFields, run: SamplingParams, max_tokens: int | None = None) -> RequestSampling:
@@ -59,7 +62,8 @@ def request_sampling(req: SamplingFields, run: SamplingParams, max_tokens: int |
         or any(getattr(req, k, None) is not None and getattr(req, k) != v for k, v in _NEUTRAL.items())
         or bool(req.logit_bias)
     )
+    capped = limit if limit is not None and limit > run.max_new_tokens else None
     params = dataclasses.replace(
         run, max_new_tokens=min(limit, run.max_new_tokens) if limit else run.max_new_tokens,
         stop=tuple(dict.fromkeys(run.stop + stop)))
-    return RequestSampling(params, tuple(req.stop_token_ids or ()), bool(overridden))
+    return RequestSampling(params, tuple(req.stop_token_ids or ()), bool(overridden) or capped is not None, capped)

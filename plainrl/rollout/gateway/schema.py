@@ -132,6 +132,7 @@ class ToolMessage(StrictModel):
     role: Literal["tool"]
     content: Content
     tool_call_id: str | None = None
+    is_error: bool | None = None  # Anthropic's tool_result flag, kept for templates that render it
 
 
 Message = tagged({"system": SystemMessage, "developer": DeveloperMessage, "user": UserMessage,
@@ -203,6 +204,7 @@ class ChatRequest(SamplingFields):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
