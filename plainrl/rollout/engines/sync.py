@@ -26,7 +26,9 @@ def resolve_sync(requested: str, model: torch.nn.Module, *, lora_is_slow: bool =
     """``rollout.sync`` for this model: ``auto`` is ``lora`` for a LoRA model, else ``full``;
     with ``lora_is_slow`` (vLLM in process on a CPU, whose LoRA path sampled the demo's
     rollouts 4.3x slower than merged weights, docs/benchmarks.md) ``auto`` pushes a LoRA
-    model merged, in ``full``, unless its base is quantized.
+    model merged, in ``full``, unless its base is quantized or its weights are 16-bit:
+    W + s * B @ A rounded to bfloat16 loses the part of each update below W's spacing
+    (2^-9 |W|), so the engine would sample a policy the learner is not training.
 
     Raises:
         ValueError: ``lora`` for a model without adapters, or ``full`` for a quantized
@@ -34,7 +36,8 @@ def resolve_sync(requested: str, model: torch.nn.Module, *, lora_is_slow: bool =
     """
     has_lora = hasattr(model, "peft_config")
     if requested == "auto":
-        return "lora" if has_lora and not (lora_is_slow and not is_quantized(model)) else "full"
+        mergeable = not is_quantized(model) and unwrap(model).get_input_embeddings().weight.dtype == torch.float32
+        return "lora" if has_lora and not (lora_is_slow and mergeable) else "full"
     if requested == "lora" and not has_lora:
         raise ValueError("rollout.sync=lora needs a LoRA model (model.lora.enabled=true); "
                          "use rollout.sync=full or auto for full fine-tuning")
