@@ -202,3 +202,25 @@ def test_an_agents_sdk_handoff_records_the_sub_agent_as_its_own_lineage(tokenize
     assert ep.env.info["segments"] == 2 and ep.env.info["generate_calls"] == 2
     assert "You solve arithmetic." in tokenizer.decode(ep.prompt_ids)  # the episode's own: the latest call's
     assert "Hand arithmetic" in tokenizer.decode(ep.earlier[0].prompt_ids)
+
+
+async def parallel_budget_agent(llm, row):
+    """Two untrained calls (they count in the budget), then three unrelated calls at once: they
+    share what is left, the last to return is cut."""
+    # llm.chat and llm.generate take the same mark as the gateway's
+    await llm.chat([{"role": "user", "content": "A title?"}], train=False)
+    await llm.generate(llm.prompt_ids, train=False, max_new_tokens=1)
+    client = llm.openai_client()
+    replies = await asyncio.gather(*(client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": f"Q{k}"}]) for k in range(3)))
+    llm.row["reasons"] = sorted(r.choices[0].finish_reason for r in replies)
+    return 1.0
+
+
+def test_parallel_calls_share_the_episodes_budget_and_train_false_records_nothing(tokenizer):
+    n = len(tokenizer(REPLY, add_special_tokens=False)["input_ids"]) + 1
+    engine, ep = run(tokenizer, parallel_budget_agent, budget=2 * n + 2 + n + 1, delay_s=0.05)
+    assert ep.env.error is None and ep.row["reasons"] == ["length", "stop", "stop"]
+    assert ep.env.info["segments"] == 3 and ep.env.info["untrained_calls"] == 2
+    assert sum(len(e.completion_ids) for e in (*ep.earlier, ep)) == 2 * n + 2  # the cut one: what was left
+    assert len(engine.calls) == 5
