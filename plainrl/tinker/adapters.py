@@ -25,27 +25,7 @@ from plainrl.tinker.errors import UserError
 
 SNAPSHOTS_LOADED = 4
 
-# Tinker's layer groups (create_lora_training_client's train_attn / train_mlp / train_unembed) as the
-# module names of Llama-family decoders (Llama, Qwen2/3, Mistral, SmolLM)
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-UNEMBED = ("lm_head",)
 WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-def lora_targets(present: set[str], *, attn: bool, mlp: bool, unembed: bool) -> list[str]:
-    """The module names LoRA wraps for Tinker's three switches, those in ``present`` (the model's
-    linear layers, :attr:`Adapters.linear_names`).
-
-    Raises:
-        UserError: no such module exists (an architecture with other names).
-    """
-    wanted = (ATTN if attn else ()) + (MLP if mlp else ()) + (UNEMBED if unembed else ())
-    targets = [t for t in wanted if t in present]
-    if not targets:
-        raise UserError(f"lora_config: none of {list(wanted)} is a linear layer of this model "
-                        f"(it has {sorted(present)})")
-    return targets
 
 
 def checkpoint_key(directory: Path) -> str:

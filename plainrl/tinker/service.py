@@ -37,7 +37,9 @@ import torch
 from tinker import types
 
 from plainrl.checkpoint.files import torch_save
-from plainrl.tinker.adapters import Adapters, lora_targets, read_optimizer
+from plainrl.models.errors import ModelLoadError
+from plainrl.models.lora_targets import lora_target_modules
+from plainrl.tinker.adapters import Adapters, read_optimizer
 from plainrl.tinker.errors import UserError, not_found
 from plainrl.tinker.sampling import SampleCall, prompt_logprobs, sample, topk_prompt_logprobs
 from plainrl.tinker.served import ServedSampling
@@ -151,8 +153,13 @@ class Service:
             raise UserError("lora_config: train_unembed alone on a model whose LM head is tied to its input "
                             "embedding; this service trains no LoRA on a tied head (docs/tinker.md): set "
                             "train_attn or train_mlp")
-        targets = lora_targets(self.adapters.linear_names, attn=lora.train_attn, mlp=lora.train_mlp,
-                               unembed=lora.train_unembed and not self.adapters.tied_head)
+        try:  # the layer groups' module names, by the base's architecture
+            targets = lora_target_modules(self.adapters.base.config, self.adapters.linear_names,
+                                          attn=lora.train_attn, mlp=lora.train_mlp,
+                                          unembed=lora.train_unembed and not self.adapters.tied_head,
+                                          name=self.adapters.name)
+        except ModelLoadError as e:
+            raise UserError(f"lora_config: {e}") from e
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
 
         def run() -> types.CreateModelResponse:
