@@ -1,8 +1,8 @@
 """Episodes -> training samples: every segment of an agent episode is a sample of its own.
 
-An agent (``rollout.agent``) whose call does not extend the previous call's context (it
-edited or summarised its history, or asked the model something on the side) starts a new
-segment: its own prompt, its own completion. Each segment is trained as one sample, with
+An agent (``rollout.agent``) whose call extends no segment's context (it edited or
+summarised its history, a sub-agent, or it asked the model something on the side) starts a
+new segment: its own prompt, its own completion (:mod:`plainrl.rollout.trajectory`). Each segment is trained as one sample, with
 its episode's reward (or the agent's ``segment_rewards``), in its episode's group. Group
 baselines count every episode once, whatever its number of segments
 (:mod:`plainrl.algorithms.segments`). Every other episode is one sample: itself.

@@ -170,7 +170,7 @@ def _outcome(value: Any) -> tuple[float | None, list[float] | None, dict[str, An
             if not isinstance(per_segment, (list, tuple)) or not all(
                     _is_number(r) and math.isfinite(r) for r in per_segment):
                 raise TypeError(f"the agent returned segment_rewards={per_segment!r:.120}; it must be a list "
-                                "of finite numbers, one per segment in call order")
+                                "of finite numbers, one per segment in the order opened")
             per_segment = [float(r) for r in per_segment]
         info = {k: v for k, v in value.items() if k not in ("reward", "segment_rewards")}
         return (None if reward is None else float(reward)), per_segment, info

@@ -136,7 +136,7 @@ class MultiTurn:
                       (an ``EnvWorkers`` runs each in a worker process).
     max_turns:        the most model turns per episode (None: the environment's limit; environments only).
     max_total_tokens: the completion budget in tokens, model and observation tokens together
-                      (per segment for agents).
+                      (for agents: the episode's, every segment together).
     max_live:         the most episodes in flight at once (the pre-forked environment
                       workers serve them), None for all.
     agent:            ``fn(llm, row)``, the user's interaction loop.
