@@ -11,8 +11,8 @@ sum over its datums (Tinker sums, it does not average: the caller weights tokens
 Source: Tinker's loss documentation (https://tinker-docs.thinkingmachines.ai/losses and its
 per-loss pages), which gives each loss as the PyTorch below; the policy-gradient losses follow
 Schulman et al. 2017 (PPO, arXiv:1707.06347, eq. 7), MiniMax-M1 (CISPO, arXiv:2506.13585, eq. 4),
-Zheng et al. 2025 (GSPO, arXiv:2507.18071, the GSPO-token variant of sec. 4.3) and Richemond et
-al. 2024 (DRO, arXiv:2405.19107). ``q`` is the sampling policy, whose logprobs the caller sends as
+Zheng et al. 2025 (GSPO, arXiv:2507.18071, its GSPO-token variant) and Richemond et al. 2024
+(DRO, arXiv:2405.19107). ``q`` is the sampling policy, whose logprobs the caller sends as
 ``loss_fn_inputs["logprobs"]``.
 
 ``stable_reinforce``: Tinker documents its contract (samples recorded with
@@ -33,8 +33,8 @@ TinkerLoss = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "gs
 
 # Defaults of the ratio's clip bounds (loss_fn_config clip_low_threshold / clip_high_threshold):
 # PPO's 1 -/+ 0.2 (Schulman et al. 2017); CISPO with no lower bound and an upper bound of 4 (Tinker's);
-# GSPO's 1 - 3e-4 / 1 + 4e-4 (Zheng et al. 2025, sec. 5.1: a sequence ratio is a geometric mean, far
-# closer to 1 than a token's; Tinker does not publish its default)
+# GSPO's 1 - 3e-4 / 1 + 4e-4 (the clipping ranges of Zheng et al. 2025's experiments: a sequence ratio is
+# a geometric mean, far closer to 1 than a token's; Tinker does not publish its default)
 DEFAULT_CLIP: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0), "gspo": (1 - 3e-4, 1 + 4e-4)}
 # stable_reinforce's cap on the importance weight (Yao et al. 2025, "Your efficient RL framework secretly
 # brings you off-policy RL training": truncated IS with C = 2)
@@ -83,7 +83,7 @@ def cispo(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: t
 
 def gspo(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor,
          sequence_ratio_mask: torch.Tensor, *, clip_low: float = 1 - 3e-4, clip_high: float = 1 + 4e-4) -> torch.Tensor:
-    """GSPO-token (Zheng et al. 2025, eq. 7-8; Tinker's ``gspo``) [N]: PPO's clipped surrogate with
+    """GSPO-token (Zheng et al. 2025; Tinker's ``gspo``) [N]: PPO's clipped surrogate with
     every token's ratio valued at the sequence ratio s = exp(mean over M of log p/q), M the tokens
     ``sequence_ratio_mask`` marks, and differentiated as the token's own ratio:
 
@@ -101,7 +101,7 @@ def gspo(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: to
 
 def dro(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor, *,
         beta: float) -> torch.Tensor:
-    """DRO (Richemond et al. 2024, eq. 9; Kimi k1.5, arXiv:2501.12599, eq. 3; Tinker's ``dro``) [N]:
+    """DRO (Richemond et al. 2024; Kimi k1.5, arXiv:2501.12599; Tinker's ``dro``) [N]:
     ``-(logprobs * A - beta / 2 * (logprobs - q)^2)``: the policy gradient with a quadratic penalty on
     the log-ratio to the sampler, which keeps it off-policy stable without a ratio. The
     advantages are the client's (DRO's soft value baseline is computed there)."""
