@@ -1,8 +1,10 @@
 """Does the demo learn for every seed? `plainrl train` of one example for several seeds, one at a time.
 
 For each seed: the held-out pass@1 before and after training (with its 95% Wilson interval and n, as the
-run's evaluation wrote them), the training reward over the first and last 5 steps, the training wall time
-(the steps only: model load and the two evaluations excluded) and the whole run's. The last lines count
+run's evaluation wrote them), the training reward over the first and last 5 steps, ``rollout/logprob_diff``
+over the steps (mean and max: how far the engine's sampled-token logprobs were from the learner's; ~1e-5 in
+float32, bfloat16's rounding ~0.02), the training wall time (the steps only: model load and the two
+evaluations excluded) and the whole run's. The last lines count
 the seeds whose held-out pass@1 after training reaches ``--threshold`` and print the CPU the runs had.
 
 ``--isa avx2`` runs every seed as an AVX2-only CPU would (``ATEN_CPU_CAPABILITY=avx2``,
@@ -51,6 +53,8 @@ def summarise(metrics_path: Path) -> dict:
         "reward_first": statistics.fmean(r["reward/mean"] for r in steps[:k]),
         "reward_last": statistics.fmean(r["reward/mean"] for r in steps[-k:]),
         "train_s": sum(r["time/step"] for r in steps), "steps": len(steps),
+        "logprob_diff": statistics.fmean(r["rollout/logprob_diff"] for r in steps),
+        "logprob_diff_max": max(r["rollout/logprob_diff"] for r in steps),
     }
 
 
@@ -92,14 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"seed {seed}: held-out pass@1 {row['before']:.2f} -> {row['after']:.2f} "
               f"[{row['after_ci'][0]:.2f}, {row['after_ci'][1]:.2f}] (Wilson 95%, n={row['n']}); reward "
-              f"{row['reward_first']:.3f} -> {row['reward_last']:.3f}; training {row['train_s'] / 60:.1f} min "
+              f"{row['reward_first']:.3f} -> {row['reward_last']:.3f}; rollout/logprob_diff mean "
+              f"{row['logprob_diff']:.4f}, max {row['logprob_diff_max']:.4f}; training {row['train_s'] / 60:.1f} min "
               f"({row['steps']} steps), run {wall / 60:.1f} min", flush=True)
 
     print("\n| seed | held-out pass@1 before -> after [95% Wilson] | reward, first 5 -> last 5 steps "
-          "| training time | run time |\n|---|---|---|---|---|")
+          "| `rollout/logprob_diff` mean / max | training time | run time |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['seed']} | {r['before']:.2f} -> {r['after']:.2f} [{r['after_ci'][0]:.2f}, "
               f"{r['after_ci'][1]:.2f}] | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
+              f"{r['logprob_diff']:.4f} / {r['logprob_diff_max']:.4f} | "
               f"{r['train_s'] / 60:.1f} min | {r['wall_s'] / 60:.1f} min |")
     reached = sum(r["after"] >= args.threshold for r in rows)
     afters = [r["after"] for r in rows]

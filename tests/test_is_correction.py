@@ -149,7 +149,7 @@ def test_bad_methods_and_bounds_are_refused(methods, bounds, match):
 
 from plainrl.config import load_config  # noqa: E402
 from plainrl.config.base import ConfigError  # noqa: E402
-from plainrl.run.correction import rejection_warning, resolve_correction  # noqa: E402
+from plainrl.run.correction import MismatchWatch, rejection_warning, resolve_correction  # noqa: E402
 from plainrl.run.setup import make_learner  # noqa: E402
 from plainrl.types import Episode  # noqa: E402
 
@@ -214,6 +214,17 @@ def test_a_step_that_rejects_most_tokens_says_so():
     assert "rejected 100% of the loss tokens and trained on nothing" in rejection_warning(
         {"is/masked_fraction": 1.0, "is/kl": 0.1, "is/chi2": 0.2})
     assert "trained on the other 40%" in rejection_warning({"is/masked_fraction": 0.6})
+
+
+def test_a_lasting_engine_learner_mismatch_is_said_once():
+    """rollout/logprob_diff above 0.05 for 3 steps in a row: one warning naming the causes and the
+    page; a run of 2 broken by a step at or below the threshold says nothing."""
+    watch = MismatchWatch()
+    assert [watch.observe(d) for d in (0.06, 0.07, 0.05, 0.2, 0.3)] == [None] * 5
+    warning = watch.observe(0.08)
+    assert "stayed above 0.05 nats for 3 steps (0.200, 0.300, 0.080)" in warning
+    assert all(w in warning for w in ("precision", "engine", "weight sync", "docs/engines.md"))
+    assert [watch.observe(d) for d in (0.1, 0.1, 0.1, 0.0, 0.1, 0.1, 0.1)] == [None] * 7  # once per run
 
 
 def _eps(n=4, seed=0):

@@ -88,7 +88,7 @@ def test_report_is_one_self_contained_file_with_every_section(report):
     assert not re.search(r'(?:src|href)="(?:https?:)?//', html) and "<link rel=\"stylesheet\"" not in html
     for section in ("overview", "curves", "eval", "config", "rollouts", "errors"):
         assert f'<section id="{section}">' in html
-    for chart in ("reward", "reward_fns", "length", "kl", "clip", "times"):
+    for chart in ("reward", "reward_fns", "length", "kl", "clip", "mismatch", "times"):
         assert f'id="chart-{chart}"' in html
     # pass@1 with its interval, the interval's method and n: in the table, the overview and the chart's title
     assert len(re.findall(r"0\.\d{3} \[0\.\d{3}, 0\.\d{3}\] \(Wilson 95%, n=4\)", html)) >= 4

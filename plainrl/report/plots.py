@@ -256,6 +256,9 @@ _HEADLINE = (
     ("kl", "KL to the reference", ["kl", "kl_reward", "approx_kl"]),
     ("entropy", "Entropy", ["entropy"]),
     ("clip", "Clip fraction", ["clip_frac"]),
+    # mean |engine - learner| logprob of the sampled tokens: ~1e-5 in float32, above 0.05 the rollouts are
+    # off-policy by more than numerics (docs/engines.md, "Engine/learner mismatch")
+    ("mismatch", "Engine/learner logprob difference (nats)", ["rollout/logprob_diff"]),
     ("times", "Phase times (s)", None),  # time/*
     ("loss", "Loss", ["loss"]),
     ("accuracy", "Accuracy", ["accuracy"]),

@@ -75,3 +75,37 @@ def rejection_warning(metrics: dict[str, float]) -> str | None:
             f"(is/kl {metrics.get('is/kl', 0.0):.3g}, is/chi2 {metrics.get('is/chi2', 0.0):.3g}); widen "
             "algorithm.correction's band, lower rollout.async_steps, or check that engine and learner run the "
             "same weights and sampler (docs/algorithms.md, \"Off-policy correction\")")
+
+
+class MismatchWatch:
+    """Says once per run when ``rollout/logprob_diff`` (the mean |engine - learner| logprob of a
+    step's sampled tokens) has stayed above ``threshold`` nats for ``steps`` steps in a row: the
+    rollouts then come from a policy the learner is not training, by more than the off-policy
+    correction is meant to absorb (the bf16 demo runs where it stayed near 0.05-0.1 were the ones
+    that failed to learn; docs/engines.md, "Engine/learner mismatch").
+
+    Args:
+        threshold: nats; the engine and learner of a float32 run agree to ~1e-5, bfloat16's
+            rounding alone to ~0.02.
+        steps: consecutive steps above it before the warning.
+    """
+
+    def __init__(self, threshold: float = 0.05, steps: int = 3):
+        self.threshold, self.steps = threshold, steps
+        self.recent: list[float] = []
+        self.warned = False
+
+    def observe(self, diff: float) -> str | None:
+        """One step's ``rollout/logprob_diff``; the warning line the first time the condition holds,
+        else None."""
+        self.recent = self.recent + [diff] if diff > self.threshold else []
+        if self.warned or len(self.recent) < self.steps:
+            return None
+        self.warned = True
+        seen = ", ".join(f"{d:.3f}" for d in self.recent[-self.steps:])
+        return (f"rollout/logprob_diff has stayed above {self.threshold} nats for {self.steps} steps ({seen}): the "
+                "engine samples a policy the learner is not training. Likely causes: precision (16-bit weights, or "
+                "LoRA merged into them: rollout.sync=full, rollout.merge_lora), the engine (other kernels or sampler "
+                "settings than the learner's), or weight sync (the engine runs older or other weights; "
+                "rollout.async_steps adds its staleness to this figure). See docs/engines.md, "
+                "\"Engine/learner mismatch\"; this is said once per run")

@@ -17,7 +17,7 @@ from plainrl.rollout import env_metrics, rollout
 from plainrl.rollout.reaper import Reaper
 from plainrl.run.collect import dynamic_sampling, observe_curriculum, shape_overlong
 from plainrl.run.distributed import gather_episodes, join, leave, local_rows
-from plainrl.run.correction import rejection_warning
+from plainrl.run.correction import MismatchWatch, rejection_warning
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
 from plainrl.run.overlap import Rollouts
 from plainrl.run.setup import Run, setup
@@ -208,6 +208,7 @@ def _train(run: Run) -> Path:
                         partial=cfg.rollout.partial)
     if run.in_flight is not None:
         rollouts.restore(run.in_flight, run.start)
+    mismatch = MismatchWatch()
     try:
         with GracefulStop(agree=run.parallel.max if run.parallel.active else None) as stop:
             for step in range(run.start, cfg.train.total_steps):
@@ -237,6 +238,8 @@ def _train(run: Run) -> Path:
                     stats = run.learner.update(samples, adv.advantages, topk) if warm else run.learner.skip()
                 extra.update(is_metrics := run.learner.is_tally.take(run.learner.parallel.sum))  # is/*
                 if warning := rejection_warning(is_metrics):
+                    logger.print(f"step {step}: {warning}")
+                if warm and (warning := mismatch.observe(stats.logprob_diff)):
                     logger.print(f"step {step}: {warning}")
                 rollouts.sync(run.model, step, timer)  # async: after the next batch finished sampling
                 extra.update(run.engine.take_metrics())
