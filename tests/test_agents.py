@@ -45,17 +45,6 @@ class Recording:
 
 
 @pytest.fixture(scope="module")
-def smollm(tokenizer):
-    """The real embedded SmolLM2-135M-Instruct, float32."""
-    from plainrl.config import load_config
-    from plainrl.models import load_policy
-
-    cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: correctness}]", "model.dtype=float32",
-                             "model.lora.enabled=false"])
-    return load_policy(cfg.model, torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -125,9 +114,9 @@ async def tool_agent(llm, row):
     return {"reward": 1.0, "replies": [first.text, second.text, third.text]}
 
 
-def test_chat_agent_with_a_tool_is_token_exact(tokenizer, smollm):
-    tok = tokenizer
-    engine = Recording(hf(smollm, tok))
+def test_chat_agent_with_a_tool_is_token_exact(tokenizer, tiny):
+    tok = tokenizer  # the real chat template; the tiny random model: exactness is not about what it says
+    engine = Recording(hf(tiny, tok))
     rows = [{"prompt": "What is 6*7?", "answer": "42"}, {"prompt": "Name a prime.", "answer": "2"}]
     eps = run(engine, tok, tool_agent, rows, params=SamplingParams(max_new_tokens=16, temperature=0.0), budget=200)
     assert len(engine.calls) == 6
@@ -163,7 +152,7 @@ def test_chat_agent_with_a_tool_is_token_exact(tokenizer, smollm):
         start = len(first_reply.token_ids)
         assert e.completion_ids[start: start + len(ids(tok, cont))] == ids(tok, cont)
         # the engine's logprobs are the learner's: each model token conditioned on exactly this sequence
-        lp = learner_logps(smollm, e.prompt_ids, e.completion_ids)
+        lp = learner_logps(tiny, e.prompt_ids, e.completion_ids)
         for j, m in enumerate(e.loss_mask):
             if m:
                 assert abs(lp[j].item() - e.logprobs[j]) < 2e-3, j
