@@ -198,8 +198,8 @@ class AlgorithmConfig(_Section):
     distill_topk: int = Field(20, gt=0, le=1024)
     """`gkd_topk`: the teacher's tokens per position the divergence is computed over."""
     distill_beta: float = Field(0.0, ge=0.0, le=1.0)
-    """`gkd_topk`: the generalised JSD's beta (0: the forward KL from teacher to student, 1: the reverse KL, between:
-    the JSD)."""
+    """`gkd_topk`: the generalised JSD's beta (0: the forward KL from teacher to student, 1: the reverse KL; between:
+    (1 - beta) KL(T, M) + beta KL(S, M) with M = beta T + (1 - beta) S, continuous from one to the other)."""
     # DPO
     beta: float = Field(0.1, gt=0.0)
     """DPO's beta."""
