@@ -69,7 +69,9 @@ async def responses_agent(llm, row):
     client = llm.openai_client()
     items, seen = [{"role": "user", "content": "List the files, then patch."}], []
     for _ in range(3):
-        r = await client.responses.create(model="policy", input=items, tools=RESPONSES_TOOLS)
+        # a hosted tool's choice: its tool is dropped, so the choice is auto
+        r = await client.responses.create(model="policy", input=items, tools=RESPONSES_TOOLS,
+                                          tool_choice={"type": "file_search"})
         seen.append(r)
         items += [o.model_dump(exclude_none=True) for o in r.output]
         for o in r.output:
@@ -88,6 +90,7 @@ def test_responses_hosted_and_custom_tools_are_served_or_dropped(tokenizer):
     first, second, third = ep.row["seen"]
     [shell] = first.output
     assert shell.type == "local_shell_call" and shell.action.command == ["ls", "-a"] and shell.action.type == "exec"
+    assert first.tool_choice == "auto"
     [patch] = second.output
     assert patch.type == "custom_tool_call" and patch.name == "apply_patch" and patch.input == PATCH
     assert third.output_text == "Done."

@@ -168,7 +168,8 @@ class CountTokensRequest(StrictModel):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: System | None = None
-    tools: list[tools_of({"custom": Tool, "bash": VersionedTool, "text_editor": VersionedTool}, _tool_kind)] | None = None
+    tools: list[tools_of({"custom": Tool, "bash": VersionedTool, "text_editor": VersionedTool},
+                         _tool_kind)] | None = None
     tool_choice: AnthropicToolChoice | None = None
 
 

@@ -32,9 +32,10 @@ def template_message(m: Any, fmt: ToolFormat, renders_calls: bool) -> dict[str, 
     """One validated request message as the chat template gets it.
 
     ``developer`` becomes ``system``; text parts are joined into one string with newlines (None
-    and missing content become ""); a tool result's ``is_error`` is kept; an assistant message's tool calls get their arguments as a
-    dict (what HF templates expect), or, when the template does not render ``tool_calls``,
-    are written into the content in the model's format (:func:`render_tool_calls`).
+    and missing content become ""); a tool result's ``is_error`` is kept; an assistant
+    message's tool calls get their arguments as a dict (what HF templates expect), or, when the
+    template does not render ``tool_calls``, are written into the content in the model's format
+    (:func:`render_tool_calls`).
     """
     role = "system" if m.role == "developer" else m.role
     out: dict[str, Any] = {"role": role, "content": _text(m.content)}

@@ -314,7 +314,8 @@ def build_response(model: str, req: ResponsesRequest, done: ChatCall, tools: Too
         output.append(ResponseOutputMessage(
             id=_id("msg"), type="message", role="assistant", status="completed",
             content=[ResponseOutputText(type="output_text", text=reply.content, annotations=[], logprobs=[])]))
-    output += [_call_item(call_id, call.name, call.arguments, tools.kinds.get(call.name)) for call_id, call in reply.calls]
+    output += [_call_item(call_id, call.name, call.arguments, tools.kinds.get(call.name))
+               for call_id, call in reply.calls]
     n, p = len(turn.completion.token_ids), len(turn.context)
     cut = turn.completion.finish_reason == "length"
     c = req.tool_choice
@@ -323,9 +324,10 @@ def build_response(model: str, req: ResponsesRequest, done: ChatCall, tools: Too
         status="incomplete" if cut else "completed",
         incomplete_details={"reason": "max_output_tokens"} if cut else None,
         instructions=req.instructions, parallel_tool_calls=req.parallel_tool_calls is not False,
-        tool_choice=c.model_dump() if c is not None and not isinstance(c, str) else (c or "auto"),
-        tools=[t for t in req.tools or [] if not isinstance(t, OtherTool)], temperature=req.temperature, top_p=req.top_p,
-        max_output_tokens=req.max_output_tokens, previous_response_id=req.previous_response_id,
+        # a hosted tool's choice was served as auto (its tool dropped): echoed as such
+        tool_choice=c.model_dump() if isinstance(c, NamedFunction) else c if isinstance(c, str) else "auto",
+        tools=[t for t in req.tools or [] if not isinstance(t, OtherTool)], temperature=req.temperature,
+        top_p=req.top_p, max_output_tokens=req.max_output_tokens, previous_response_id=req.previous_response_id,
         usage=ResponseUsage(input_tokens=p, output_tokens=n, total_tokens=p + n,
                             input_tokens_details=_zeros("input_tokens_details"),
                             output_tokens_details=_zeros("output_tokens_details")))

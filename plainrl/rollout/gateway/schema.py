@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, Union
 from openai.types.chat import ChatCompletionFunctionTool, ChatCompletionMessageFunctionToolCall
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-__all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "MEDIA_TYPES", "MediaPart", "Message", "SamplingFields",
-           "OtherTool", "StrictModel", "TAG_MARK", "json_kind", "parts", "tagged", "tools_of"]
+__all__ = ["ChatRequest", "CompletionRequest", "GenerateRequest", "MEDIA_TYPES", "MediaPart", "Message", "OtherTool",
+           "SamplingFields", "StrictModel", "TAG_MARK", "json_kind", "parts", "tagged", "tools_of"]
 
 
 class StrictModel(BaseModel):
