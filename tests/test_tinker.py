@@ -216,7 +216,7 @@ def test_policy_gradient_losses_against_hand_computed(client, reference):
         assert out.metrics["loss:sum"] == pytest.approx(float(want.sum()), rel=1e-4, abs=1e-4)
 
 
-def test_stable_reinforce_trains_on_the_recorded_samples(client, reference):
+def test_stable_reinforce_trains_on_the_recorded_samples(server, client, reference):
     """The cookbook's rl_loop datum (tinker_cookbook/recipes/rl_loop.py, its default loss): sampled
     with record_stability_info, each token's sequence named by provenance."""
     _, tok = reference
@@ -261,6 +261,14 @@ def test_stable_reinforce_trains_on_the_recorded_samples(client, reference):
         prompt, 1, types.SamplingParams(max_tokens=5, seed=3, stop=[])).result().sequences[0]
     with pytest.raises(tinker.BadRequestError, match="has no stability information"):
         tc.forward([datum(unrecorded, 1.0)], "stable_reinforce").result()
+    # provenance works within one session: another session's training client cannot name these samples
+    other = tinker.ServiceClient(base_url=server[0], api_key="tml-local")
+    try:
+        theirs = other.create_lora_training_client(base_model=BASE, rank=4, seed=6).result()
+        with pytest.raises(tinker.BadRequestError, match="sampled in another session"):
+            theirs.forward([datum(seqs[0], 1.0)], "stable_reinforce").result()
+    finally:
+        other.close("success").result()
 
 
 def test_topk_prompt_logprobs_and_cross_entropy_over_k_targets(client, reference):

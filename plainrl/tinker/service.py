@@ -43,7 +43,7 @@ from plainrl.tinker.adapters import Adapters, read_optimizer
 from plainrl.tinker.errors import UserError, not_found
 from plainrl.tinker.sampling import SampleCall, prompt_logprobs, sample, topk_prompt_logprobs
 from plainrl.tinker.served import ServedSampling
-from plainrl.tinker.stability import StabilityRecords
+from plainrl.tinker.stability import StabilityRecords, session_of
 from plainrl.tinker.training import TrainingModel, forward_backward, make_optimizer, optim_step
 from plainrl.tinker.wire import ForwardBackwardCall, encode_sample_response
 
@@ -411,7 +411,7 @@ class Service:
                     if call.topk:
                         topk = topk_prompt_logprobs(model, call)
             for sequence_id, (tokens, logprobs, _) in zip(record_as or [], seqs):
-                self.stability.record(sequence_id, call.prompt, tokens, logprobs)
+                self.stability.record(sequence_id, session_of(sampler.sampler_id), call.prompt, tokens, logprobs)
             return encode_sample_response(seqs, prompt_lp, topk)
 
         return self.submit(run)

@@ -9,7 +9,9 @@ A record holds the sequence's prompt ids, sampled ids and the sampler's logprobs
 kind ``prompt`` that they are positions of its prompt. Sampled runs are checked token by token,
 and take the recorded logprobs as the sampling policy's; prompt runs are checked to lie within
 the prompt only (the cookbook's ``rl_loop`` writes 0 as their target tokens; its advantages are 0
-there) and keep the client's ``logprobs``. Records live for
+there) and keep the client's ``logprobs``. A record belongs to the session that sampled it: only
+that session's training clients may name it (Tinker's "provenance works only within one
+session"). Records live for
 :data:`TTL_S` after their last use (Tinker's docs: one day after sampling, restarted by each
 training request that uses them), at most :data:`MAX_RECORDS` of them.
 """
@@ -31,6 +33,11 @@ TTL_S = 24 * 3600.0
 MAX_RECORDS = 65536
 
 
+def session_of(client_id: str) -> str:
+    """The session of a training model's or a sampler's id (``<session>:train:<k>``, ``<session>:sample:<k>``)."""
+    return client_id.split(":", 1)[0]
+
+
 @dataclass(frozen=True)
 class Span:
     """One run of a datum's provenance (the SDK's ``PromptProvenanceSpan`` / ``SampledProvenanceSpan``)."""
@@ -49,6 +56,7 @@ class Record:
     prompt: np.ndarray
     tokens: np.ndarray
     logprobs: np.ndarray
+    session: str
     used: float
 
 
@@ -61,10 +69,11 @@ class StabilityRecords:
         self._records: OrderedDict[str, Record] = OrderedDict()
         self._lock = threading.Lock()
 
-    def record(self, sequence_id: str, prompt: list[int], tokens: list[int], logprobs: list[float]) -> None:
-        """Keep what ``sequence_id`` sampled (evicting the least recently used beyond the bound)."""
+    def record(self, sequence_id: str, session: str, prompt: list[int], tokens: list[int],
+               logprobs: list[float]) -> None:
+        """Keep what ``sequence_id`` sampled in ``session`` (evicting the least recently used beyond the bound)."""
         rec = Record(np.asarray(prompt, dtype=np.int64), np.asarray(tokens, dtype=np.int64),
-                     np.asarray(logprobs, dtype=np.float32), time.time())
+                     np.asarray(logprobs, dtype=np.float32), session, time.time())
         with self._lock:
             self._records[sequence_id] = rec
             self._records.move_to_end(sequence_id)
@@ -78,11 +87,12 @@ class StabilityRecords:
                 break
             del self._records[key]
 
-    def get(self, sequence_id: str, where: str) -> Record:
-        """The record of ``sequence_id``, its lifetime restarted.
+    def get(self, sequence_id: str, session: str, where: str) -> Record:
+        """The record of ``sequence_id`` for a training client of ``session``, its lifetime restarted.
 
         Raises:
-            UserError: no such record (never sampled with ``record_stability_info``, or expired).
+            UserError: no such record (never sampled with ``record_stability_info``, or expired), or
+                one sampled in another session.
         """
         with self._lock:
             self._expire()
@@ -91,12 +101,15 @@ class StabilityRecords:
                 raise UserError(f"{where}: sequence_id {sequence_id!r} has no stability information here; sample it "
                                 "with a sampling client created with record_stability_info=True (records expire a day "
                                 "after their last use)")
+            if rec.session != session:
+                raise UserError(f"{where}: sequence_id {sequence_id!r} was sampled in another session; provenance "
+                                "names sequences of the training client's own session only")
             rec.used = time.time()
             self._records.move_to_end(sequence_id)
             return rec
 
     def sampling_logprobs(self, spans: list[Span], targets: np.ndarray, client_logprobs: np.ndarray,
-                          where: str) -> tuple[np.ndarray, np.ndarray]:
+                          session: str, where: str) -> tuple[np.ndarray, np.ndarray]:
         """The sampling policy's logprobs [N] of a datum's targets [N]: the recorded ones on the
         positions its spans name as sampled tokens, the client's elsewhere; and ``sampled`` [N]
         float32, 1 on those positions.
@@ -114,7 +127,7 @@ class StabilityRecords:
         sampled = np.zeros(len(targets), dtype=np.float32)
         pos = 0
         for s in spans:
-            rec = self.get(s.sequence_id, where)
+            rec = self.get(s.sequence_id, session, where)
             source = rec.tokens if s.kind == "sampled" else rec.prompt
             if s.offset + s.length > len(source):
                 raise UserError(f"{where}: a {s.kind} span [{s.offset}, {s.offset + s.length}) of sequence "

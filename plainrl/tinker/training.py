@@ -17,7 +17,7 @@ from plainrl.models.forward import head_logps
 from plainrl.models.loading import unwrap
 from plainrl.tinker.adapters import Adapters
 from plainrl.tinker.errors import UserError
-from plainrl.tinker.stability import StabilityRecords
+from plainrl.tinker.stability import StabilityRecords, session_of
 from plainrl.tinker.wire import ForwardBackwardCall, encode_forward_backward_output
 from plainrl.train.optim import MasterAdamW
 
@@ -93,7 +93,7 @@ def check_call(call: ForwardBackwardCall, *, vocab_size: int, context: int,
             if stability is None:
                 raise UserError(f"loss_fn={call.loss_fn!r}: this service records no stability information")
             d.inputs["logprobs"], d.inputs["sampled"] = stability.sampling_logprobs(
-                d.spans, d.inputs["target_tokens"], d.inputs["logprobs"], f"data[{i}]")
+                d.spans, d.inputs["target_tokens"], d.inputs["logprobs"], session_of(call.model_id), f"data[{i}]")
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
