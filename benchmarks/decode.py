@@ -5,14 +5,21 @@ ignored so every sequence runs the full length.
     python benchmarks/decode.py                 # torch's thread count
     python benchmarks/decode.py --threads 1
     python benchmarks/decode.py --tiny          # smoke test on a tiny random Llama
+    python benchmarks/decode.py --lora both     # the static decoder with LoRA folded and unmerged
 
 Prints milliseconds per decode step for each decoder (the second of two generate calls;
-the first builds and warms up) and ends with ``static_vs_transformers=X.XX``.
+the first builds and warms up), wall and CPU time (the process's, over all threads: the
+figure to read on a shared machine), and ends with ``static_vs_transformers=X.XX``.
+``--lora both`` adds the static decoder with its LoRA adapters folded into the weights
+(``merged``, its float32 default) and kept unmerged (``unmerged``, its 16-bit default: a
+bfloat16 fold rounds the update away) and ends with ``unmerged_vs_merged=X.XX``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import time
 from pathlib import Path
 
@@ -27,6 +34,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama with the real tokenizer")
+    p.add_argument("--lora", choices=["default", "both"], default="default",
+                   help="both: also the static decoder with LoRA merged and unmerged")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -48,18 +57,43 @@ def main(argv=None) -> None:
                                             tokenize=True, return_dict=True)["input_ids"])
                for q in questions for _ in range(args.group_size)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
+    with torch.no_grad():  # a trained adapter (a fresh one has B = 0)
+        for n, w in model.named_parameters():
+            if "lora_B" in n:
+                w.normal_(0, 0.01)
+    variants = [("transformers", "transformers", None), ("static", "static", None)]
+    if args.lora == "both":
+        variants += [("merged", "static", True), ("unmerged", "static", False)]
     results = {}
-    for decoder in ("transformers", "static"):
+    for label, decoder, merge in variants:
         engine = HFEngine(model, tok, batch_size=len(prompts), decoder=decoder)
         engine.eos_ids = torch.tensor([-1])  # no sequence ends early
         seeds = list(range(len(prompts)))
-        engine.generate(prompts, params, seeds=seeds)
-        t0 = time.perf_counter()
-        engine.generate(prompts, params, seeds=seeds)
-        results[decoder] = (time.perf_counter() - t0) / args.max_new_tokens
-        print(f"{decoder:>12}: {1000 * results[decoder]:.1f} ms per decode step of {len(prompts)} sequences "
-              f"({torch.get_num_threads()} threads, {args.dtype})")
-    print(f"static_vs_transformers={results['transformers'] / results['static']:.2f}")
+        with _static_lora(merge):
+            engine.generate(prompts, params, seeds=seeds)
+            t0, c0 = time.perf_counter(), time.process_time()
+            engine.generate(prompts, params, seeds=seeds)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        results[label] = (wall / args.max_new_tokens, cpu / args.max_new_tokens)
+        print(f"{label:>12}: {1000 * results[label][0]:.1f} ms per decode step of {len(prompts)} sequences, "
+              f"{1000 * results[label][1]:.1f} ms CPU ({torch.get_num_threads()} threads, {args.dtype})")
+    print(f"static_vs_transformers={results['transformers'][0] / results['static'][0]:.2f}")
+    if args.lora == "both":
+        print(f"unmerged_vs_merged={results['unmerged'][1] / results['merged'][1]:.2f} (CPU time)")
+
+
+@contextlib.contextmanager
+def _static_lora(merge: bool | None):
+    """The engine's static decoders built with ``merge_lora=merge`` (None: its default for the dtype)."""
+    import plainrl.rollout.engines.hf as hf
+
+    original = hf.StaticDecoder
+    if merge is not None:
+        hf.StaticDecoder = functools.partial(original, merge_lora=merge)
+    try:
+        yield
+    finally:
+        hf.StaticDecoder = original
 
 
 if __name__ == "__main__":
