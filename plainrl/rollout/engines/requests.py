@@ -61,8 +61,8 @@ def sampling_kwargs(params: SamplingParams, *, n: int, seed: int | None) -> dict
 
     ``logprobs=0`` returns the sampled token's logprob alone; with the engine's
     ``logprobs_mode="processed_logprobs"`` that is log softmax(z / T) after vLLM's top-k/top-p
-    filtering (the distribution it sampled from; equal to plainrl's convention, tempered and
-    unfiltered, when both filters are off). Greedy (T = 0) logprobs are of softmax(z), as
+    filtering (the distribution it sampled from, the convention of every plainrl engine:
+    :mod:`plainrl.algorithms.sampling_filter`). Greedy (T = 0) logprobs are of softmax(z), as
     the embedded engine's. The stop string's tokens stay in ``token_ids`` as in the embedded
     engine; ``include_stop_str_in_output`` keeps the text consistent with them. Stop token
     ids replace the EOS (``ignore_eos``), as the embedded engine's ``stop_token_ids``.
