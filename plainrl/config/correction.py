@@ -29,8 +29,10 @@ class CorrectionConfig(_Section):
     `geometric_mask` (drops sequences whose geometric mean ratio leaves its band) or not; [] off. `auto`: off when
     the embedded engine samples with the learner's own float32 weights in step; otherwise `token_tis`
     (`sequence_tis` under `algorithm.ratio_level: sequence`), plus `geometric_mask` when `rollout.async_steps > 0`
-    (`plainrl.run.correction`; the run's log says which). Dropped tokens leave the loss's normaliser and its KL and
-    entropy terms."""
+    (`plainrl.run.correction`; the run's log says which). With 16-bit weights the embedded engine's logprobs still
+    differ from the learner's by kernel rounding (0.013-0.022 nats at step 0 on a CPU with native bfloat16; none on
+    AVX2), which this corrects (docs/engines.md, "Engine/learner mismatch"). Dropped tokens leave the
+    loss's normaliser and its KL and entropy terms."""
     token_tis_cap: float = Field(2.0, gt=0.0)
     """`token_tis`: the cap C of each token's ratio (Yao et al. 2025's 2; TRL's `vllm_importance_sampling_cap`)."""
     sequence_tis_cap: float = Field(2.0, gt=0.0)

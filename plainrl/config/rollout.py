@@ -108,7 +108,8 @@ class RolloutConfig(_Section):
     servers at `rollout.remote.urls`."""
     sync: Literal["auto", "lora", "full"] = "auto"
     """Weight sync to a vllm/remote engine after each update: `lora` pushes the adapter, `full` the changed tensors
-    (merged under LoRA); `auto`: lora under LoRA, else full."""
+    (merged under LoRA; in bfloat16 the merge loses the part of each update below the weights' spacing); `auto`:
+    lora under LoRA, else full (`rollout.engine: vllm` on a CPU: full for a float32 LoRA model, docs/engines.md)."""
     async_steps: int = Field(0, ge=0)
     """N > 0: batches are sampled up to N steps ahead on a rollout thread while the learner trains; a batch sampled with
     the weights of update v is trained at step v + N at the latest (the sampler waits, nothing is dropped for age); 1
@@ -146,7 +147,8 @@ class RolloutConfig(_Section):
     batch_size: int = Field(64, gt=0)
     """Sequences decoded together."""
     merge_lora: bool = True
-    """Decode with LoRA folded into the weights (faster; one weight copy)."""
+    """Decode float32 weights with LoRA folded in (faster; one weight copy). 16-bit weights always decode with LoRA
+    unmerged: folded into bfloat16, the update below the weights' spacing is rounded away."""
     decoder: Literal["auto", "static", "transformers"] = "auto"
     """Embedded engine's forward: `static` (fused, prepacked Llama-family decode), `transformers` (any causal LM),
     `auto` (static where the model is supported)."""
