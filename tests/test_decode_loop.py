@@ -129,9 +129,10 @@ def test_the_loop_gives_what_the_per_step_loop_gave(lora_model, tokenizer, promp
     eos, stop = _endings(lora_model, tokenizer, prompts, decoder, PARAMS[name], seeds)
     reference = PerStepEngine(lora_model, tokenizer, batch_size=4, decoder=decoder)
     reference.eos_ids = torch.tensor(sorted({*reference.eos_ids.tolist(), *eos}))
-    # 1: checked every step (a CPU's default); 3: blocks that do not divide the 20 steps; 8: CUDA's default
+    # 1: checked every step (a CPU's default); 3: blocks that do not divide the 20 steps (as CUDA's
+    # default 8 does not either)
     engines = {every: HFEngine(lora_model, tokenizer, batch_size=4, decoder=decoder, check_every=every)
-               for every in (1, 3, 8)}
+               for every in (1, 3)}
     for engine in engines.values():
         engine.eos_ids = reference.eos_ids
     for stops in ((), stop):
