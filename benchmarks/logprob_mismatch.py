@@ -4,8 +4,8 @@ the same tokens scored, teacher-forced, by each forward below. Prints the mean |
 of each against the learner's and against a float32 copy of the model.
 
 - ``learner``: ``sequence_logps``, the whole sequence in one forward (what the learner computes);
-- ``static prepacked``: the engine's default on a CPU (weights in oneDNN's blocked layout), one token
-  at a time over its KV cache;
+- ``static prepacked``: the engine's default on a CPU (weights in oneDNN's blocked layout where
+  oneDNN can prepack the dtype: bfloat16 only with native support), one token at a time over its KV cache;
 - ``static F.linear``: the same without prepacking;
 - ``transformers``: the model's own modules, one token at a time (``rollout.decoder: transformers``);
 - ``* fp32 head``: the learner and the static decoder with the LM head's logits computed in float32
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     results["float32"] = learner(load("float32"))
     ref, own = results["float32"], results["learner"]
     print(f"{len(own)} sampled tokens of {len(pairs)} prompts, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"{time.perf_counter() - t0:.0f} s; cpu: {cpu_summary()}")
+          f"{time.perf_counter() - t0:.0f} s; cpu: {cpu_summary()}; oneDNN prepacks {args.dtype} weights here: "
+          f"{'yes' if StaticDecoder(model).linear is not F.linear else 'no (static prepacked = static F.linear)'}")
     print(f"{'forward':>20} | mean |diff| vs learner | vs float32 | vs learner fp32 head")
     for k, v in results.items():
         print(f"{k:>20} | {float((v - own).abs().mean()):.4f} | {float((v - ref).abs().mean()):.4f} | "
