@@ -26,11 +26,15 @@ LOGITS = torch.log(PROBS)[None]  # [1, 4]
     (0, 0.7, [True, True, False, False]),     # 0.5 < 0.7 before the 0.3; 0.8 >= 0.7 before the 0.15
     (0, 0.8, [True, True, False, False]),     # the mass before a token reaching top_p drops it (0.8 >= 0.8)
     (0, 0.01, [True, False, False, False]),   # the most likely token always stays
+    (0, 0.9, [True, True, True, False]),      # 0.8 < 0.9 before the 0.15 (past 2 candidates: the sorted path)
     (3, 0.9, [True, True, True, False]),      # top-k first: 0.5/0.95 + 0.3/0.95 = 0.842 < 0.9 keeps the 0.15
     (3, 0.8, [True, True, False, False]),     # 0.842 >= 0.8 drops it
 ])
 def test_the_filter_keeps_top_k_then_the_nucleus(top_k, top_p, kept):
     assert keep_mask(LOGITS, top_k, top_p)[0].tolist() == kept
+    # top-p among the 2 most likely first (their mass 0.8), the whole row sorted when that is short of top_p
+    assert keep_mask(LOGITS, top_k, top_p, candidates=2)[0].tolist() == kept
+    assert keep_mask(LOGITS.expand(3, 4), top_k, top_p, candidates=2).tolist() == [kept] * 3
 
 
 def test_filtered_logprobs_renormalise_over_the_kept_set():

@@ -32,7 +32,14 @@ def filtering(top_k: int, top_p: float) -> bool:
     return top_k > 0 or top_p < 1.0
 
 
-def keep_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+# top-p's candidates: the nucleus of a trained model's next token is rarely more than a few hundred
+# tokens, so the most likely NUCLEUS_CANDIDATES are taken by topk (cheap) and the whole vocabulary
+# is sorted only when their mass falls short of top_p (a flat distribution: a random model's)
+NUCLEUS_CANDIDATES = 1024
+
+
+def keep_mask(logits: torch.Tensor, top_k: int, top_p: float, *, candidates: int = NUCLEUS_CANDIDATES
+              ) -> torch.Tensor:
     """Which tokens the top-k, then top-p, filter keeps.
 
     Args:
@@ -41,6 +48,9 @@ def keep_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         top_k: keep the k largest (0: off; k >= V keeps all).
         top_p: keep the smallest prefix, by descending probability, whose mass reaches top_p
             (1.0: off), the most likely token always.
+        candidates: top-p looks for its nucleus among this many most likely tokens first, and
+            sorts the whole vocabulary only when their mass is below top_p (the same set either way,
+            up to the order of tied logits).
     Returns:
         [..., V] bool, True where the token stays.
     Raises:
@@ -56,14 +66,22 @@ def keep_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         if top_p < 1.0 and bool((keep.sum(-1) > top_k).any()):
             top = None  # a tie at the k-th: the nucleus is taken over the whole vocabulary below
     if top_p < 1.0:
+        masked = logits.masked_fill(~keep, float("-inf")) if 0 < top_k < logits.shape[-1] else logits
+        probs = None
         if top is not None:  # the nucleus lies within the top k, already sorted: no sort of the vocabulary
             sorted_logits, order = top.values, top.indices
+        elif candidates < logits.shape[-1]:
+            sorted_logits, order = torch.topk(masked, candidates, dim=-1)
+            probs = torch.exp(sorted_logits - torch.logsumexp(masked, dim=-1, keepdim=True))  # of the whole row
+            if not bool((probs.sum(-1) >= top_p).all()):  # some row's nucleus reaches past the candidates
+                probs = None
+                sorted_logits, order = torch.sort(masked, dim=-1, descending=True)
         else:
-            sorted_logits, order = torch.sort(logits.masked_fill(~keep, float("-inf")), dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
+            sorted_logits, order = torch.sort(masked, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1) if probs is None else probs
         before = probs.cumsum(-1) - probs  # mass of the tokens ranked before each one
-        drop = torch.zeros_like(keep).scatter(-1, order, before >= top_p)
-        keep = keep & ~drop
+        # a token outside the candidates ranks after all of them, whose mass reaches top_p: dropped
+        keep = keep & torch.zeros_like(keep).scatter(-1, order, before < top_p)
     return keep
 
 
