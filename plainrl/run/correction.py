@@ -105,7 +105,7 @@ class MismatchWatch:
         seen = ", ".join(f"{d:.3f}" for d in self.recent[-self.steps:])
         return (f"rollout/logprob_diff has stayed above {self.threshold} nats for {self.steps} steps ({seen}): the "
                 "engine samples a policy the learner is not training. Likely causes: precision (16-bit weights, or "
-                "LoRA merged into them: rollout.sync=full, rollout.merge_lora), the engine (other kernels or sampler "
+                "LoRA merged into them by rollout.sync=full), the engine (other kernels or sampler "
                 "settings than the learner's), or weight sync (the engine runs older or other weights; "
                 "rollout.async_steps adds its staleness to this figure). "
                 "See docs/engines.md, \"Engine/learner mismatch\"; this is said once per run")
