@@ -98,7 +98,7 @@ def worker(model: str, training: str, engine_kind: str) -> None:
     from plainrl.config import load_config
     from plainrl.models import load_policy, load_tokenizer, pad_token_id, resolve_model_path
     from plainrl.run.distributed import join, rank_engine
-    from plainrl.run.engines import make_engine
+    from plainrl.rollout.engines.factory import make_engine
     from plainrl.run.setup import make_learner
 
     cfg = load_config(REPO / "examples" / "arithmetic_grpo.yaml", [
@@ -118,7 +118,8 @@ def worker(model: str, training: str, engine_kind: str) -> None:
     policy = load_policy(cfg.model, parallel.device, **meta)
     engine = None
     if engine_kind == "hf":
-        engine, _ = rank_engine(cfg, policy, parallel, lambda m: make_engine(cfg, m, tok, parallel.device))
+        engine, _ = rank_engine(cfg, policy, parallel, lambda m: make_engine(
+            cfg.model, cfg.rollout, m, tok, parallel.device, seed=cfg.seed))
     make_learner(cfg, policy, pad_token_id(tok), parallel)
     if engine is not None:
         engine.load_weights(policy)  # the setup's first sync

@@ -37,7 +37,7 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
     import torch
 
-    from plainrl.run.engines import make_engine, read_only
+    from plainrl.rollout.engines.factory import make_engine, read_only
     from plainrl.run.evaluate import evaluate, interval_methods
     from plainrl.run.lifecycle import seed_everything
     from plainrl.rollout.reaper import Reaper
@@ -65,7 +65,7 @@ def _cmd_eval(args) -> int:
     rows = prep.data.train if whole and not cfg.data.eval_path else (prep.data.eval or prep.data.train)
     device = resolve_device(cfg.device)
     final = run_dir / "final" if run_dir else None
-    if read_only(cfg):  # the served model is evaluated as it is: no local weights to load or push
+    if read_only(cfg.rollout):  # the served model is evaluated as it is: no local weights to load or push
         model = None
     elif final is not None and (final / "adapter_config.json").is_file():
         from peft import PeftModel
@@ -77,7 +77,7 @@ def _cmd_eval(args) -> int:
     else:
         model = load_policy(cfg.model.model_copy(update={"lora": cfg.model.lora.model_copy(update={"enabled": False})}), device)
     with Reaper():  # as in a run: vLLM's engine core and agents' subprocesses die with this process
-        engine = make_engine(cfg, model, prep.tokenizer, device)
+        engine = make_engine(cfg.model, cfg.rollout, model, prep.tokenizer, device, seed=cfg.seed)
         try:
             if cfg.rollout.engine != "hf" and model is not None:
                 engine.load_weights(model)

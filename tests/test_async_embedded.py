@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from plainrl.checkpoint import verify
 from plainrl.config import load_config
 from plainrl.rollout.engines.hf import HFEngine
-from plainrl.run.engines import sampling_copy
+from plainrl.rollout.engines.factory import sampling_copy
 from plainrl.run.overlap import IN_FLIGHT
 from plainrl.run.setup import make_learner
 from plainrl.types import Episode, SamplingParams

@@ -195,7 +195,7 @@ def test_serve_defaults_to_a_gpu_of_its_own_and_colocated_needs_a_share(monkeypa
 
     cfg = load_config(None, ["data.task=arithmetic", "device=cpu", *_REWARD])
     seen = {}
-    monkeypatch.setattr(run_engines, "vllm_args", lambda cfg, device, rank, **kw: seen.update(kw) or {"model": "m"})
+    monkeypatch.setattr(run_engines, "vllm_args", lambda *args, seed, **kw: seen.update(kw) or {"model": "m"})
     run_engines.serve_command(cfg, host="127.0.0.1", port=1)
     assert seen == {"memory_share": 0.9, "sleep": False}
     with pytest.raises(ConfigError, match="--colocated"):

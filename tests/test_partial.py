@@ -15,7 +15,7 @@ from plainrl.config import ConfigError, load_config
 from plainrl.metrics import StepTimer
 from plainrl.rollout.engines.hf import HFEngine
 from plainrl.rollout.engines.partial import PartialEngine
-from plainrl.run.engines import sampling_copy
+from plainrl.rollout.engines.factory import sampling_copy
 from plainrl.run.overlap import Rollouts
 from plainrl.run.setup import make_learner
 from plainrl.types import Episode, Generation, RewardOutput, SamplingParams

@@ -20,7 +20,7 @@ from plainrl.rollout.engines.remote import RemoteEngine
 from plainrl.rollout.engines.requests import EngineError
 from plainrl.rollout.engines.sglang import SGLangEngine, generate_body, parse_generation
 from plainrl.rollout.engines.sync import policy_weights, save_hf_weights
-from plainrl.run.engines import make_engine
+from plainrl.rollout.engines.factory import make_engine
 from plainrl.types import SamplingParams
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic_grpo.yaml")
@@ -53,7 +53,7 @@ def test_make_engine_dispatches_on_the_backend(backend, cls, hint, tokenizer, ti
                              "rollout.sync=full"])
     # each engine's own start-up check runs against a real closed port and names the URL and its own hint
     with pytest.raises(EngineError, match=rf"{DEAD}.*{hint}") as e:
-        make_engine(cfg, torch.nn.Linear(1, 1), tokenizer, torch.device("cpu"))
+        make_engine(cfg.model, cfg.rollout, torch.nn.Linear(1, 1), tokenizer, torch.device("cpu"), seed=cfg.seed)
     assert cls.start_hint in str(e.value)
 
 
@@ -61,10 +61,10 @@ def test_an_api_key_comes_from_the_named_variable(tokenizer, monkeypatch):
     cfg = load_config(EXAMPLE, [*REMOTE, "rollout.remote.backend=openai", "rollout.remote.api_key_env=PLAINRL_TEST_KEY"])
     monkeypatch.delenv("PLAINRL_TEST_KEY", raising=False)
     with pytest.raises(ConfigError, match="PLAINRL_TEST_KEY is not set"):
-        make_engine(cfg, None, tokenizer, torch.device("cpu"))
+        make_engine(cfg.model, cfg.rollout, None, tokenizer, torch.device("cpu"), seed=cfg.seed)
     monkeypatch.setenv("PLAINRL_TEST_KEY", "secret-value")
     with pytest.raises(EngineError) as e:  # the key is read (the server is down), and no message shows it
-        make_engine(cfg, None, tokenizer, torch.device("cpu"))
+        make_engine(cfg.model, cfg.rollout, None, tokenizer, torch.device("cpu"), seed=cfg.seed)
     assert "secret-value" not in str(e.value)
 
 

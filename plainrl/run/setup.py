@@ -43,7 +43,7 @@ from plainrl.rollout.run_loop import RunLoop
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
 from plainrl.run.correction import resolve_correction
-from plainrl.run.engines import make_engine, require_trainable_engine
+from plainrl.rollout.engines.factory import make_engine, require_trainable_engine
 from plainrl.run.final import save_final
 from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
@@ -332,7 +332,7 @@ def setup(cfg: Config, parallel: Parallel | None = None) -> Run:
     critic); resume or eval-before. The caller closes ``run.prep`` when done.
     ``parallel``: under torchrun, this rank (:func:`plainrl.run.distributed.start`)."""
     parallel = parallel or Parallel()
-    require_trainable_engine(cfg)  # a read-only engine fails before the run dir, data and model
+    require_trainable_engine(cfg.rollout)  # a read-only engine fails before the run dir, data and model
     if cfg.rollout.engine == "vllm":  # a missing vLLM fails before the run dir, data and model
         from plainrl.rollout.engines.vllm_local import import_vllm
 
@@ -424,7 +424,8 @@ def _policy_and_engine(cfg: Config, prep: Prepared, logger: MetricsLogger, devic
     hf = cfg.rollout.engine == "hf"
     with nullcontext() if hf else logger.phase(f"starting the {cfg.rollout.engine} engine"):
         # under FSDP2 the embedded engine samples with a full replica made here, before the learner shards
-        engine, _ = rank_engine(cfg, model, parallel, lambda m: make_engine(cfg, m, prep.tokenizer, device))
+        engine, _ = rank_engine(cfg, model, parallel, lambda m: make_engine(
+            cfg.model, cfg.rollout, m, prep.tokenizer, device, seed=cfg.seed))
     return model, engine
 
 

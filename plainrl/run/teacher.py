@@ -108,7 +108,7 @@ def teacher_scorer(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> ServedSco
         ConfigError: a server is unreachable, serves another tokenizer than ``model.name``'s, or
             does not score prompt tokens (the error names the server, its model and the policy).
     """
-    from plainrl.run.engines import api_key
+    from plainrl.rollout.engines.factory import api_key
 
     r = cfg.algorithm.teacher.remote
     try:

@@ -30,7 +30,7 @@ class ServedSampling:
     """Sampling for the service's samplers on ``engine``'s servers.
 
     Args:
-        engine: the servers (:func:`plainrl.run.engines.adapter_servers`), ``sync`` ``lora`` or ``full``.
+        engine: the servers (:func:`plainrl.rollout.engines.factory.adapter_servers`), ``sync`` ``lora`` or ``full``.
         adapters: the service's model, whose adapter a ``full`` push merges into the base.
     """
 

@@ -29,13 +29,13 @@ def build_service(cfg: Config):
     from plainrl.config.loading import dump_config
     from plainrl.config import ConfigError
     from plainrl.models import resolve_device
-    from plainrl.run.engines import adapter_servers, require_trainable_engine
+    from plainrl.rollout.engines.factory import adapter_servers, require_trainable_engine
     from plainrl.tinker.adapters import Adapters
     from plainrl.tinker.served import ServedSampling
     from plainrl.tinker.service import Service
 
     if cfg.rollout.engine == "remote":
-        require_trainable_engine(cfg)  # before the model loads
+        require_trainable_engine(cfg.rollout)  # before the model loads
     elif cfg.rollout.engine != "hf":
         raise ConfigError(f"rollout.engine={cfg.rollout.engine}: plainrl tinker samples with the embedded engine "
                           "(rollout.engine=hf) or on inference servers (rollout.engine=remote, e.g. `plainrl serve "
@@ -44,7 +44,7 @@ def build_service(cfg: Config):
     adapters = Adapters(cfg.model, resolve_device(cfg.device))
     served = None
     if cfg.rollout.engine == "remote":
-        served = ServedSampling(adapter_servers(cfg, adapters.tokenizer), adapters)
+        served = ServedSampling(adapter_servers(cfg.model, cfg.rollout, adapters.tokenizer), adapters)
     return Service(adapters, Path(cfg.run_dir), model_names=model_names(cfg.model.name, adapters.base_ref.hub_id),
                    config_yaml=dump_config(cfg), micro_batch_tokens=cfg.train.micro_batch_tokens, served=served)
 

@@ -279,7 +279,7 @@ class HFEngine:
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """No-op when the engine samples with ``model`` itself; when it samples with a copy
-        (``rollout.async_steps``: :func:`plainrl.run.engines.sampling_copy`), ``model``'s
+        (``rollout.async_steps``: :func:`plainrl.rollout.engines.factory.sampling_copy`), ``model``'s
         trainable parameters are copied into it (the frozen ones never change)."""
         if model is self.model:
             return
