@@ -9,7 +9,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import chat_prompt_ids, demo_steps_with_engine, learner_logps  # noqa: E402
+from conftest import chat_prompt_ids, learner_logps  # noqa: E402
 
 from plainrl.config import ModelConfig  # noqa: E402
 from plainrl.models import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
@@ -40,11 +40,10 @@ def _prompts(tok):
 
 
 
-@pytest.fixture(scope="module")
-def full_engine():
-    engine = VLLMEngine(_args(), sync="full")
-    yield engine
-    engine.close()
+@pytest.fixture()
+def full_engine(vllm_full_engine):
+    """The session's in-process engine (tests/conftest.py), built with :func:`_args`'s settings."""
+    return vllm_full_engine
 
 
 @pytest.fixture()
@@ -100,12 +99,17 @@ def test_full_sync_makes_the_engine_follow_new_weights(full_engine, policy, tok)
     stale_diff = (learner_logps(policy, prompt, stale.token_ids) - torch.tensor(stale.logprobs)).abs().mean()
     assert stale_diff > 10 * LOGPROB_TOL  # without a sync the engine samples the old policy
     before = full_engine.weight_sum("model.layers.0.mlp.down_proj.weight")
-    full_engine.load_weights(policy)
-    after = full_engine.weight_sum("model.layers.0.mlp.down_proj.weight")
-    assert after == pytest.approx(1.5 * before, rel=1e-4)
-    fresh = full_engine.generate([prompt], params)[0]
-    diff = (learner_logps(policy, prompt, fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
-    assert diff < LOGPROB_TOL
+    try:
+        full_engine.load_weights(policy)
+        after = full_engine.weight_sum("model.layers.0.mlp.down_proj.weight")
+        assert after == pytest.approx(1.5 * before, rel=1e-4)
+        fresh = full_engine.generate([prompt], params)[0]
+        diff = (learner_logps(policy, prompt, fresh.token_ids) - torch.tensor(fresh.logprobs)).abs().mean()
+        assert diff < LOGPROB_TOL
+    finally:  # the session's engine back on the base weights, for the tests after this one
+        full_engine.load_weights(load_policy(ModelConfig(name=MODEL, dtype="float32", lora={"enabled": False}),
+                                             torch.device("cpu")))
+    assert full_engine.weight_sum("model.layers.0.mlp.down_proj.weight") == pytest.approx(before, rel=1e-6)
 
 
 def test_lora_sync_makes_the_engine_follow_the_adapter(tok):
@@ -129,12 +133,3 @@ def test_lora_sync_makes_the_engine_follow_the_adapter(tok):
         assert diff < LOGPROB_TOL
     finally:
         engine.close()
-
-
-def test_a_training_run_with_the_colocated_engine(tmp_path):
-    steps = demo_steps_with_engine(tmp_path / "run", ["rollout.engine=vllm", "rollout.vllm.enforce_eager=true",
-                                                      "algorithm.correction.methods=[token_tis]"])
-    assert len(steps) == 2
-    # after each sync (auto on CPU: the LoRA model merged, in full) vLLM samples the learner's
-    # policy: logprobs agree, no weight is truncated
-    assert all(r["rollout/logprob_diff"] < LOGPROB_TOL and r["is/truncated_fraction"] == 0.0 for r in steps)

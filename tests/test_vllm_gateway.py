@@ -11,7 +11,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `
 
 from test_gateway import CALC, prompts, spans  # noqa: E402
 
-from plainrl.models import load_tokenizer, resolve_model_path  # noqa: E402
+from plainrl.models import load_tokenizer  # noqa: E402
 from plainrl.rollout import agent_rollout  # noqa: E402
 from plainrl.rollout.episode_loop import LoopSettings  # noqa: E402
 from plainrl.types import SamplingParams  # noqa: E402
@@ -81,18 +81,10 @@ def _run(engine, tok, max_in_flight, fn=agent):
                          generator=torch.Generator().manual_seed(0))
 
 
-def test_the_gateway_in_front_of_vllm_in_process():
-    from plainrl.rollout.engines.vllm_local import VLLMEngine, engine_args
-
+def test_the_gateway_in_front_of_vllm_in_process(vllm_full_engine):
     tok = load_tokenizer(MODEL)
-    engine = VLLMEngine(engine_args(resolve_model_path(MODEL), dtype="float32", max_model_len=512, seed=0,
-                                    lora_rank=None, device="cpu", gpu_memory_utilization=0.3, sleep=False,
-                                    enforce_eager=True, extra={}), sync="full")
-    try:
-        _check(_run(engine, tok, 1))
-        _check_responses(_run(engine, tok, 1, responses_agent))
-    finally:
-        engine.close()
+    _check(_run(vllm_full_engine, tok, 1))
+    _check_responses(_run(vllm_full_engine, tok, 1, responses_agent))
 
 
 def test_the_gateway_in_front_of_a_remote_server(serve_pool):

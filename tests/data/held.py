@@ -67,9 +67,18 @@ async def held_agent(llm, row):
     return {"reward": 0.0}
 
 
+_reward_calls = 0
+
+
 def held_reward(completion, **columns):
-    """A reward function that touches ``$PLAINRL_TEST_GATE`` on its first call and never returns:
-    the run is then past its first rollout, with every engine process it started alive."""
+    """A reward function that scores its first ``$PLAINRL_TEST_HOLD_AFTER`` calls (0 by default)
+    by the completion's length (rewards that differ within a group, so the policy moves), then
+    touches ``$PLAINRL_TEST_GATE`` and never returns: the run is then past that many completions'
+    scoring, with every engine process it started alive."""
+    global _reward_calls
+    _reward_calls += 1
+    if _reward_calls <= int(os.environ.get("PLAINRL_TEST_HOLD_AFTER", "0")):
+        return float(len(completion) % 3) / 2
     open(os.environ["PLAINRL_TEST_GATE"], "a").close()
     while True:
         time.sleep(1)
