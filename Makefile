@@ -21,7 +21,7 @@ OPENENV_VENV  ?= .venv-openenv
 OPENENV_PY    := $(OPENENV_VENV)/bin/python
 OPENENV_STAMP := $(OPENENV_VENV)/.installed
 
-.PHONY: setup setup-vllm demo test test-fast test-stress test-vllm test-openenv test-sglang test-gpu test-wheel docs clean
+.PHONY: setup setup-vllm setup-openenv demo test test-fast test-stress test-vllm test-openenv test-sglang test-gpu test-wheel docs clean
 
 setup: $(STAMP)
 
@@ -78,6 +78,8 @@ test-vllm: $(VLLM_STAMP)
 # the OpenEnv adapter's tests (tests/test_env_classes.py; skipped by `make test`, whose venv cannot hold openenv)
 test-openenv: $(OPENENV_STAMP)
 	$(OPENENV_PY) -m pytest -q -ra -p no:cacheprovider tests/test_env_classes.py -k openenv
+
+setup-openenv: $(OPENENV_STAMP)
 
 $(OPENENV_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(OPENENV_VENV)
