@@ -108,3 +108,22 @@ def test_a_sampler_filter_with_sglang_servers_is_refused():
     with pytest.raises(ConfigError, match="rollout.top_p=0.9 / rollout.top_k=0 with SGLang servers"):
         load_config(None, base + ["rollout.top_p=0.9"])
     assert load_config(None, base).rollout.top_p == 1.0
+
+
+def test_several_passes_compare_the_engine_with_the_filtered_learner_too(model, tokenizer):
+    """Two mini-batches recompute pi_old before the first step: rollout/logprob_diff (and the ratio)
+    use its filtered logprobs, with or without a correction, so a nucleus sampler reads as on-policy."""
+    engine = HFEngine(model, tokenizer, batch_size=4)
+    prompts = _prompts(tokenizer) * 2
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.5), seeds=[1, 2, 3, 4])
+    eps = [Episode(sample_id=str(i), group=i % 2, row={}, prompt_ids=p, completion_ids=g.token_ids,
+                   logprobs=g.logprobs, loss_mask=[1] * len(g.token_ids), finish_reason=g.finish_reason)
+           for i, (p, g) in enumerate(zip(prompts, gens))]
+    for methods in ("[]", "[token_tis]"):
+        cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
+                                 "model.lora.enabled=false", f"algorithm.correction.methods={methods}",
+                                 "rollout.top_p=0.5", "algorithm.mini_batches=2", "train.lr=1e-9"])
+        learner = make_learner(cfg, model, pad_id=0)
+        stats = learner.update(eps, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        assert stats.logprob_diff < 1e-4, methods
+        assert learner.is_tally.take().get("is/ratio_mean", 1.0) == pytest.approx(1.0, abs=1e-3)

@@ -189,14 +189,15 @@ class Learner:
 
     @torch.no_grad()
     def old_logps(self, episodes: list[Episode]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """pi_old recomputed before several passes, and (when a correction runs and the sampler
-        filters) the same after the sampler's top-k/top-p filter, from one forward.
+        """pi_old recomputed before several passes, and (when the sampler filters) the same after
+        the sampler's top-k/top-p filter, from one forward: the correction's ratio and
+        ``rollout/logprob_diff`` compare it with the engine's logprobs, which are filtered too.
 
         Returns:
             ``(old [N, L], behaviour [N, L] or None)`` in the completion frame, 0 off the loss mask
-            (behaviour: -inf where the filter drops the sampled token).
+            (behaviour: -1e4 where the filter drops the sampled token).
         """
-        sf = self.sampling_filter if self.is_methods else None
+        sf = self.sampling_filter
         logps, *rest = self._scored(episodes, self.call, contextlib.nullcontext, sampling_filter=sf)
         return logps, (rest[0] if sf else None)
 
