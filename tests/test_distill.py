@@ -377,7 +377,7 @@ def test_distillation_lowers_the_reverse_kl(loss, tokenizer):
 
     torch.manual_seed(0)
     model = load_policy(ModelConfig(dtype="float32", lora={"enabled": True, "r": 8, "alpha": 16}), torch.device("cpu"))
-    algo = AlgorithmConfig(name="opd", teacher="self", tis_cap=None, is_correction=[], distill_loss=loss,
+    algo = AlgorithmConfig(name="opd", teacher="self", correction={"methods": []}, distill_loss=loss,
                            distill_topk=64, distill_beta=1.0)
     learner = Learner(model, algo, TrainConfig(lr=3e-4, warmup_steps=0, max_grad_norm=1.0), pad_id=0,
                       temperature=1.0, completion_budget=1, copy_reference=False)
