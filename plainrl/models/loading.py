@@ -443,7 +443,7 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
 
 
 def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef | None = None,
-                card: str | None = None, state_dict: dict | None = None) -> Path:
+                card: str | None = None, state_dict: dict | None = None, adapter: str = TRAINED_ADAPTER) -> Path:
     """Save the policy in Hugging Face format: a peft adapter directory under LoRA
     (loadable with ``PeftModel.from_pretrained(base, dir)``), else full safetensors
     weights (``AutoModelForCausalLM.from_pretrained(dir)``). Written to a temporary
@@ -456,6 +456,8 @@ def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef |
         card: the model card (``README.md``), replacing the one peft writes.
         state_dict: the weights to write instead of the model's own (FSDP2: the gathered
             full tensors).
+        adapter: which of a peft model's adapters to save (``plainrl tinker`` holds one per
+            training client); written at the top of ``directory`` whatever its name.
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -464,9 +466,12 @@ def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef |
     tmp.mkdir()
     try:
         kwargs = {} if state_dict is None else {"state_dict": state_dict}
-        if hasattr(model, "peft_config"):  # the trained adapter, not the frozen reference copy
-            kwargs["selected_adapters"] = [TRAINED_ADAPTER]
-        model.save_pretrained(tmp, **kwargs)
+        if hasattr(model, "peft_config") and adapter != TRAINED_ADAPTER:
+            _save_named_adapter(model, adapter, tmp)
+        else:
+            if hasattr(model, "peft_config"):  # the trained adapter, not the frozen reference copy
+                kwargs["selected_adapters"] = [TRAINED_ADAPTER]
+            model.save_pretrained(tmp, **kwargs)
         tokenizer.save_pretrained(tmp)
         if base is not None:
             record_base(tmp, base)
@@ -480,3 +485,15 @@ def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef |
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_named_adapter(model, name: str, directory: Path) -> None:
+    """Adapter ``name`` as a peft adapter directory in ``directory`` itself (peft's own
+    ``save_pretrained`` puts an adapter not named ``default`` in a subdirectory of that name)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    model.peft_config[name].save_pretrained(str(directory))
+    # the LoRA weights only: a LoRA on a tied LM head would otherwise carry the whole embedding too
+    weights = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
+    save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(directory / "adapter_model.safetensors"))

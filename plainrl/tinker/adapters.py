@@ -15,12 +15,13 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from plainrl.checkpoint.files import torch_load
 from plainrl.config import ModelConfig
-from plainrl.models import load_policy, load_tokenizer, resolve_model_path
-from plainrl.models.portable import describe_base, record_base
+from plainrl.durable import write_atomic
+from plainrl.models import load_policy, load_tokenizer, resolve_model_path, save_policy
+from plainrl.models.portable import describe_base
 from plainrl.tinker.errors import UserError
 
 SNAPSHOTS_LOADED = 4
@@ -164,16 +165,12 @@ class Adapters:
     # -- saving -----------------------------------------------------------------------------------
 
     def save(self, name: str, directory: Path, *, card: str, extra: dict[str, object]) -> None:
-        """Write adapter ``name`` into the existing ``directory`` as a peft adapter directory
-        (``adapter_config.json`` naming the base portably, ``adapter_model.safetensors``, tokenizer,
-        ``plainrl_base.json``, ``README.md`` = ``card``, ``tinker.json`` = ``extra``)."""
-        self.model.peft_config[name].save_pretrained(str(directory))
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict(name).items()},
-                  str(directory / WEIGHTS_FILE))
-        self.tokenizer.save_pretrained(str(directory))
-        record_base(directory, self.base_ref)
-        (directory / "README.md").write_text(card)
-        (directory / "tinker.json").write_text(json.dumps(extra, indent=2))
+        """Write adapter ``name`` as the peft adapter directory ``directory``
+        (:func:`~plainrl.models.save_policy`: ``adapter_config.json`` naming the base portably,
+        ``adapter_model.safetensors``, tokenizer, ``plainrl_base.json``, ``README.md`` = ``card``)
+        with ``tinker.json`` = ``extra``."""
+        save_policy(self.model, self.tokenizer, directory, base=self.base_ref, card=card, adapter=name)
+        write_atomic(directory / "tinker.json", json.dumps(extra, indent=2))
 
 
 def read_optimizer(path: Path) -> dict:

@@ -21,10 +21,8 @@ import concurrent.futures
 import itertools
 import json
 import logging
-import os
 import re
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -33,10 +31,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from tinker import types
 
 from plainrl.checkpoint.files import torch_save
+from plainrl.durable import remove_stale_siblings, replace_dir, temp_sibling
 from plainrl.models.errors import ModelLoadError
 from plainrl.models.lora_targets import lora_target_modules
 from plainrl.tinker.adapters import Adapters, read_optimizer
@@ -265,25 +263,23 @@ class Service:
         path, directory = self.checkpoint_path(model_id, kind, name)
 
         def run() -> tuple[str, Path]:
+            # built beside its place and swapped in whole: a save_state to a name used before
+            # replaces it, and a kill leaves the old checkpoint or the new one
             directory.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-tmp-"))
+            remove_stale_siblings(directory)
+            tmp = temp_sibling(directory)
+            tmp.mkdir()
             try:
                 (tmp / "config.yaml").write_text(self.config_yaml)
-                (tmp / "final").mkdir()
                 self.adapters.save(tm.adapter, tmp / "final", card=self._card(model_id, path, tm),
                                    extra={"model_id": model_id, "base_model": self.base_model, "steps": tm.steps,
                                           "tinker_path": path})
                 if with_optimizer:
-                    o = tm.optimizer
-                    torch_save({"optimizer": o.optimizer.state_dict(), "steps": tm.steps,
-                                "masters": [m.detach() for m, p in zip(o.master, o.params) if m is not p]},
-                               tmp / OPTIMIZER_FILE)
+                    torch_save({**tm.optimizer.state_dict(), "steps": tm.steps}, tmp / OPTIMIZER_FILE)
+                replace_dir(tmp, directory)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            if directory.exists():  # save_state to a name used before: the newer replaces it
-                shutil.rmtree(directory)
-            os.replace(tmp, directory)
             return path, directory
 
         return run
@@ -313,19 +309,10 @@ class Service:
                                         sorted(self.adapters.model.peft_config[name].target_modules))
             else:
                 self.adapters.load_weights(target.adapter, directory / "final")
-                o = target.optimizer
-                with torch.no_grad():  # 16-bit adapters: the fp32 masters follow the loaded weights
-                    for m, p in zip(o.master, o.params):
-                        if m is not p:
-                            m.copy_(p.float())
+                target.optimizer.masters_from_params()  # 16-bit adapters: the masters follow the loaded weights
             if req.optimizer:
                 state = read_optimizer(directory / OPTIMIZER_FILE)
-                o = target.optimizer
-                o.optimizer.load_state_dict(state["optimizer"])
-                masters = [m for m, p in zip(o.master, o.params) if m is not p]
-                with torch.no_grad():
-                    for m, saved in zip(masters, state["masters"]):
-                        m.copy_(saved)
+                target.optimizer.load_state_dict(state)
                 target.steps = int(state["steps"])
             return types.LoadWeightsResponse(path=req.path, model_id=model_id)
 
@@ -336,7 +323,7 @@ class Service:
         for kind, ctype in _KINDS.items():
             base = self.model_dir(model_id) / kind
             for d in sorted(base.iterdir()) if base.is_dir() else []:
-                if not (d / "final" / "adapter_config.json").is_file():
+                if d.name.startswith(".") or not (d / "final" / "adapter_config.json").is_file():
                     continue  # a temporary directory of a save under way
                 stat = d.stat()
                 out.append(types.Checkpoint(

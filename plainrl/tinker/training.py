@@ -181,10 +181,8 @@ def optim_step(tm: TrainingModel, *, learning_rate: float, beta1: float, beta2: 
     Returns:
         metrics ``grad_norm`` (before clipping), ``learning_rate``, ``skipped`` (1.0 or 0.0).
     """
-    opt = tm.optimizer
-    for group in opt.optimizer.param_groups:
-        group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
-    opt.max_grad_norm = grad_clip_norm if grad_clip_norm > 0 else None
-    grad_norm, skipped = opt.step()
+    tm.optimizer.set_hyperparameters(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+                                     max_grad_norm=grad_clip_norm if grad_clip_norm > 0 else None)
+    grad_norm, skipped = tm.optimizer.step()
     tm.steps += 0 if skipped else 1
     return {"grad_norm": grad_norm, "learning_rate": learning_rate, "skipped": float(skipped)}

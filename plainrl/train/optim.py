@@ -5,6 +5,7 @@ masters and AdamW's moments live in host memory and the step runs on the CPU (Ze
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -124,6 +125,48 @@ class MasterAdamW:
                         p.copy_(m, non_blocking=self.offload)
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm), skipped
+
+    def set_hyperparameters(self, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                            max_grad_norm: float | None) -> None:
+        """Replace AdamW's settings for the next :meth:`step` (``plainrl tinker``: each ``optim_step``
+        brings its own); ``max_grad_norm`` None: no clipping."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's state (``optimizer``: ``torch.optim.AdamW.state_dict()``) and the fp32 masters
+        that differ from their parameters (``masters``: detached tensors in ``params`` order; empty
+        for fp32 parameters without offload, which are their own masters). Its tensors are this
+        optimizer's own, as torch's ``state_dict`` returns them: write them out or copy them."""
+        return {"optimizer": self.optimizer.state_dict(),
+                "masters": [m.detach() for m, p in zip(self.master, self.params) if m is not p]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, for the same parameters in the same order.
+
+        Raises:
+            ValueError: the state is of other parameters (another count or shape of masters, or an
+                optimizer state torch refuses).
+        """
+        masters = [m for m, p in zip(self.master, self.params) if m is not p]
+        saved = list(state["masters"])
+        if len(saved) != len(masters) or any(s.shape != m.shape for s, m in zip(saved, masters)):
+            raise ValueError(f"optimizer state of other parameters: {len(saved)} saved master weights "
+                             f"{[tuple(s.shape) for s in saved[:3]]}..., {len(masters)} here "
+                             f"{[tuple(m.shape) for m in masters[:3]]}...; load it into the model it was saved from")
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for m, s in zip(masters, saved):
+                m.copy_(s)
+
+    def masters_from_params(self) -> None:
+        """Set the fp32 masters to the parameters' values, after the parameters were overwritten
+        (weights loaded from elsewhere): the next step then starts from them."""
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                if m is not p:
+                    m.copy_(p.detach().float())
 
     def _grads_to_host(self) -> None:
         """Every gradient into its fp32 host buffer (the device's freed), then one wait."""
