@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import pydantic
 from starlette.applications import Starlette
@@ -51,198 +52,227 @@ async def _parse(request: Request, cls: type[pydantic.BaseModel]):
         raise UserError(f"{request.url.path}: the body is not a {cls.__name__}: {e}") from e
 
 
+async def _healthz(s: Service, request: Request) -> Response:
+    return _json(types.HealthResponse(status="ok"))
+
+
+async def _capabilities(s: Service, request: Request) -> Response:
+    models = [types.SupportedModel(model_name=n, max_context_length=s.adapters.context, trainable=True,
+                                   sampleable=True) for n in s.model_names]
+    return _json(types.GetServerCapabilitiesResponse(supported_models=models))
+
+
+async def _client_config(s: Service, request: Request) -> Response:
+    # httpx transport, API keys (no JWT exchange), fwd/bwd chunks sent one after another (the
+    # worker runs them in arrival order), plain retrieve_future polling for samples
+    return _json(types.ClientConfigResponse(
+        use_pyqwest_transport=False, pjwt_auth_enabled=False, parallel_fwdbwd_chunks=False,
+        sample_use_retrieve_futures=False, custom_loss_server_side=False, sample_join_sampling_session=False))
+
+
+async def _dynamic_config(s: Service, request: Request) -> Response:
+    return _json(types.ClientDynamicConfigResponse())
+
+
+async def _telemetry(s: Service, request: Request) -> Response:
+    return _json(types.TelemetryResponse(status="accepted"))
+
+
+async def _create_session(s: Service, request: Request) -> Response:
+    await _parse(request, types.CreateSessionRequest)
+    return _json(types.CreateSessionResponse(session_id=s.create_session()))
+
+
+async def _heartbeat(s: Service, request: Request) -> Response:
+    req = await _parse(request, types.SessionHeartbeatRequest)
+    if req.session_id not in s.sessions:
+        return _error(f"session {req.session_id!r} has finished or never existed", 410)
+    s.check_session(req.session_id)
+    return _json(types.SessionHeartbeatResponse())
+
+
+async def _finish_session(s: Service, request: Request) -> Response:
+    s.finish_session(request.path_params["session_id"])
+    return Response(status_code=204)
+
+
+async def _create_model(s: Service, request: Request) -> Response:
+    return _json(s.create_model(await _parse(request, types.CreateModelRequest)))
+
+
+async def _get_info(s: Service, request: Request) -> Response:
+    return _json(s.info((await _parse(request, types.GetInfoRequest)).model_id))
+
+
+async def _forward_backward(s: Service, request: Request) -> Response:
+    body = await request.body()
+    if request.headers.get("content-encoding") == "zstd":
+        import zstandard
+
+        body = zstandard.ZstdDecompressor().decompress(body)
+    if PROTOBUF not in request.headers.get("content-type", ""):
+        raise UserError(f"forward_backward takes a {PROTOBUF} ForwardBackwardRequest, as the tinker SDK sends")
+    call = decode_forward_backward(body)
+    s.model(call.model_id)
+    check_call(call, vocab_size=s.adapters.vocab_size, context=s.adapters.context, stability=s.stability)
+    return _json(s.forward_backward(call))
+
+
+async def _optim_step(s: Service, request: Request) -> Response:
+    return _json(s.optim_step(await _parse(request, types.OptimStepRequest)))
+
+
+async def _save_state(s: Service, request: Request) -> Response:
+    req = await _parse(request, types.SaveWeightsRequest)
+    run = s.save(req.model_id, "weights", req.path, with_optimizer=True)
+    return _json(s.submit(lambda: types.SaveWeightsResponse(path=run()[0]), req.model_id))
+
+
+async def _save_for_sampler(s: Service, request: Request) -> Response:
+    req = await _parse(request, types.SaveWeightsForSamplerRequest)
+    session_id = req.model_id.split(":", 1)[0]
+    if req.path is None and req.sampling_session_seq_id is None:
+        raise UserError("save_weights_for_sampler: give path (a name) or sampling_session_seq_id")
+    run = s.save(req.model_id, "sampler_weights", req.path, with_optimizer=False)
+
+    def work() -> types.SaveWeightsForSamplerResponseInternal:
+        path, directory = run()
+        s.publish(directory)
+        if req.path is not None:
+            return types.SaveWeightsForSamplerResponseInternal(path=path)
+        sampler = s.add_sampler(session_id, req.sampling_session_seq_id, path, None)
+        return types.SaveWeightsForSamplerResponseInternal(path=path, sampling_session_id=sampler.sampler_id)
+
+    return _json(s.submit(work, req.model_id))
+
+
+async def _load_weights(s: Service, request: Request) -> Response:
+    return _json(s.load(await _parse(request, types.LoadWeightsRequest)))
+
+
+async def _create_sampling_session(s: Service, request: Request) -> Response:
+    req = await _parse(request, types.CreateSamplingSessionRequest)
+    s.check_session(req.session_id)
+    sampler = s.add_sampler(req.session_id, req.sampling_session_seq_id, req.model_path, req.base_model)
+    return _json(types.CreateSamplingSessionResponse(sampling_session_id=sampler.sampler_id))
+
+
+async def _get_sampler(s: Service, request: Request) -> Response:
+    sp = s.sampler(request.path_params["sampler_id"])
+    return _json(types.GetSamplerResponse(sampler_id=sp.sampler_id, base_model=sp.base_model,
+                                          model_path=sp.model_path))
+
+
+async def _asample(s: Service, request: Request) -> Response:
+    req = await _parse(request, types.SampleRequest)
+    if req.sampling_session_id is not None:
+        sampler = s.sampler(req.sampling_session_id)
+    elif req.model_path is not None or req.base_model is not None:
+        sampler = s.add_sampler("direct", 0, req.model_path, req.base_model)
+    else:
+        raise UserError("sample: give sampling_session_id, model_path or base_model")
+    unsupported = [k for k in ("topk_sample_logprobs", "prompt_alt_tokens_k")
+                   if getattr(req, k)] + (["target_prompt_logprobs"] if req.target_prompt_logprobs else [])
+    if unsupported:
+        raise UserError(f"sample: {unsupported} are not computed by this service")
+    call = check_sample(req, vocab_size=s.adapters.vocab_size, context=s.adapters.context)
+    # the ids the SDK stamps on the sequences, by which stable_reinforce's provenance names them
+    ids = [f"{uuid.uuid4().hex[:12]}:{i}" for i in range(call.num_samples)]
+    fut = s.sample(sampler, call, record_as=ids if req.record_stability_info else None)
+    return _json(fut.model_copy(update={"sample_sequence_ids": ids}))
+
+
+async def _retrieve_future(s: Service, request: Request) -> Response:
+    req = await _parse(request, types.FutureRetrieveRequest)
+    fut = s.futures.get(req.request_id)
+    if fut is None:
+        raise not_found("request", req.request_id, "a future's id is what the request that started it returned")
+    try:
+        result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), POLL_WAIT_S)
+    except asyncio.TimeoutError:
+        return _json(types.TryAgainResponse(request_id=req.request_id, queue_state="active"))
+    except UserError as e:
+        return _json(types.RequestFailedResponse(error=str(e), category=types.RequestErrorCategory.User))
+    except Exception as e:  # the work failed: the SDK raises RequestFailedError with this message
+        log.exception("request %s failed", req.request_id)
+        return _json(types.RequestFailedResponse(error=f"{type(e).__name__}: {e}",
+                                                 category=types.RequestErrorCategory.Server))
+    if isinstance(result, bytes):
+        return Response(result, media_type=PROTOBUF)
+    return _json(result)
+
+
+async def _list_checkpoints(s: Service, request: Request) -> Response:
+    return _json(s.list_checkpoints(request.path_params["model_id"]))
+
+
+async def _training_run(s: Service, request: Request) -> Response:
+    return _json(s.training_run(request.path_params["model_id"]))
+
+
+async def _training_runs(s: Service, request: Request) -> Response:
+    try:
+        offset, limit = int(request.query_params.get("offset", 0)), int(request.query_params.get("limit", 20))
+    except ValueError as e:
+        raise UserError(f"training_runs: offset and limit are integers ({e})") from e
+    return _json(s.training_runs(offset, limit))
+
+
+async def _weights_info(s: Service, request: Request) -> Response:
+    body = await request.json()
+    _, _, directory = s.resolve(str(body.get("tinker_path", "")))
+    cfg = json.loads((directory / "final" / "adapter_config.json").read_text())
+    return _json(types.WeightsInfoResponse(base_model=s.base_model, is_lora=True, lora_rank=cfg.get("r")))
+
+
+Handler = Callable[[Service, Request], Awaitable[Response]]
+
+# (path, handler, method): the SDK's endpoints
+ROUTES: list[tuple[str, Handler, str]] = [
+    ("/api/v1/healthz", _healthz, "GET"),
+    ("/api/v1/get_server_capabilities", _capabilities, "GET"),
+    ("/api/v1/client/config", _client_config, "POST"),
+    ("/api/v1/client/dynamic_config", _dynamic_config, "POST"),
+    ("/api/v1/telemetry", _telemetry, "POST"),
+    ("/api/v1/create_session", _create_session, "POST"),
+    ("/api/v1/session_heartbeat", _heartbeat, "POST"),
+    ("/api/v1/sessions/{session_id}/finish", _finish_session, "POST"),
+    ("/api/v1/create_model", _create_model, "POST"),
+    ("/api/v1/get_info", _get_info, "POST"),
+    ("/api/v1/forward_backward", _forward_backward, "POST"),
+    ("/api/v1/optim_step", _optim_step, "POST"),
+    ("/api/v1/save_weights", _save_state, "POST"),
+    ("/api/v1/save_weights_for_sampler", _save_for_sampler, "POST"),
+    ("/api/v1/load_weights", _load_weights, "POST"),
+    ("/api/v1/create_sampling_session", _create_sampling_session, "POST"),
+    ("/api/v1/samplers/{sampler_id}", _get_sampler, "GET"),
+    ("/api/v1/asample", _asample, "POST"),
+    ("/api/v1/retrieve_future", _retrieve_future, "POST"),
+    ("/api/v1/training_runs", _training_runs, "GET"),
+    ("/api/v1/training_runs/{model_id}", _training_run, "GET"),
+    ("/api/v1/training_runs/{model_id}/checkpoints", _list_checkpoints, "GET"),
+    ("/api/v1/weights_info", _weights_info, "POST"),
+]
+
+
+async def _guarded(handler: Handler, s: Service, request: Request) -> Response:
+    """``handler``'s answer, or a bad request's :class:`UserError` as its 4xx."""
+    try:
+        return await handler(s, request)
+    except UserError as e:
+        return _error(str(e), e.status)
+
+
 def build_app(service: Service) -> Starlette:
-    """The Starlette app serving ``service``."""
-    s = service
+    """The Starlette app serving ``service``: :data:`ROUTES`, and the service closed on shutdown."""
 
-    async def healthz(_: Request):
-        return _json(types.HealthResponse(status="ok"))
-
-    async def capabilities(_: Request):
-        models = [types.SupportedModel(model_name=n, max_context_length=s.adapters.context, trainable=True,
-                                       sampleable=True) for n in s.model_names]
-        return _json(types.GetServerCapabilitiesResponse(supported_models=models))
-
-    async def client_config(_: Request):
-        # httpx transport, API keys (no JWT exchange), fwd/bwd chunks sent one after another (the
-        # worker runs them in arrival order), plain retrieve_future polling for samples
-        return _json(types.ClientConfigResponse(
-            use_pyqwest_transport=False, pjwt_auth_enabled=False, parallel_fwdbwd_chunks=False,
-            sample_use_retrieve_futures=False, custom_loss_server_side=False, sample_join_sampling_session=False))
-
-    async def dynamic_config(_: Request):
-        return _json(types.ClientDynamicConfigResponse())
-
-    async def telemetry(_: Request):
-        return _json(types.TelemetryResponse(status="accepted"))
-
-    async def create_session(request: Request):
-        await _parse(request, types.CreateSessionRequest)
-        return _json(types.CreateSessionResponse(session_id=s.create_session()))
-
-    async def heartbeat(request: Request):
-        req = await _parse(request, types.SessionHeartbeatRequest)
-        if req.session_id not in s.sessions:
-            return _error(f"session {req.session_id!r} has finished or never existed", 410)
-        s.check_session(req.session_id)
-        return _json(types.SessionHeartbeatResponse())
-
-    async def finish_session(request: Request):
-        s.finish_session(request.path_params["session_id"])
-        return Response(status_code=204)
-
-    async def create_model(request: Request):
-        return _json(s.create_model(await _parse(request, types.CreateModelRequest)))
-
-    async def get_info(request: Request):
-        return _json(s.info((await _parse(request, types.GetInfoRequest)).model_id))
-
-    async def fwdbwd(request: Request):
-        body = await request.body()
-        if request.headers.get("content-encoding") == "zstd":
-            import zstandard
-
-            body = zstandard.ZstdDecompressor().decompress(body)
-        if PROTOBUF not in request.headers.get("content-type", ""):
-            raise UserError(f"forward_backward takes a {PROTOBUF} ForwardBackwardRequest, as the tinker SDK sends")
-        call = decode_forward_backward(body)
-        s.model(call.model_id)
-        check_call(call, vocab_size=s.adapters.vocab_size, context=s.adapters.context, stability=s.stability)
-        return _json(s.forward_backward(call))
-
-    async def optim(request: Request):
-        return _json(s.optim_step(await _parse(request, types.OptimStepRequest)))
-
-    async def save_state(request: Request):
-        req = await _parse(request, types.SaveWeightsRequest)
-        run = s.save(req.model_id, "weights", req.path, with_optimizer=True)
-        return _json(s.submit(lambda: types.SaveWeightsResponse(path=run()[0]), req.model_id))
-
-    async def save_for_sampler(request: Request):
-        req = await _parse(request, types.SaveWeightsForSamplerRequest)
-        session_id = req.model_id.split(":", 1)[0]
-        if req.path is None and req.sampling_session_seq_id is None:
-            raise UserError("save_weights_for_sampler: give path (a name) or sampling_session_seq_id")
-        run = s.save(req.model_id, "sampler_weights", req.path, with_optimizer=False)
-
-        def work() -> types.SaveWeightsForSamplerResponseInternal:
-            path, directory = run()
-            s.publish(directory)
-            if req.path is not None:
-                return types.SaveWeightsForSamplerResponseInternal(path=path)
-            sampler = s.add_sampler(session_id, req.sampling_session_seq_id, path, None)
-            return types.SaveWeightsForSamplerResponseInternal(path=path, sampling_session_id=sampler.sampler_id)
-
-        return _json(s.submit(work, req.model_id))
-
-    async def load_weights(request: Request):
-        return _json(s.load(await _parse(request, types.LoadWeightsRequest)))
-
-    async def create_sampling_session(request: Request):
-        req = await _parse(request, types.CreateSamplingSessionRequest)
-        s.check_session(req.session_id)
-        sampler = s.add_sampler(req.session_id, req.sampling_session_seq_id, req.model_path, req.base_model)
-        return _json(types.CreateSamplingSessionResponse(sampling_session_id=sampler.sampler_id))
-
-    async def get_sampler(request: Request):
-        sp = s.sampler(request.path_params["sampler_id"])
-        return _json(types.GetSamplerResponse(sampler_id=sp.sampler_id, base_model=sp.base_model,
-                                              model_path=sp.model_path))
-
-    async def asample(request: Request):
-        req = await _parse(request, types.SampleRequest)
-        if req.sampling_session_id is not None:
-            sampler = s.sampler(req.sampling_session_id)
-        elif req.model_path is not None or req.base_model is not None:
-            sampler = s.add_sampler("direct", 0, req.model_path, req.base_model)
-        else:
-            raise UserError("sample: give sampling_session_id, model_path or base_model")
-        unsupported = [k for k in ("topk_sample_logprobs", "prompt_alt_tokens_k")
-                       if getattr(req, k)] + (["target_prompt_logprobs"] if req.target_prompt_logprobs else [])
-        if unsupported:
-            raise UserError(f"sample: {unsupported} are not computed by this service")
-        call = check_sample(req, vocab_size=s.adapters.vocab_size, context=s.adapters.context)
-        # the ids the SDK stamps on the sequences, by which stable_reinforce's provenance names them
-        ids = [f"{uuid.uuid4().hex[:12]}:{i}" for i in range(call.num_samples)]
-        fut = s.sample(sampler, call, record_as=ids if req.record_stability_info else None)
-        return _json(fut.model_copy(update={"sample_sequence_ids": ids}))
-
-    async def retrieve_future(request: Request):
-        req = await _parse(request, types.FutureRetrieveRequest)
-        fut = s.futures.get(req.request_id)
-        if fut is None:
-            raise not_found("request", req.request_id, "a future's id is what the request that started it returned")
-        try:
-            result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), POLL_WAIT_S)
-        except asyncio.TimeoutError:
-            return _json(types.TryAgainResponse(request_id=req.request_id, queue_state="active"))
-        except UserError as e:
-            return _json(types.RequestFailedResponse(error=str(e), category=types.RequestErrorCategory.User))
-        except Exception as e:  # the work failed: the SDK raises RequestFailedError with this message
-            log.exception("request %s failed", req.request_id)
-            return _json(types.RequestFailedResponse(error=f"{type(e).__name__}: {e}",
-                                                     category=types.RequestErrorCategory.Server))
-        if isinstance(result, bytes):
-            return Response(result, media_type=PROTOBUF)
-        return _json(result)
-
-    async def list_checkpoints(request: Request):
-        return _json(s.list_checkpoints(request.path_params["model_id"]))
-
-    async def training_run(request: Request):
-        return _json(s.training_run(request.path_params["model_id"]))
-
-    async def training_runs(request: Request):
-        try:
-            offset, limit = int(request.query_params.get("offset", 0)), int(request.query_params.get("limit", 20))
-        except ValueError as e:
-            raise UserError(f"training_runs: offset and limit are integers ({e})") from e
-        return _json(s.training_runs(offset, limit))
-
-    async def weights_info(request: Request):
-        body = await request.json()
-        _, _, directory = s.resolve(str(body.get("tinker_path", "")))
-        cfg = json.loads((directory / "final" / "adapter_config.json").read_text())
-        return _json(types.WeightsInfoResponse(base_model=s.base_model, is_lora=True, lora_rank=cfg.get("r")))
-
-    def guard(handler):
-        async def wrapped(request: Request):
-            try:
-                return await handler(request)
-            except UserError as e:
-                return _error(str(e), e.status)
-        return wrapped
-
-    routes = [
-        ("/api/v1/healthz", healthz, ["GET"]),
-        ("/api/v1/get_server_capabilities", capabilities, ["GET"]),
-        ("/api/v1/client/config", client_config, ["POST"]),
-        ("/api/v1/client/dynamic_config", dynamic_config, ["POST"]),
-        ("/api/v1/telemetry", telemetry, ["POST"]),
-        ("/api/v1/create_session", create_session, ["POST"]),
-        ("/api/v1/session_heartbeat", heartbeat, ["POST"]),
-        ("/api/v1/sessions/{session_id}/finish", finish_session, ["POST"]),
-        ("/api/v1/create_model", create_model, ["POST"]),
-        ("/api/v1/get_info", get_info, ["POST"]),
-        ("/api/v1/forward_backward", fwdbwd, ["POST"]),
-        ("/api/v1/optim_step", optim, ["POST"]),
-        ("/api/v1/save_weights", save_state, ["POST"]),
-        ("/api/v1/save_weights_for_sampler", save_for_sampler, ["POST"]),
-        ("/api/v1/load_weights", load_weights, ["POST"]),
-        ("/api/v1/create_sampling_session", create_sampling_session, ["POST"]),
-        ("/api/v1/samplers/{sampler_id}", get_sampler, ["GET"]),
-        ("/api/v1/asample", asample, ["POST"]),
-        ("/api/v1/retrieve_future", retrieve_future, ["POST"]),
-        ("/api/v1/training_runs", training_runs, ["GET"]),
-        ("/api/v1/training_runs/{model_id}", training_run, ["GET"]),
-        ("/api/v1/training_runs/{model_id}/checkpoints", list_checkpoints, ["GET"]),
-        ("/api/v1/weights_info", weights_info, ["POST"]),
-    ]
     @contextlib.asynccontextmanager
     async def lifespan(app):
         # uvicorn re-raises SIGTERM/SIGINT once it has shut down, which ends the process at once:
         # the servers' adapters are unloaded here, before that
         yield
-        s.close()
+        service.close()
 
-    return Starlette(routes=[Route(p, guard(h), methods=m) for p, h, m in routes], lifespan=lifespan)
+    routes = [Route(path, functools.partial(_guarded, handler, service), methods=[method])
+              for path, handler, method in ROUTES]
+    return Starlette(routes=routes, lifespan=lifespan)
