@@ -10,7 +10,13 @@ of each against the learner's and against a float32 copy of the model.
 - ``transformers``: the model's own modules, one token at a time (``rollout.decoder: transformers``);
 - ``* fp32 head``: the learner and the static decoder with the LM head's logits computed in float32
   from the same 16-bit hidden state (bfloat16 logits of magnitude 8-32 are rounded to 0.06-0.125);
+- ``static folded``: the static decoder with LoRA folded into the 16-bit weights (its float32 way;
+  with ``--lora-std`` > 0 only);
 - ``float32``: the reference.
+
+``--lora-std S`` gives every adapter's B entries drawn from N(0, S), the same in the float32 copy: the
+check after training (Adam moves an entry by at most about lr a step, so the demo's 30 steps at lr 3e-4
+leave |B| below ~0.01; 0.005 is a trained adapter's scale).
 
     python benchmarks/logprob_mismatch.py                    # bfloat16, the demo's model
     python benchmarks/logprob_mismatch.py --prompts 8 --tokens 48 --threads 2
@@ -36,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32, help="completion tokens sampled per prompt")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--lora-std", type=float, default=0.0, help="B ~ N(0, S): a trained adapter's scale")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -53,8 +60,16 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = load_tokenizer("smollm2-135m-instruct")
     name = str(make_tiny_model(Path(tempfile.mkdtemp()))) if args.tiny else "smollm2-135m-instruct"
-    load = lambda dtype: load_policy(ModelConfig(name=name, dtype=dtype, lora=LoraConfig(r=16, alpha=32)),  # noqa: E731
-                                     torch.device("cpu")).eval()
+
+    def load(dtype: str):
+        torch.manual_seed(0)  # the same adapter A in both dtypes
+        m = load_policy(ModelConfig(name=name, dtype=dtype, lora=LoraConfig(r=16, alpha=32)), torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        for n, w in m.named_parameters():  # in a fixed order: the same draws in both dtypes
+            if "lora_B" in n and args.lora_std > 0:
+                w.copy_(torch.randn(w.shape, generator=gen) * args.lora_std)
+        return m.eval()
+
     model = load(args.dtype)
     questions = [f"What is {11 + 7 * i} + {23 + 13 * i}? Write the sum out, then end your reply with "
                  "'Answer: <number>'." for i in range(args.prompts)]
@@ -104,9 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         forward._target_logps = original
     results["static fp32 head"] = decoded(lambda: FP32Head(model))
+    if args.lora_std > 0:
+        results["static folded"] = decoded(lambda: StaticDecoder(model, merge_lora=True))
     results["float32"] = learner(load("float32"))
     ref, own = results["float32"], results["learner"]
-    print(f"{len(own)} sampled tokens of {len(pairs)} prompts, {args.dtype}, {torch.get_num_threads()} threads, "
+    print(f"{len(own)} sampled tokens of {len(pairs)} prompts, {args.dtype}, LoRA B ~ N(0, {args.lora_std}), {torch.get_num_threads()} threads, "
           f"{time.perf_counter() - t0:.0f} s; cpu: {cpu_summary()}; oneDNN prepacks {args.dtype} weights here: "
           f"{'yes' if StaticDecoder(model).linear is not F.linear else 'no (static prepacked = static F.linear)'}")
     print(f"{'forward':>20} | mean |diff| vs learner | vs float32 | vs learner fp32 head")
