@@ -250,25 +250,54 @@ def sequence_logps(
     targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
     if extra_targets is not None:  # [B*(T-1), 1 + k]: the chosen token first
         targets = torch.cat([targets[:, None], extra_targets.reshape(b * (t - 1), -1).to(targets.device)], dim=1)
-    index = None
-    if positions is not None:
-        index = positions.reshape(-1).nonzero().squeeze(-1)  # [K]
-        hidden, targets = hidden[index], targets[index]
-    columns = head_logps(hidden, base.get_output_embeddings(), targets, temperature=temperature,
-                         with_entropy=with_entropy, sampling_filter=sampling_filter)
-
-    def unflatten(flat: torch.Tensor) -> torch.Tensor:
-        if index is None:
-            return flat.view(b, t - 1, *flat.shape[1:])
-        full = torch.zeros(b * (t - 1), *flat.shape[1:], dtype=flat.dtype, device=flat.device)
-        return full.index_put((index,), flat).view(b, t - 1, *flat.shape[1:])
-
-    results = [unflatten(c) for c in columns]
+    results = _head_at(base, hidden, targets, positions, (b, t - 1), temperature=temperature,
+                       with_entropy=with_entropy, sampling_filter=sampling_filter)
     filtered = [results.pop()] if sampling_filter is not None else []
     if extra_targets is not None:  # split the chosen token's column from the extra ones
         results = [results[0][..., 0], *results[1:], results[0][..., 1:]]
     results += filtered
     return tuple(results) if len(results) > 1 else results[0]
+
+
+def target_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 targets: torch.Tensor, *, positions: torch.Tensor | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """log pi_T(targets[b, t] | input_ids[b, <=t]) in float32: :func:`sequence_logps` with the
+    scored tokens given rather than read off ``input_ids`` (Tinker's ``target_tokens``, which
+    need not be the next input token, and may be K per position), chunked the same way.
+
+    Args:
+        input_ids: [B, T] token ids (right-padded); attention_mask: [B, T] 1 on real tokens.
+        targets: [B, T] (or [B, T, K]) the tokens scored at each position.
+        positions: optional [B, T] bool; the LM head runs only where it is True.
+    Returns:
+        [B, T] (or [B, T, K]) float32, 0 where ``positions`` is False.
+    """
+    base = unwrap(model)
+    b, t = input_ids.shape
+    hidden = _hidden(model, input_ids, attention_mask).reshape(b * t, -1)  # [B*T, H]
+    return _head_at(base, hidden, targets.reshape(b * t, *targets.shape[2:]), positions, (b, t),
+                    temperature=temperature)[0]
+
+
+def _head_at(base: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+             shape: tuple[int, int], **head_kw) -> list[torch.Tensor]:
+    """:func:`head_logps` of the flattened rows ``hidden`` [B*T, H] against ``targets`` [B*T(, k)],
+    only where ``positions`` ([B, T] bool) is True, each column scattered back to ``shape`` + its
+    trailing dims (0 elsewhere)."""
+    index = None
+    if positions is not None:
+        index = positions.reshape(-1).nonzero().squeeze(-1)  # [K]
+        hidden, targets = hidden[index], targets[index]
+    columns = head_logps(hidden, base.get_output_embeddings(), targets, **head_kw)
+
+    def unflatten(flat: torch.Tensor) -> torch.Tensor:
+        if index is None:
+            return flat.view(*shape, *flat.shape[1:])
+        full = torch.zeros(shape[0] * shape[1], *flat.shape[1:], dtype=flat.dtype, device=flat.device)
+        return full.index_put((index,), flat).view(*shape, *flat.shape[1:])
+
+    return [unflatten(c) for c in columns]
 
 
 @torch.no_grad()

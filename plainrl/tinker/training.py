@@ -13,8 +13,8 @@ import torch
 from plainrl.algorithms.tinker_losses import (DERIVED_INPUTS, INPUTS, NEEDS_PROVENANCE, TOP_K_LOSSES,
                                               check_config, elementwise_loss)
 from plainrl.config import TrainConfig
-from plainrl.models.forward import head_logps
-from plainrl.models.loading import unwrap
+from plainrl.frames import pack_by_length
+from plainrl.models.forward import target_logps
 from plainrl.tinker.adapters import Adapters
 from plainrl.tinker.errors import UserError
 from plainrl.tinker.stability import StabilityRecords, session_of
@@ -103,73 +103,55 @@ def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
                         f"the vocabulary [0, {vocab_size})")
 
 
-def target_logprobs(model: torch.nn.Module, rows: list[tuple[np.ndarray, np.ndarray]],
-                    pad_id: int) -> list[torch.Tensor]:
-    """log p(target_i | input_<=i) for each row (input ids [N], target ids [N] or [N, K]): float32 [N]
-    (or [N, K]) per row, differentiable when grad is enabled. Rows are right-padded into one [B, T]
-    forward."""
-    base = unwrap(model)
-    device = next(model.parameters()).device
-    lengths = [len(t) for t, _ in rows]
-    width = max(lengths)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    targets = torch.zeros((len(rows), width, *rows[0][1].shape[1:]), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, (tok, tgt) in enumerate(rows):
-        ids[r, : len(tok)] = torch.from_numpy(np.array(tok))
-        targets[r, : len(tok)] = torch.from_numpy(tgt.astype(np.int64))
-        mask[r, : len(tok)] = 1
-    ids, targets, mask = ids.to(device), targets.to(device), mask.to(device)
-    hidden = base.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
-    keep = mask.reshape(-1).bool()
-    flat = head_logps(hidden.reshape(-1, hidden.shape[-1])[keep], base.get_output_embeddings(),
-                      targets.flatten(0, 1)[keep])[0]  # [sum N] or [sum N, K]
-    return list(torch.split(flat, lengths))
+def _collate(batch: list, pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Datums right-padded into one forward: input ids and attention mask [B, T], target ids
+    [B, T] (or [B, T, K])."""
+    width = max(len(d.tokens) for d in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    targets = torch.zeros((len(batch), width, *batch[0].inputs["target_tokens"].shape[1:]), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, d in enumerate(batch):
+        n = len(d.tokens)
+        ids[r, :n] = torch.from_numpy(np.asarray(d.tokens, dtype=np.int64))
+        targets[r, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
+        mask[r, :n] = 1
+    return ids.to(device), mask.to(device), targets.to(device)
 
 
 def forward_backward(adapters: Adapters, tm: TrainingModel, call: ForwardBackwardCall, *,
                      micro_batch_tokens: int) -> bytes:
-    """Run ``call`` on ``tm``'s adapter: per datum the target logprobs and the elementwise loss;
-    unless ``call.forward_only``, the gradient of the summed loss added to the adapter's ``.grad``
-    (micro-batches of at most ``micro_batch_tokens`` padded tokens, each backpropagated at once).
+    """Run ``call`` on ``tm``'s adapter: per datum the target logprobs
+    (:func:`~plainrl.models.forward.target_logps`, the learner's chunked forward) and the
+    elementwise loss; unless ``call.forward_only``, the gradient of the summed loss added to the
+    adapter's ``.grad``, micro-batched as the learner's are (:func:`~plainrl.frames.pack_by_length`:
+    at most ``micro_batch_tokens`` padded tokens each, longest first), each backpropagated at once.
 
     Returns:
         the protobuf ``ForwardBackwardOutput``: per datum ``logprobs`` and ``elementwise_loss`` [N],
         metric ``loss:sum``.
     """
-    outputs: list[dict[str, np.ndarray]] = []
+    outputs: list[dict[str, np.ndarray]] = [{} for _ in call.data]
     total = 0.0
     pad = adapters.tokenizer.pad_token_id or 0
+    names = INPUTS[call.loss_fn] + DERIVED_INPUTS.get(call.loss_fn, ())
     with adapters.use(tm.adapter) as model, torch.set_grad_enabled(not call.forward_only):
         device = next(model.parameters()).device
-        for batch in _micro_batches(call, micro_batch_tokens):
-            rows = [(d.tokens, d.inputs["target_tokens"]) for d in batch]
-            logps = target_logprobs(model, rows, pad)
+        for group in pack_by_length([len(d.tokens) for d in call.data], micro_batch_tokens):
+            batch = [call.data[i] for i in group]
+            ids, mask, targets = _collate(batch, pad, device)
+            logps = target_logps(model, ids, mask, targets, positions=mask > 0)  # [B, T] or [B, T, K]
             losses = []
-            for d, lp in zip(batch, logps):
-                inputs = {k: torch.from_numpy(np.array(d.inputs[k], dtype=np.float32)).to(device)
-                          for k in INPUTS[call.loss_fn] + DERIVED_INPUTS.get(call.loss_fn, ())}
-                losses.append(elementwise_loss(call.loss_fn, lp, inputs, call.loss_fn_config))
+            for r, d in enumerate(batch):
+                inputs = {k: torch.from_numpy(np.array(d.inputs[k], dtype=np.float32)).to(device) for k in names}
+                losses.append(elementwise_loss(call.loss_fn, logps[r, : len(d.tokens)], inputs, call.loss_fn_config))
             loss = torch.stack([x.sum() for x in losses]).sum()
             if not call.forward_only:
                 loss.backward()
             total += float(loss.detach())
-            outputs.extend({"logprobs": lp.detach().float().cpu().numpy(),
-                            "elementwise_loss": x.detach().float().cpu().numpy()} for lp, x in zip(logps, losses))
+            for r, (i, x) in enumerate(zip(group, losses)):
+                outputs[i] = {"logprobs": logps[r, : len(call.data[i].tokens)].detach().float().cpu().numpy(),
+                              "elementwise_loss": x.detach().float().cpu().numpy()}
     return encode_forward_backward_output(outputs, {"loss:sum": total})
-
-
-def _micro_batches(call: ForwardBackwardCall, budget: int):
-    batch, width = [], 0
-    for d in call.data:
-        w = max(width, len(d.tokens))
-        if batch and w * (len(batch) + 1) > budget:
-            yield batch
-            batch, w = [], len(d.tokens)
-        batch.append(d)
-        width = w
-    if batch:
-        yield batch
 
 
 def optim_step(tm: TrainingModel, *, learning_rate: float, beta1: float, beta2: float, eps: float,
