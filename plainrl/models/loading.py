@@ -490,10 +490,9 @@ def save_policy(model, tokenizer, directory: str | Path, *, base: BaseModelRef |
 def _save_named_adapter(model, name: str, directory: Path) -> None:
     """Adapter ``name`` as a peft adapter directory in ``directory`` itself (peft's own
     ``save_pretrained`` puts an adapter not named ``default`` in a subdirectory of that name)."""
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
+    from plainrl.models.named_adapters import WEIGHTS_FILE, state_dict
+
     model.peft_config[name].save_pretrained(str(directory))
-    # the LoRA weights only: a LoRA on a tied LM head would otherwise carry the whole embedding too
-    weights = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
-    save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(directory / "adapter_model.safetensors"))
+    save_file({k: v.detach().contiguous() for k, v in state_dict(model, name).items()}, str(directory / WEIGHTS_FILE))

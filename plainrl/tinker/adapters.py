@@ -3,8 +3,10 @@ as named peft adapters on the same module (Tinker's "several training clients on
 
 Each training client owns adapter ``m<k>``; a sampler snapshot saved to disk is loaded as adapter
 ``s<k>`` when sampled from (at most :data:`SNAPSHOTS_LOADED` at once, least recently used
-evicted). :meth:`Adapters.use` makes one adapter the active one (peft's ``set_adapter``), or none
-(the base model); every computation runs inside it, on the service's one worker thread.
+evicted). :meth:`Adapters.use` makes one adapter the active one, or none (the base model); every
+computation runs inside it, on the service's one worker thread. Created, filled and switched by
+:mod:`plainrl.models.named_adapters` and :func:`~plainrl.models.adapter_policy`, saved by
+:func:`~plainrl.models.save_policy`.
 """
 
 from __future__ import annotations
@@ -15,18 +17,18 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from plainrl.checkpoint.files import torch_load
 from plainrl.config import ModelConfig
 from plainrl.durable import write_atomic
-from plainrl.models import load_policy, load_tokenizer, resolve_model_path, save_policy
+from plainrl.models import ModelLoadError, adapter_policy, load_policy, load_tokenizer, resolve_model_path, save_policy
+from plainrl.models import named_adapters
 from plainrl.models.portable import describe_base
 from plainrl.tinker.errors import UserError
 
 SNAPSHOTS_LOADED = 4
 
-WEIGHTS_FILE = "adapter_model.safetensors"
+WEIGHTS_FILE = named_adapters.WEIGHTS_FILE
 
 
 def checkpoint_key(directory: Path) -> str:
@@ -65,41 +67,26 @@ class Adapters:
         self.context = int(getattr(config, "max_position_embeddings", 0) or model_cfg.max_context)
         self.arch = (config.architectures or [config.model_type])[0]
         self._snapshots: OrderedDict[str, str] = OrderedDict()  # directory@mtime -> adapter name, LRU order
+        self._trained: dict[str, list[torch.nn.Parameter]] = {}  # training clients' adapters
         self._counter = 0
 
     # -- adapters ---------------------------------------------------------------------------------
 
-    def _add(self, name: str, peft_cfg) -> None:
-        from peft import get_peft_model
-
-        if self.model is self.base:
-            self.model = get_peft_model(self.base, peft_cfg, adapter_name=name, autocast_adapter_dtype=False)
-        else:
-            self.model.add_adapter(name, peft_cfg)
-        self.model.eval()
-
     def create(self, name: str, *, rank: int, targets: list[str], seed: int | None) -> None:
         """A new LoRA adapter ``name`` (rank ``rank``, alpha = 32 as Tinker's, on ``targets``); with
-        ``seed`` its initialisation is reproducible (peft draws lora_A from torch's generator, B = 0)."""
-        from peft import LoraConfig
-
-        cfg = LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
-            self._add(name, cfg)
+        ``seed`` its initialisation is reproducible."""
+        self.model = named_adapters.add_lora(self.model, name, rank=rank, alpha=32, targets=targets, seed=seed)
+        self._trained[name] = named_adapters.parameters(self.model, name)
 
     def create_from(self, name: str, directory: Path) -> None:
         """A new trainable adapter ``name`` with the config and weights saved in ``directory``."""
-        from peft import PeftConfig
-
-        self._add(name, PeftConfig.from_pretrained(str(directory)))
-        self.load_weights(name, directory)
+        self.model = named_adapters.add_saved(self.model, name, directory, trainable=True)
+        self._trained[name] = named_adapters.parameters(self.model, name)
 
     def drop(self, name: str) -> None:
-        """Delete adapter ``name`` (peft keeps at least one adapter: the last one stays, inactive)."""
-        if len(self.model.peft_config) > 1:
-            self.model.delete_adapter(name)
+        """Delete adapter ``name``."""
+        self._trained.pop(name, None)
+        named_adapters.drop(self.model, name)
 
     def load_weights(self, name: str, directory: Path) -> None:
         """Put the weights saved in ``directory`` into adapter ``name``.
@@ -107,40 +94,33 @@ class Adapters:
         Raises:
             UserError: the saved adapter's shapes do not fit (another rank or other layers).
         """
-        from peft import set_peft_model_state_dict
-
-        saved = load_file(str(directory / WEIGHTS_FILE))
-        mine = self.state_dict(name)
-        if set(saved) != set(mine) or any(saved[k].shape != mine[k].shape for k in saved):
-            raise UserError(f"the checkpoint at {directory} is an adapter of another shape (LoRA rank or "
-                            "layers) than this training client's; load it with create_training_client_from_state")
-        set_peft_model_state_dict(self.model, saved, adapter_name=name)
-
-    def state_dict(self, name: str) -> dict[str, torch.Tensor]:
-        """Adapter ``name``'s weights under peft's saved names (no adapter name in them)."""
-        from peft import get_peft_model_state_dict
-
-        # the LoRA weights only: a LoRA on a tied LM head would otherwise carry the whole embedding too
-        return get_peft_model_state_dict(self.model, adapter_name=name, save_embedding_layers=False)
+        try:
+            named_adapters.load_weights(self.model, name, directory)
+        except ModelLoadError as e:
+            raise UserError(f"{e}; load it with create_training_client_from_state") from e
 
     def parameters(self, name: str) -> list[torch.nn.Parameter]:
-        """Adapter ``name``'s parameters (peft names them ``...lora_A.<name>.weight``)."""
-        return [p for n, p in self.model.named_parameters() if f".{name}." in n]
+        """Adapter ``name``'s parameters."""
+        return named_adapters.parameters(self.model, name)
 
     def rank(self, name: str) -> int:
         return int(self.model.peft_config[name].r)
 
+    def targets(self, name: str) -> list[str]:
+        return sorted(self.model.peft_config[name].target_modules)
+
     @contextlib.contextmanager
     def use(self, name: str | None):
-        """Run the block with adapter ``name`` active (None: the base model, adapters off). Only
-        the active adapter's parameters require gradients inside it."""
-        if name is None:
-            ctx = self.model.disable_adapter() if self.model is not self.base else contextlib.nullcontext()
-            with ctx:
-                yield self.model
+        """Run the block with adapter ``name`` active (None: the base model, adapters off)
+        (:func:`~plainrl.models.adapter_policy`); a training client's adapter requires gradients
+        inside it (adding another adapter makes peft freeze every inactive one)."""
+        if self.model is self.base:  # no adapter yet: the base is all there is
+            yield self.model
             return
-        self.model.set_adapter(name)
-        yield self.model
+        for p in self._trained.get(name, ()):
+            p.requires_grad_(True)
+        with adapter_policy(self.model, name):
+            yield self.model
 
     def snapshot(self, directory: Path) -> str:
         """The adapter name of the sampler checkpoint in ``directory``, loaded (frozen) if it is not."""
@@ -153,12 +133,7 @@ class Adapters:
             self.drop(old)
         self._counter += 1
         name = f"s{self._counter}"
-        from peft import PeftConfig
-
-        self._add(name, PeftConfig.from_pretrained(str(directory)))
-        self.load_weights(name, directory)
-        for p in self.parameters(name):
-            p.requires_grad_(False)
+        self.model = named_adapters.add_saved(self.model, name, directory, trainable=False)
         self._snapshots[key] = name
         return name
 

@@ -305,8 +305,7 @@ class Service:
             if target is None:
                 name = f"m{next(self._adapter_ids)}"
                 self.adapters.create_from(name, directory / "final")
-                target = self._register(model_id, name, self.adapters.rank(name),
-                                        sorted(self.adapters.model.peft_config[name].target_modules))
+                target = self._register(model_id, name, self.adapters.rank(name), self.adapters.targets(name))
             else:
                 self.adapters.load_weights(target.adapter, directory / "final")
                 target.optimizer.masters_from_params()  # 16-bit adapters: the masters follow the loaded weights
