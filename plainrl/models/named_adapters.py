@@ -1,7 +1,7 @@
 """Several LoRA adapters on one base model, each under its own name (``plainrl tinker``: one
 per training client and per loaded sampler checkpoint), created, filled, saved and dropped
-here; computed with through :func:`plainrl.models.loading.adapter_policy`, which switches the
-active adapter without peft's ``set_adapter`` (that call also flips ``requires_grad``).
+here; computed with through :func:`active` (:func:`plainrl.models.loading.adapter_policy`, which
+switches the active adapter without peft's ``set_adapter``: that call also flips ``requires_grad``).
 
 peft names an adapter's parameters ``...lora_A.<name>.weight``; its saved state dicts carry no
 adapter name, so a directory saved from one name loads into another.
@@ -9,11 +9,13 @@ adapter name, so a directory saved from one name loads into another.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 
 from plainrl.models.errors import ModelLoadError
+from plainrl.models.loading import adapter_policy
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -88,6 +90,19 @@ def state_dict(model: torch.nn.Module, name: str) -> dict[str, torch.Tensor]:
 
     # the LoRA weights only: a LoRA on a tied LM head would otherwise carry the whole embedding too
     return get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
+
+
+@contextlib.contextmanager
+def active(model: torch.nn.Module, name: str | None, *, trainable: bool = False):
+    """Compute with adapter ``name`` (None: the base, adapters off) within the block
+    (:func:`~plainrl.models.loading.adapter_policy`); with ``trainable`` its parameters require
+    gradients there (peft freezes every inactive adapter when one is added or adapters are
+    enabled again, so a flag set at creation does not last)."""
+    if name is not None and trainable:
+        for p in parameters(model, name):
+            p.requires_grad_(True)
+    with adapter_policy(model, name):
+        yield model
 
 
 def parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:

@@ -21,7 +21,7 @@ import torch
 from plainrl.checkpoint.files import torch_load
 from plainrl.config import ModelConfig
 from plainrl.durable import write_atomic
-from plainrl.models import ModelLoadError, adapter_policy, load_policy, load_tokenizer, resolve_model_path, save_policy
+from plainrl.models import ModelLoadError, load_policy, load_tokenizer, resolve_model_path, save_policy
 from plainrl.models import named_adapters
 from plainrl.models.portable import describe_base
 from plainrl.tinker.errors import UserError
@@ -67,7 +67,7 @@ class Adapters:
         self.context = int(getattr(config, "max_position_embeddings", 0) or model_cfg.max_context)
         self.arch = (config.architectures or [config.model_type])[0]
         self._snapshots: OrderedDict[str, str] = OrderedDict()  # directory@mtime -> adapter name, LRU order
-        self._trained: dict[str, list[torch.nn.Parameter]] = {}  # training clients' adapters
+        self._trained: set[str] = set()  # training clients' adapters (the rest: frozen sampler snapshots)
         self._counter = 0
 
     # -- adapters ---------------------------------------------------------------------------------
@@ -76,16 +76,16 @@ class Adapters:
         """A new LoRA adapter ``name`` (rank ``rank``, alpha = 32 as Tinker's, on ``targets``); with
         ``seed`` its initialisation is reproducible."""
         self.model = named_adapters.add_lora(self.model, name, rank=rank, alpha=32, targets=targets, seed=seed)
-        self._trained[name] = named_adapters.parameters(self.model, name)
+        self._trained.add(name)
 
     def create_from(self, name: str, directory: Path) -> None:
         """A new trainable adapter ``name`` with the config and weights saved in ``directory``."""
         self.model = named_adapters.add_saved(self.model, name, directory, trainable=True)
-        self._trained[name] = named_adapters.parameters(self.model, name)
+        self._trained.add(name)
 
     def drop(self, name: str) -> None:
         """Delete adapter ``name``."""
-        self._trained.pop(name, None)
+        self._trained.discard(name)
         named_adapters.drop(self.model, name)
 
     def load_weights(self, name: str, directory: Path) -> None:
@@ -111,15 +111,12 @@ class Adapters:
 
     @contextlib.contextmanager
     def use(self, name: str | None):
-        """Run the block with adapter ``name`` active (None: the base model, adapters off)
-        (:func:`~plainrl.models.adapter_policy`); a training client's adapter requires gradients
-        inside it (adding another adapter makes peft freeze every inactive one)."""
+        """Run the block with adapter ``name`` active (None: the base model, adapters off); a
+        training client's adapter requires gradients inside it (:func:`~plainrl.models.named_adapters.active`)."""
         if self.model is self.base:  # no adapter yet: the base is all there is
             yield self.model
             return
-        for p in self._trained.get(name, ()):
-            p.requires_grad_(True)
-        with adapter_policy(self.model, name):
+        with named_adapters.active(self.model, name, trainable=name in self._trained):
             yield self.model
 
     def snapshot(self, directory: Path) -> str:
