@@ -52,30 +52,10 @@ async def _parse(request: Request, cls: type[pydantic.BaseModel]):
         raise UserError(f"{request.url.path}: the body is not a {cls.__name__}: {e}") from e
 
 
-async def _healthz(s: Service, request: Request) -> Response:
-    return _json(types.HealthResponse(status="ok"))
-
-
 async def _capabilities(s: Service, request: Request) -> Response:
     models = [types.SupportedModel(model_name=n, max_context_length=s.adapters.context, trainable=True,
                                    sampleable=True) for n in s.model_names]
     return _json(types.GetServerCapabilitiesResponse(supported_models=models))
-
-
-async def _client_config(s: Service, request: Request) -> Response:
-    # httpx transport, API keys (no JWT exchange), fwd/bwd chunks sent one after another (the
-    # worker runs them in arrival order), plain retrieve_future polling for samples
-    return _json(types.ClientConfigResponse(
-        use_pyqwest_transport=False, pjwt_auth_enabled=False, parallel_fwdbwd_chunks=False,
-        sample_use_retrieve_futures=False, custom_loss_server_side=False, sample_join_sampling_session=False))
-
-
-async def _dynamic_config(s: Service, request: Request) -> Response:
-    return _json(types.ClientDynamicConfigResponse())
-
-
-async def _telemetry(s: Service, request: Request) -> Response:
-    return _json(types.TelemetryResponse(status="accepted"))
 
 
 async def _create_session(s: Service, request: Request) -> Response:
@@ -96,10 +76,6 @@ async def _finish_session(s: Service, request: Request) -> Response:
     return Response(status_code=204)
 
 
-async def _create_model(s: Service, request: Request) -> Response:
-    return _json(s.create_model(await _parse(request, types.CreateModelRequest)))
-
-
 async def _get_info(s: Service, request: Request) -> Response:
     return _json(s.info((await _parse(request, types.GetInfoRequest)).model_id))
 
@@ -116,10 +92,6 @@ async def _forward_backward(s: Service, request: Request) -> Response:
     s.model(call.model_id)
     check_call(call, vocab_size=s.adapters.vocab_size, context=s.adapters.context, stability=s.stability)
     return _json(s.forward_backward(call))
-
-
-async def _optim_step(s: Service, request: Request) -> Response:
-    return _json(s.optim_step(await _parse(request, types.OptimStepRequest)))
 
 
 async def _save_state(s: Service, request: Request) -> Response:
@@ -144,10 +116,6 @@ async def _save_for_sampler(s: Service, request: Request) -> Response:
         return types.SaveWeightsForSamplerResponseInternal(path=path, sampling_session_id=sampler.sampler_id)
 
     return _json(s.submit(work, req.model_id))
-
-
-async def _load_weights(s: Service, request: Request) -> Response:
-    return _json(s.load(await _parse(request, types.LoadWeightsRequest)))
 
 
 async def _create_sampling_session(s: Service, request: Request) -> Response:
@@ -227,23 +195,48 @@ async def _weights_info(s: Service, request: Request) -> Response:
 
 Handler = Callable[[Service, Request], Awaitable[Response]]
 
+
+async def _constant(answer: pydantic.BaseModel, s: Service, request: Request) -> Response:
+    return _json(answer)
+
+
+async def _call(cls: type[pydantic.BaseModel], method: Callable[[Service, Any], Any], s: Service,
+                request: Request) -> Response:
+    """``method(s, request)`` on the body parsed as ``cls``."""
+    return _json(method(s, await _parse(request, cls)))
+
+
+def _static(answer: pydantic.BaseModel) -> Handler:
+    return functools.partial(_constant, answer)
+
+
+def _typed(cls: type[pydantic.BaseModel], method: Callable[[Service, Any], Any]) -> Handler:
+    return functools.partial(_call, cls, method)
+
+
+# httpx transport, API keys (no JWT exchange), fwd/bwd chunks sent one after another (the worker
+# runs them in arrival order), plain retrieve_future polling for samples
+_CLIENT_CONFIG = types.ClientConfigResponse(
+    use_pyqwest_transport=False, pjwt_auth_enabled=False, parallel_fwdbwd_chunks=False,
+    sample_use_retrieve_futures=False, custom_loss_server_side=False, sample_join_sampling_session=False)
+
 # (path, handler, method): the SDK's endpoints
 ROUTES: list[tuple[str, Handler, str]] = [
-    ("/api/v1/healthz", _healthz, "GET"),
+    ("/api/v1/healthz", _static(types.HealthResponse(status="ok")), "GET"),
     ("/api/v1/get_server_capabilities", _capabilities, "GET"),
-    ("/api/v1/client/config", _client_config, "POST"),
-    ("/api/v1/client/dynamic_config", _dynamic_config, "POST"),
-    ("/api/v1/telemetry", _telemetry, "POST"),
+    ("/api/v1/client/config", _static(_CLIENT_CONFIG), "POST"),
+    ("/api/v1/client/dynamic_config", _static(types.ClientDynamicConfigResponse()), "POST"),
+    ("/api/v1/telemetry", _static(types.TelemetryResponse(status="accepted")), "POST"),
     ("/api/v1/create_session", _create_session, "POST"),
     ("/api/v1/session_heartbeat", _heartbeat, "POST"),
     ("/api/v1/sessions/{session_id}/finish", _finish_session, "POST"),
-    ("/api/v1/create_model", _create_model, "POST"),
+    ("/api/v1/create_model", _typed(types.CreateModelRequest, Service.create_model), "POST"),
     ("/api/v1/get_info", _get_info, "POST"),
     ("/api/v1/forward_backward", _forward_backward, "POST"),
-    ("/api/v1/optim_step", _optim_step, "POST"),
+    ("/api/v1/optim_step", _typed(types.OptimStepRequest, Service.optim_step), "POST"),
     ("/api/v1/save_weights", _save_state, "POST"),
     ("/api/v1/save_weights_for_sampler", _save_for_sampler, "POST"),
-    ("/api/v1/load_weights", _load_weights, "POST"),
+    ("/api/v1/load_weights", _typed(types.LoadWeightsRequest, Service.load), "POST"),
     ("/api/v1/create_sampling_session", _create_sampling_session, "POST"),
     ("/api/v1/samplers/{sampler_id}", _get_sampler, "GET"),
     ("/api/v1/asample", _asample, "POST"),
