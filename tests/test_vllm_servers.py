@@ -2,9 +2,9 @@
 one-step-off async training with an exact resume from its in-flight batch, a server killed
 with SIGKILL mid-rollout (its requests finish on the other), and a server shut down by SIGTERM
 under a training run: the server exits cleanly, the run ends with a clear error within 60 s and an
-engine's later calls name the URL. The first tests share the session's pooled pair of servers
-(tests/conftest.py::ServerPool; the pool restarts the one the SIGKILL test kills if a later test
-needs it); the last starts and stops its own. Runs under `make test-vllm`."""
+engine's later calls name the URL. The tests share the session's pooled pair of servers
+(tests/conftest.py::ServerPool; the pool restarts the ones the SIGKILL and SIGTERM tests end if a
+later test needs them). Runs under `make test-vllm`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
 
-from conftest import POOLED_KV_CACHE, chat_prompt_ids, learner_logps, start_server, wait_healthy  # noqa: E402
+from conftest import chat_prompt_ids, learner_logps  # noqa: E402
 
 from plainrl.checkpoint import verify  # noqa: E402
 from plainrl.config import ModelConfig  # noqa: E402
@@ -210,14 +210,12 @@ def test_a_server_killed_mid_rollout_its_requests_finish_on_the_other(servers):
         engine.close()
 
 
-def test_a_server_shut_down_under_a_run_exits_cleanly_and_the_run_ends_within_60_s(tmp_path):
-    logs = tmp_path / "serve"
-    logs.mkdir()
-    proc, url = start_server(logs / "server.log", POOLED_KV_CACHE)
+def test_a_server_shut_down_under_a_run_exits_cleanly_and_the_run_ends_within_60_s(serve_pool, tmp_path):
+    # the pooled server is shut down here: the pool starts a new one for any later test that asks
+    [(proc, url)] = serve_pool.get()
     run_dir = tmp_path / "run"
     train = None
     try:
-        wait_healthy(proc, url)
         train = _train(run_dir, [url], "train.steps=500", "checkpoint.every=1", wait=False)
         deadline = time.monotonic() + 600
         while not (run_dir / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
