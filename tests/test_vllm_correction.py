@@ -1,11 +1,13 @@
 """The off-policy correction on vLLM under a nucleus sampler: one `plainrl serve` from the
 session's pool, a run one step off-policy at rollout.top_p 0.9 (what made the geometric mask
 reject every sequence, and the run train on nothing, while vLLM's logprobs were of the filtered
-distribution and the learner's were not)."""
+distribution and the learner's were not). Runs under `make test-vllm`; skipped where vLLM is not installed."""
 
 import pytest
 
-from conftest import demo_steps_with_engine
+pytest.importorskip("vllm", reason="vLLM is not installed in this venv; `make test-vllm` runs these tests")
+
+from conftest import demo_steps_with_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
