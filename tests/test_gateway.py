@@ -43,15 +43,17 @@ class ScriptedEngine:
         self.batches.append(len(prompts))
         out = []
         for p in prompts:
-            context = self.tok.decode(p)
-            text = ANSWER if "<|im_start|>tool" in context or "<tool_response>" in context else TOOL_CALL
-            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            ids = self.tok(self.reply(self.tok.decode(p)), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
             ids = ids[: params.max_new_tokens]
             lps = [-0.01 * (k + 1) - 0.001 * len(p) for k in range(len(ids))]
             reason = "eos" if ids[-1] == self.tok.eos_token_id else "length"
             out.append(Generation(ids, lps, reason))
             self.calls.append((list(p), out[-1], params))
         return out
+
+    def reply(self, context: str) -> str:
+        """The scripted text for a prompt whose decoded ``context`` is given."""
+        return ANSWER if "<|im_start|>tool" in context or "<tool_response>" in context else TOOL_CALL
 
     def load_weights(self, model):
         pass

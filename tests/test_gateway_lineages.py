@@ -13,8 +13,7 @@ import pytest
 
 from plainrl.rollout.gateway import Gateway
 from plainrl.rollout.multiturn import env_metrics
-from plainrl.types import Generation
-from test_gateway import rollout, spans
+from test_gateway import ScriptedEngine, rollout, spans
 
 TURNS = 12
 REPLY = "Sure, noted."
@@ -23,30 +22,11 @@ NOTE = ("Here is what I found in the logs today: the nightly job ran twice, the 
         "first run's output, and the report that went out in the morning mixed figures from both runs.")
 
 
-class ReplyEngine:
-    """A real Engine-protocol object that answers every prompt with :data:`REPLY` and EOS
-    (distinct logprobs per call), after ``delay_s``; records every call and batch."""
+class ReplyEngine(ScriptedEngine):
+    """The gateway tests' scripted engine answering every prompt with :data:`REPLY` and EOS."""
 
-    def __init__(self, tokenizer, delay_s: float = 0.0):
-        self.tok, self.delay_s, self.calls, self.batches = tokenizer, delay_s, [], []
-
-    def generate(self, prompts, params, *, seeds=None):
-        if self.delay_s:
-            import time
-
-            time.sleep(self.delay_s)
-        self.batches.append(len(prompts))
-        out = []
-        for p in prompts:
-            ids = (self.tok(REPLY, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])
-            ids = ids[: params.max_new_tokens]
-            out.append(Generation(ids, [-0.01 * (k + 1) - 0.001 * len(p) for k in range(len(ids))],
-                                  "eos" if ids[-1] == self.tok.eos_token_id else "length"))
-            self.calls.append((list(p), out[-1]))
-        return out
-
-    def load_weights(self, model):
-        pass
+    def reply(self, context: str) -> str:
+        return REPLY
 
 
 def run(tokenizer, agent, *, budget=4000, delay_s=0.0):
@@ -92,7 +72,7 @@ def test_a_long_conversation_with_side_calls_trains_one_lineage_fed_about_once(t
     assert all(len(spans(e)) == 1 for e in ep.earlier)
     # every sampled token trained exactly once, as sampled
     trained = sorted(ids for e in (*ep.earlier, ep) for ids, _ in spans(e))
-    assert trained == sorted(list(g.token_ids) for _, g in engine.calls)
+    assert trained == sorted(list(g.token_ids) for _, g, _ in engine.calls)
     # the learner's tokens within 1.2x the episode's distinct tokens (what is re-fed: the title
     # calls' shared system prompt; re-feeding the history on every call after a side call made them ~6x)
     assert info["tokens_fed"] == sum(len(e.prompt_ids) + len(e.completion_ids) for e in (*ep.earlier, ep))
@@ -107,7 +87,7 @@ def test_calls_marked_not_trained_are_answered_and_recorded_in_no_segment(tokeni
     assert ep.env.error is None
     assert info["segments"] == 1 and info["untrained_calls"] == TURNS - 1
     assert info["generate_calls"] == 2 * TURNS - 1 == len(engine.calls)
-    assert [ids for ids, _ in spans(ep)] == [list(g.token_ids) for p, g in engine.calls
+    assert [ids for ids, _ in spans(ep)] == [list(g.token_ids) for p, g, _ in engine.calls
                                              if "three words" not in tokenizer.decode(p)]
     assert info["tokens_fed"] == info["tokens_distinct"]  # nothing re-fed
 
@@ -148,7 +128,7 @@ def test_parallel_calls_of_one_key_run_together_and_each_is_recorded(tokenizer):
     assert ep.env.info["segments"] == 3
     samples = [*ep.earlier, ep]
     assert sorted(len(spans(e)) for e in samples) == [1, 1, 2]
-    assert sorted(ids for e in samples for ids, _ in spans(e)) == sorted(list(g.token_ids) for _, g in engine.calls)
+    assert sorted(ids for e in samples for ids, _ in spans(e)) == sorted(list(g.token_ids) for _, g, _ in engine.calls)
 
 
 async def budget_agent(llm, row):
