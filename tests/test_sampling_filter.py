@@ -77,17 +77,22 @@ def test_the_embedded_engine_records_the_filtered_distributions_logprobs(model, 
                                                                                               abs=0.05)
 
 
+def _nucleus_episodes(model, tokenizer, max_new_tokens: int, seeds: list[int]) -> list[Episode]:
+    """Two groups of two episodes sampled by the embedded engine at top_p=0.5 from ``model``."""
+    prompts = _prompts(tokenizer) * 2
+    gens = HFEngine(model, tokenizer, batch_size=4).generate(
+        prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=0.5), seeds=seeds)
+    return [Episode(sample_id=str(i), group=i % 2, row={}, prompt_ids=p, completion_ids=g.token_ids,
+                    logprobs=g.logprobs, loss_mask=[1] * len(g.token_ids), finish_reason=g.finish_reason)
+            for i, (p, g) in enumerate(zip(prompts, gens))]
+
+
 @pytest.mark.parametrize("learner_top_p, masked", [(0.5, 0.0), (1.0, 1.0)])
 def test_the_learner_takes_the_behaviour_ratio_after_the_samplers_filter(model, tokenizer, learner_top_p, masked):
     """Samples at top_p=0.5 from the learner's own weights: the ratio after the same filter is 1 and
     the geometric mask keeps everything; an unfiltered learner sees every ratio near 0.5 (the nucleus
     mass), and the mask [0.99, 1.01] drops every sequence: the run that trained on nothing."""
-    engine = HFEngine(model, tokenizer, batch_size=4)
-    prompts = _prompts(tokenizer) * 2
-    gens = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0, top_p=0.5), seeds=[5, 6, 7, 8])
-    eps = [Episode(sample_id=str(i), group=i % 2, row={}, prompt_ids=p, completion_ids=g.token_ids,
-                   logprobs=g.logprobs, loss_mask=[1] * len(g.token_ids), finish_reason=g.finish_reason)
-           for i, (p, g) in enumerate(zip(prompts, gens))]
+    eps = _nucleus_episodes(model, tokenizer, 5, [5, 6, 7, 8])
     cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
                              "model.lora.enabled=false", "algorithm.correction.methods=[token_tis,geometric_mask]",
                              f"rollout.top_p={learner_top_p}"])
@@ -113,12 +118,7 @@ def test_a_sampler_filter_with_sglang_servers_is_refused():
 def test_several_passes_compare_the_engine_with_the_filtered_learner_too(model, tokenizer):
     """Two mini-batches recompute pi_old before the first step: rollout/logprob_diff (and the ratio)
     use its filtered logprobs, with or without a correction, so a nucleus sampler reads as on-policy."""
-    engine = HFEngine(model, tokenizer, batch_size=4)
-    prompts = _prompts(tokenizer) * 2
-    gens = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.5), seeds=[1, 2, 3, 4])
-    eps = [Episode(sample_id=str(i), group=i % 2, row={}, prompt_ids=p, completion_ids=g.token_ids,
-                   logprobs=g.logprobs, loss_mask=[1] * len(g.token_ids), finish_reason=g.finish_reason)
-           for i, (p, g) in enumerate(zip(prompts, gens))]
+    eps = _nucleus_episodes(model, tokenizer, 4, [1, 2, 3, 4])
     for methods in ("[]", "[token_tis]"):
         cfg = load_config(None, ["data.task=arithmetic", "rewards=[{fn: plainrl.rewards.builtins:correctness}]",
                                  "model.lora.enabled=false", f"algorithm.correction.methods={methods}",
