@@ -58,12 +58,16 @@ demo: $(STAMP)
 	$(VENV)/bin/plainrl train examples/arithmetic_grpo.yaml
 
 # each test within 30 s (set-up, call, tear-down) unless tests/conftest.py::SLOW_TESTS gives it
-# its own budget and reason: the session fails otherwise, naming the tests over budget
+# its own budget and reason: the session fails otherwise, naming the tests over budget.
+# TEST_WORKERS pytest-xdist processes, a test file each at a time (module fixtures built once), one
+# thread each: most tests are Python-bound or wait on subprocesses, so two workers on two cores
+# take ~0.6x the time of one (docs: CONTRIBUTING.md); TEST_WORKERS=0 runs in this process
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	@# the embedded model's one-time conversion into plainrl's cache (a minute on a new machine), here
 	@# rather than in whichever test first loads it
 	$(PY) -c "from plainrl.models import resolve_model_path as r; r('smollm2-135m-instruct')"
-	PLAINRL_TEST_BUDGET_S=30 $(PY) -m pytest -q -ra --durations=15
+	OMP_NUM_THREADS=1 PLAINRL_TEST_BUDGET_S=30 $(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 # the wheel as a user installs it: built, installed in a fresh venv outside the checkout, a packaged
 # example run by name from an empty directory for one step (.ci/wheel_check)

@@ -22,23 +22,44 @@ def tokenizer():
     return load_tokenizer(os.environ.get("PLAINRL_TEST_TOKENIZER", "smollm2-135m-instruct"))
 
 
+def once_per_run(tmp_path_factory, name: str, build) -> Path:
+    """The directory ``name`` that ``build(directory)`` filled, built once for the whole test run:
+    under pytest-xdist (`make test` runs two workers) every worker gets the one the first built,
+    the others waiting on a file lock, so a session fixture's cost is paid once, not per worker."""
+    import os
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's temporary root, shared by its workers (a new one each run)
+    d, done = base / name, base / f"{name}.done"
+    with FileLock(str(base / f"{name}.lock")):
+        if not done.exists():
+            d.mkdir(exist_ok=True)
+            build(d)
+            done.touch()
+    return d
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     """A 2-layer, hidden-64 Llama with the real tokenizer, saved as a HF directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(cfg)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return d
+    def build(d: Path) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        LlamaForCausalLM(cfg).save_pretrained(d)
+        tokenizer.save_pretrained(d)
+
+    return once_per_run(tmp_path_factory, "tiny-llama", build)
 
 
 def tiny_overrides(model_dir: Path, run_dir: Path) -> list[str]:
@@ -76,7 +97,10 @@ SLOW_TESTS: dict[str, tuple[float, str]] = {
     "tests/test_distributed.py::test_four_rank_hsdp_update_equals_one_process": (
         80, "HSDP needs a 2x2 mesh: 4 ranks and the launcher, each importing torch and transformers"),
     "tests/test_distill.py::test_two_rank_distillation_equals_one_process": (
-        80, "the first caller pays the one 2-rank launch that checks every DDP/FSDP2 update case (7 cases)"),
+        80, "the first caller pays the one 2-rank launch that checks every DDP/FSDP2 update case (7 cases); "
+            "under pytest-xdist the other waits for it"),
+    "tests/test_distributed.py::test_two_rank_ddp_and_fsdp2_update_equals_one_process": (
+        80, "the same 2-rank launch as the distillation test's, paid by whichever of the two runs first"),
     "tests/test_faults.py::test_signal_checkpoints_and_exits_75_then_resumes": (
         90, "three training processes: stopped by SIGTERM, resumed and stopped by SIGINT, resumed to the end"),
     "tests/test_kill.py::test_sigkill_then_resume_equals_the_uninterrupted_run_and_leaves_no_process": (
@@ -128,8 +152,8 @@ def pytest_sessionfinish(session, exitstatus):
     import os
 
     budget = os.environ.get("PLAINRL_TEST_BUDGET_S")
-    if not budget:
-        return
+    if not budget or hasattr(session.config, "workerinput"):
+        return  # pytest-xdist: the controller, which receives every worker's reports, judges
     over = {n: s for n, s in _TEST_SECONDS.items() if s > _budget_of(n, float(budget))}
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if over and reporter is not None:
@@ -156,10 +180,11 @@ def two_rank_updates(tiny_model_dir, tmp_path_factory) -> dict:
     fine-tuning under DDP with the optimizer offloaded."""
     from test_distributed import torchrun
 
-    out = tmp_path_factory.mktemp("dist-update") / "updates.pt"
-    torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(out),
-             env={"DIST_CASES": "lora,full,critic,dpo,sft,gkd", "DIST_STRATEGIES": "ddp,fsdp2,ddp-offload:full"})
-    return torch.load(out, weights_only=False)
+    def launch(d: Path) -> None:
+        torchrun(str(REPO / "tests" / "dist_update.py"), str(tiny_model_dir), str(d / "updates.pt"),
+                 env={"DIST_CASES": "lora,full,critic,dpo,sft,gkd", "DIST_STRATEGIES": "ddp,fsdp2,ddp-offload:full"})
+
+    return torch.load(once_per_run(tmp_path_factory, "dist-update", launch) / "updates.pt", weights_only=False)
 
 
 class Preempted(Exception):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import socket
 import subprocess
@@ -21,6 +20,7 @@ psutil = pytest.importorskip("psutil")
 
 from plainrl.rollout import sandbox  # noqa: E402
 from plainrl.rollout.sandbox import api as sandbox_api  # noqa: E402
+from plainrl.rollout.sandbox import uids as sandbox_uids  # noqa: E402
 from plainrl.rollout.sandbox import ExecResult, SandboxUnavailableError, run_python  # noqa: E402
 
 SLACK_S = 2.0  # the least slack past a run's timeout, however fast the machine
@@ -46,19 +46,45 @@ def budget(units: float, least: float) -> float:
     return max(least, units * UNIT_S)
 
 
+_MADE_DIRS: list[str] = []  # every per-run directory this process's run_python made
+
+
+@pytest.fixture(autouse=True)
+def _record_sandbox_dirs(monkeypatch):
+    """Record the directories run_python makes, so that the leak checks look at this process's
+    own: another test process on the machine (pytest-xdist's other worker, a trainer's tool
+    calls) makes and removes its own at any moment."""
+    real = tempfile.mkdtemp
+
+    def recording(*args, **kwargs):
+        made = real(*args, **kwargs)
+        if os.path.basename(made).startswith(sandbox.TMP_PREFIX):
+            _MADE_DIRS.append(made)
+        return made
+
+    monkeypatch.setattr(sandbox_api.tempfile, "mkdtemp", recording)
+
+
 def _sandbox_tmpdirs() -> set[str]:
-    return set(glob.glob(os.path.join(sandbox_api._tmp_base(), sandbox.TMP_PREFIX + "*")))
+    """This process's per-run directories still on disk."""
+    return {d for d in _MADE_DIRS if os.path.exists(d)}
+
+
+def _own_uid(uid: int) -> bool:
+    """A sandbox uid of this process's runs (uids.py: UID_BASE + pid block + slot), not of
+    another process's sandboxes running beside it."""
+    return (uid - sandbox.UID_BASE) >> 8 == os.getpid() & sandbox_uids._PID_MASK
 
 
 def _leftovers(roots: list[int]) -> list[str]:
     """Processes still present (zombies included) from the given sandbox sessions,
-    or running under any sandbox uid."""
+    or running under a sandbox uid of this process's runs."""
     bad = []
     for p in psutil.process_iter(["pid", "uids", "status", "name"]):
         try:
             pid = p.info["pid"]
             uids = p.info["uids"]
-            if uids is not None and sandbox.UID_BASE <= uids.real < 2 * sandbox.UID_BASE:
+            if uids is not None and sandbox.UID_BASE <= uids.real < 2 * sandbox.UID_BASE and _own_uid(uids.real):
                 bad.append(f"{pid} {p.info['name']} uid={uids.real} {p.info['status']}")
                 continue
             if roots and (os.getpgid(pid) in roots or os.getsid(pid) in roots):
