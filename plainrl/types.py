@@ -24,6 +24,9 @@ class SamplingParams:
     produced the stop string are kept (token-exact bookkeeping). ``stop_token_ids``
     None ends a completion at the model's EOS ids; a tuple ends it at those ids only
     (the EOS then does not stop it; ``()``: nothing but ``max_new_tokens`` does), the id kept.
+    ``structured_outputs``: vLLM's structured outputs (``{"json": SCHEMA}`` or
+    ``{"json_object": true}``) as JSON text, the completion constrained to match (None: free);
+    only engines whose ``structured_outputs`` attribute is True (vLLM's) take it.
     """
 
     max_new_tokens: int = 64
@@ -32,6 +35,7 @@ class SamplingParams:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None
+    structured_outputs: str | None = None
 
 
 @dataclass

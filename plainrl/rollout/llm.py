@@ -96,6 +96,12 @@ class LLM:
         self._in_flight = 0
 
     @property
+    def structured_outputs(self) -> bool:
+        """Whether the engine takes ``SamplingParams.structured_outputs`` (vLLM's; the embedded engine does not)."""
+        engine = getattr(getattr(self._batcher, "calls", None), "engine", None)
+        return bool(getattr(engine, "structured_outputs", False))
+
+    @property
     def params(self) -> SamplingParams:
         """The run's sampling settings (a call may narrow ``max_new_tokens`` and add stop strings)."""
         return self._params

@@ -103,6 +103,9 @@ class PartialEngine:
             self._running += 1
             version = self.version
         try:
+            if params.structured_outputs is not None:  # whole (a push waits for it): see generate
+                gens = self.inner.generate(prompts, dataclasses.replace(params, max_new_tokens=budgets[0]), seeds=seeds)
+                return [(g, True) for g in gens], version
             if self.by == "abort":
                 return self.inner.generate_until(prompts, params, budgets=budgets, interrupt=self._interrupt,
                                                  seeds=seeds), version
@@ -127,7 +130,9 @@ class PartialEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  seeds: list[int] | None = None) -> list[Generation]:
         """Sample as the inner engine does, in pieces (module docstring); every returned
-        :class:`Generation` carries ``versions``, one per token."""
+        :class:`Generation` carries ``versions``, one per token. A structured-outputs request
+        (``params.structured_outputs``) is one piece, never continued: the grammar's state is the
+        sample's, which a continuation from token ids would restart."""
         toks: list[list[int]] = [[] for _ in prompts]
         lps: list[list[float]] = [[] for _ in prompts]
         vers: list[list[int]] = [[] for _ in prompts]

@@ -57,6 +57,7 @@ class RemoteEngine(GroupSync):
 
     backend = "vllm"
     interruptible = True
+    structured_outputs = True  # SamplingParams.structured_outputs: vLLM's structured outputs
     start_hint = START_HINT
     lora_endpoints = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 

@@ -4,6 +4,7 @@ vLLM's, and vLLM's finish reasons mapped back."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,8 @@ def sampling_kwargs(params: SamplingParams, *, n: int, seed: int | None) -> dict
     the embedded engine's. The stop string's tokens stay in ``token_ids`` as in the embedded
     engine; ``include_stop_str_in_output`` keeps the text consistent with them. Stop token
     ids replace the EOS (``ignore_eos``), as the embedded engine's ``stop_token_ids``.
+    ``params.structured_outputs`` becomes vLLM's ``structured_outputs`` (a dict: the JSON field
+    of the completions API; :func:`vllm_structured` makes the engine's own object of it).
     """
     kwargs = dict(
         n=n, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
@@ -74,6 +77,18 @@ def sampling_kwargs(params: SamplingParams, *, n: int, seed: int | None) -> dict
     )
     if params.stop_token_ids is not None:
         kwargs.update(stop_token_ids=list(params.stop_token_ids), ignore_eos=True)
+    if params.structured_outputs is not None:
+        kwargs["structured_outputs"] = json.loads(params.structured_outputs)
+    return kwargs
+
+
+def vllm_structured(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """:func:`sampling_kwargs` for ``vllm.SamplingParams`` in process: its ``structured_outputs``
+    dict as vLLM's ``StructuredOutputsParams``."""
+    if kwargs.get("structured_outputs") is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs = {**kwargs, "structured_outputs": StructuredOutputsParams(**kwargs["structured_outputs"])}
     return kwargs
 
 

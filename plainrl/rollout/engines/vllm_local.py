@@ -21,6 +21,7 @@ from plainrl.rollout.engines.requests import (
     lora_rank_slots,
     make_requests,
     sampling_kwargs,
+    vllm_structured,
 )
 from plainrl.rollout.engines.sync import AdapterVersions, SyncMode, policy_weights, to_safetensors
 from plainrl.rollout.engines.vllm_worker import WORKER_EXTENSION
@@ -125,6 +126,8 @@ class VLLMEngine:
         EngineError: vLLM is not installed.
     """
 
+    structured_outputs = True  # SamplingParams.structured_outputs: vLLM's structured outputs
+
     def __init__(self, args: dict[str, Any], *, sync: SyncMode, cpu_kv_cache_gb: float = 1.0):
         vllm = import_vllm()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cpu_kv_cache_gb))))
@@ -168,7 +171,7 @@ class VLLMEngine:
         self._wake()
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests],
-            [VSamplingParams(**sampling_kwargs(params, n=len(r.rows), seed=r.seed)) for r in requests],
+            [VSamplingParams(**vllm_structured(sampling_kwargs(params, n=len(r.rows), seed=r.seed))) for r in requests],
             lora_request=self._lora, use_tqdm=False,
         )
         out: list[Generation | None] = [None] * len(prompts)

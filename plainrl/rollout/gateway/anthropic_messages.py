@@ -12,7 +12,8 @@ dropped and counted). The reply (a ``text`` block and
 ``Message``; ``stream`` replays it as Anthropic's event stream. ``stop_reason``: ``tool_use``,
 ``max_tokens``, ``stop_sequence`` (a request's stop sequence, left out of the text as Anthropic
 does) or ``end_turn``. The key comes as ``x-api-key`` (or a bearer token); errors are
-Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
+Anthropic's ``{"type": "error", "error": {"type", "message"}}``. ``output_format`` (structured outputs)
+is honoured on vLLM engines and refused on the embedded one (:mod:`~plainrl.rollout.gateway.structured`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from plainrl.rollout.gateway.recorder import (
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import Message as ChatMessage
 from plainrl.rollout.gateway.schema import MediaPart, SamplingFields, StrictModel, json_kind, parts, tagged, tools_of
+from plainrl.rollout.gateway.structured import structured_outputs
 
 __all__ = ["CountTokensRequest", "MessagesRequest", "anthropic_tools", "count_tokens", "error_response", "messages"]
 
@@ -183,6 +185,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool | None = None
     thinking: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None  # structured outputs: plainrl.rollout.gateway.structured
 
 
 _CHAT = TypeAdapter(ChatMessage)
@@ -213,7 +216,9 @@ async def messages(episodes: Episodes, request: Request) -> Response:
                             stop=req.stop_sequences)
     stops = tuple(req.stop_sequences or ())
     done = await chat_call(episodes, request, llm, [template_message(m, fmt, renders) for m in chat], tools, choice,
-                           request_sampling(fields, llm.params), cut_stop=stops, train=trains(request, req.model),
+                           request_sampling(fields, llm.params, None,
+                                            structured_outputs(llm, req.output_format, "output_format")),
+                           cut_stop=stops, train=trains(request, req.model),
                            continue_final=True)  # a trailing assistant turn is Anthropic's prefill
     out = build_message(episodes.model, done, stops)
     if req.stream:

@@ -28,6 +28,7 @@ from plainrl.rollout.gateway.recorder import (
 from plainrl.rollout.gateway.responses import chat_chunks, chat_completion, completion, generate_response
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import ChatRequest, CompletionRequest, GenerateRequest
+from plainrl.rollout.gateway.structured import structured_outputs
 
 __all__ = ["chat", "completions", "generate", "models"]
 
@@ -39,7 +40,8 @@ async def chat(episodes: Episodes, request: Request) -> Response:
     fmt, renders = template_format(llm)
     c = req.tool_choice
     choice = ToolChoice(c) if isinstance(c, str) else ToolChoice("required", c.function.name) if c else ToolChoice()
-    sampling = request_sampling(req, llm.params, req.max_completion_tokens)
+    structured = structured_outputs(llm, req.response_format, "response_format", vllm=req.structured_outputs)
+    sampling = request_sampling(req, llm.params, req.max_completion_tokens, structured)
     messages = [template_message(m, fmt, renders) for m in req.messages]
     functions = [function_tool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
                  for t in req.tools or [] if isinstance(t, ChatCompletionFunctionTool)]
@@ -66,7 +68,8 @@ async def completions(episodes: Episodes, request: Request) -> Response:
             raise GatewayError(400, f"prompt: one prompt per request, got {len(prompt)}", param="prompt")
         prompt = prompt[0]
     ids = list(llm.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
-    sampling = request_sampling(req, llm.params)
+    structured = structured_outputs(llm, req.response_format, "response_format", vllm=req.structured_outputs)
+    sampling = request_sampling(req, llm.params, None, structured)
     turn = await model_call(episodes, request, llm, sampling,
                             llm.generate_turn(ids, sampling.params, stop_token_ids=sampling.stop_token_ids,
                                               train=trains(request, req.model)),
@@ -85,7 +88,7 @@ async def generate(episodes: Episodes, request: Request) -> Response:
     if req.stream:
         raise GatewayError(400, "stream is not supported on /inference/v1/generate", param="stream")
     sp = req.sampling_params
-    sampling = request_sampling(sp, llm.params)
+    sampling = request_sampling(sp, llm.params, None, structured_outputs(llm, None, "", vllm=sp.structured_outputs))
     turn = await model_call(episodes, request, llm, sampling,
                             llm.generate_turn(list(req.token_ids), sampling.params,
                                               stop_token_ids=sampling.stop_token_ids,

@@ -11,8 +11,10 @@ and ``local_shell`` as functions, the hosted ones dropped and counted). The outp
 item and one item per call parsed from the model's text) is built with the ``openai`` package's
 own types: ``Response`` and, for ``stream``, its event stream replayed from the finished
 response. ``previous_response_id`` continues a response of the same episode (kept while the
-episode lives, whatever ``store`` says); ``reasoning``, ``text``, ``include``, ``store`` and
-``parallel_tool_calls`` are accepted and ignored. ``return_token_ids`` (vLLM's extension)
+episode lives, whatever ``store`` says); ``text.format`` asks for structured outputs
+(:mod:`~plainrl.rollout.gateway.structured`: vLLM engines constrain the reply, the embedded
+engine refuses); ``reasoning``, ``include``, ``store`` and ``parallel_tool_calls`` are accepted
+and ignored. ``return_token_ids`` (vLLM's extension)
 adds ``prompt_token_ids`` and ``token_ids`` to the response.
 """
 
@@ -52,6 +54,7 @@ from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import (
     TAG_MARK, Message, OtherTool, SamplingFields, StrictModel, json_kind, parts, tagged, tools_of,
 )
+from plainrl.rollout.gateway.structured import structured_outputs
 
 __all__ = ["ResponsesRequest", "responses"]
 
@@ -208,6 +211,7 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # its format: plainrl.rollout.gateway.structured
 
 
 _MESSAGE = TypeAdapter(Message)
@@ -237,8 +241,11 @@ async def responses(episodes: Episodes, request: Request) -> HTTPResponse:
     c = req.tool_choice
     choice = ToolChoice(c) if isinstance(c, str) else ToolChoice("required", c.name) if isinstance(c, NamedFunction) \
         else ToolChoice()
+    fmt_of = (req.text or {}).get("format")
+    structured = structured_outputs(llm, fmt_of if isinstance(fmt_of, dict) else None, "text.format",
+                                    vllm=req.structured_outputs)
     done = await chat_call(episodes, request, llm, [template_message(m, fmt, renders) for m in validated], tools,
-                           choice, request_sampling(req, llm.params, req.max_output_tokens), param="input",
+                           choice, request_sampling(req, llm.params, req.max_output_tokens, structured), param="input",
                            train=trains(request, req.model), continue_final=_incomplete_last(req.input))
     out = build_response(episodes.model, req, done, tools)
     stored[out.id] = history + [done.reply.openai_message()]

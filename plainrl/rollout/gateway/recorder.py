@@ -182,6 +182,9 @@ async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: li
     if continue_final and messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         prefill, messages = messages[-1].get("content") or "", messages[:-1]
     prefix = forced_call_prefix(choice.mode if choice.name is None else None, choice.name, fmt) if functions else ""
+    if sampling.params.structured_outputs is not None and (prefix or prefill):
+        raise GatewayError(400, "structured outputs constrain the whole reply, so they cannot go with a forced tool "
+                                "call (tool_choice) or a continued assistant message", param="tool_choice")
     turn = await model_call(episodes, request, llm, sampling,
                             llm.chat_turn(messages, functions, sampling.params, reply=reply,
                                           stop_token_ids=sampling.stop_token_ids, prefix=prefill + prefix,

@@ -7,7 +7,8 @@ applied; each request that asked for something else counts once in
 ``rollout/sampling_overrides``. What does not change the distribution is honoured:
 ``max_tokens`` (up to the run's ``rollout.max_new_tokens``, a request asking for more counted
 as an override too, and the episode's room), ``stop`` strings (added to the run's) and
-``stop_token_ids``.
+``stop_token_ids``; structured outputs where the engine constrains decoding
+(:mod:`~plainrl.rollout.gateway.structured`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class RequestSampling:
     capped: int | None = None
 
 
-def request_sampling(req: SamplingFields, run: SamplingParams, max_tokens: int | None = None) -> RequestSampling:
+def request_sampling(req: SamplingFields, run: SamplingParams, max_tokens: int | None = None,
+                     structured: str | None = None) -> RequestSampling:
     """Map a request's fields onto the run's sampling settings.
 
     Args:
@@ -45,6 +47,7 @@ def request_sampling(req: SamplingFields, run: SamplingParams, max_tokens: int |
         run: the run's settings (``rollout.*``; greedy in evaluation).
         max_tokens: the request's completion limit when it has another name than ``max_tokens``
             (``max_completion_tokens``).
+        structured: the request's structured outputs (:func:`~plainrl.rollout.gateway.structured.structured_outputs`).
     Raises:
         GatewayError: 400 for ``n`` > 1 or an empty stop string.
     """
@@ -65,5 +68,5 @@ def request_sampling(req: SamplingFields, run: SamplingParams, max_tokens: int |
     capped = limit if limit is not None and limit > run.max_new_tokens else None
     params = dataclasses.replace(
         run, max_new_tokens=min(limit, run.max_new_tokens) if limit else run.max_new_tokens,
-        stop=tuple(dict.fromkeys(run.stop + stop)))
+        stop=tuple(dict.fromkeys(run.stop + stop)), structured_outputs=structured)
     return RequestSampling(params, tuple(req.stop_token_ids or ()), bool(overridden) or capped is not None, capped)

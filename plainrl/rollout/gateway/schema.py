@@ -188,6 +188,7 @@ class SamplingFields(StrictModel):
     seed: int | None = None
     n: int | None = Field(None, ge=1)
     return_token_ids: bool | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension: plainrl.rollout.gateway.structured
 
 
 class ChatRequest(SamplingFields):
@@ -205,6 +206,7 @@ class ChatRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool | None = None
+    response_format: dict[str, Any] | None = None  # plainrl.rollout.gateway.structured
 
 
 class CompletionRequest(SamplingFields):
@@ -216,6 +218,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5)
     stream: bool | None = None
     echo: bool | None = None
+    response_format: dict[str, Any] | None = None  # plainrl.rollout.gateway.structured
 
 
 class GenerateSampling(SamplingFields):
