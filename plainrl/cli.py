@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -122,7 +123,8 @@ def _cmd_tinker(args) -> int:
         # the service reads no rows and scores nothing, but a config must name both to validate
         overrides[:0] = ["run_dir=runs/tinker", "data.task=arithmetic",
                          "rewards=[{fn: 'plainrl.rewards.builtins:correctness'}]"]
-    serve(load_config(config, overrides), host=args.host, port=args.port)
+    api_key = args.api_key or os.environ.get("TINKER_API_KEY") or None
+    serve(load_config(config, overrides), host=args.host, port=args.port, api_key=api_key)
     return 0
 
 
@@ -225,9 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "base_url=...) trains LoRA adapters of the config's model (docs/tinker.md)")
     p.add_argument("config", nargs="?", help="a YAML config or packaged example (default: the embedded model)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.name=... run_dir=...")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: the API has no "
-                                                       "authentication, any client can train and read checkpoints)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: without --api-key any "
+                                                       "client can train and read checkpoints)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="answer only clients that send this key (it starts with tml-); "
+                                                   "default $TINKER_API_KEY; neither: any tml- key")
     p.set_defaults(func=_cmd_tinker)
     p = sub.add_parser("report", help="a self-contained HTML report of one or several runs (curves overlaid, "
                                       "eval, config diff, rollout browser, errors)")

@@ -20,6 +20,7 @@ from plainrl.config.algorithm import (  # noqa: F401  (re-exported)
 from plainrl.config.chat import ChatTemplateKwargs
 from plainrl.config.curriculum import CurriculumConfig
 from plainrl.config.rollout import BUILTIN_ENVS, RemoteConfig, RolloutConfig, VLLMConfig, agent_budget  # noqa: F401
+from plainrl.config.tinker import TinkerConfig
 from plainrl.config.train import TrainConfig, strategy_problem
 
 ENV_REWARD = "plainrl.rollout.envs:env_reward"  # Episode.env.reward: an environment's (or agent's) own reward
@@ -313,6 +314,8 @@ class Config(_Section):
     """TensorBoard, the progress line, rollouts written per step, the HTML report, Weights & Biases."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Resumable checkpoints under `run_dir/checkpoints`."""
+    tinker: TinkerConfig = Field(default_factory=TinkerConfig)
+    """`plainrl tinker`'s sessions and sampler snapshots (other commands ignore it)."""
     _notes: list[str] = PrivateAttr(default_factory=list)  # what loading chose for the user; printed with the config
 
     @property

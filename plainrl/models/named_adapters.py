@@ -55,6 +55,23 @@ def add_saved(model: torch.nn.Module, name: str, directory: Path, *, trainable: 
     return model
 
 
+def add_copy(model: torch.nn.Module, name: str, source: str) -> torch.nn.Module:
+    """A new frozen adapter ``name`` holding a copy of adapter ``source``'s config and weights as
+    they are now (a snapshot that later steps of ``source`` leave as it was).
+
+    Returns:
+        the peft model, as :func:`add_lora`.
+    """
+    import copy
+
+    from peft import set_peft_model_state_dict
+
+    weights = {k: v.detach().clone() for k, v in state_dict(model, source).items()}
+    model = _add(model, name, copy.deepcopy(model.peft_config[source]), trainable=False)
+    set_peft_model_state_dict(model, weights, adapter_name=name)
+    return model
+
+
 def _add(model: torch.nn.Module, name: str, peft_cfg, *, trainable: bool) -> torch.nn.Module:
     from peft import get_peft_model
 

@@ -83,6 +83,17 @@ class Adapters:
         self.model = named_adapters.add_saved(self.model, name, directory, trainable=True)
         self._trained.add(name)
 
+    def copy(self, source: str, name: str) -> None:
+        """A frozen adapter ``name`` holding adapter ``source``'s weights as they are now (an
+        ephemeral sampler's snapshot, kept in memory)."""
+        self.model = named_adapters.add_copy(self.model, name, source)
+
+    def forget(self, directory: Path) -> None:
+        """Drop the snapshot loaded from ``directory`` (about to be deleted), if one is loaded."""
+        key = checkpoint_key(directory)
+        if key in self._snapshots:
+            self.drop(self._snapshots.pop(key))
+
     def drop(self, name: str) -> None:
         """Delete adapter ``name``."""
         self._trained.discard(name)

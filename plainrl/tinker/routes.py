@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import uuid
@@ -25,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tinker import types
 
+from plainrl.tinker.checkpoints import list_checkpoints, training_run, training_runs
 from plainrl.tinker.errors import UserError, not_found
 from plainrl.tinker.sampling import check_sample
 from plainrl.tinker.service import Service
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 20.0  # under the SDK's 45 s timeout of a retrieve_future call
 PROTOBUF = "application/x-protobuf"
+HEALTH = "/api/v1/healthz"  # answered without an API key (a liveness probe's)
 
 
 def _json(model: Any, status: int = 200) -> JSONResponse:
@@ -53,7 +56,9 @@ async def _parse(request: Request, cls: type[pydantic.BaseModel]):
 
 
 async def _capabilities(s: Service, request: Request) -> Response:
-    models = [types.SupportedModel(model_name=n, max_context_length=s.adapters.context, trainable=True,
+    # what both training (the model's context) and sampling (the servers' under remote) take
+    context = min(s.adapters.context, s.sample_context)
+    models = [types.SupportedModel(model_name=n, max_context_length=context, trainable=True,
                                    sampleable=True) for n in s.model_names]
     return _json(types.GetServerCapabilitiesResponse(supported_models=models))
 
@@ -65,8 +70,8 @@ async def _create_session(s: Service, request: Request) -> Response:
 
 async def _heartbeat(s: Service, request: Request) -> Response:
     req = await _parse(request, types.SessionHeartbeatRequest)
-    if req.session_id not in s.sessions:
-        return _error(f"session {req.session_id!r} has finished or never existed", 410)
+    if req.session_id not in s.sessions:  # the SDK stops its heartbeats on a 410
+        return _error(f"session {req.session_id!r} has ended or never existed", 410)
     s.check_session(req.session_id)
     return _json(types.SessionHeartbeatResponse())
 
@@ -102,18 +107,18 @@ async def _save_state(s: Service, request: Request) -> Response:
 
 async def _save_for_sampler(s: Service, request: Request) -> Response:
     req = await _parse(request, types.SaveWeightsForSamplerRequest)
-    session_id = req.model_id.split(":", 1)[0]
-    if req.path is None and req.sampling_session_seq_id is None:
-        raise UserError("save_weights_for_sampler: give path (a name) or sampling_session_seq_id")
+    if req.path is None:  # save_weights_and_get_sampling_client: an ephemeral snapshot
+        if req.sampling_session_seq_id is None:
+            raise UserError("save_weights_for_sampler: give path (a name) or sampling_session_seq_id")
+        snapshot = s.save_ephemeral(req.model_id, req.sampling_session_seq_id)
+        return _json(s.submit(lambda: types.SaveWeightsForSamplerResponseInternal(
+            sampling_session_id=snapshot().sampler_id), req.model_id))
     run = s.save(req.model_id, "sampler_weights", req.path, with_optimizer=False)
 
     def work() -> types.SaveWeightsForSamplerResponseInternal:
         path, directory = run()
         s.publish(directory)
-        if req.path is not None:
-            return types.SaveWeightsForSamplerResponseInternal(path=path)
-        sampler = s.add_sampler(session_id, req.sampling_session_seq_id, path, None)
-        return types.SaveWeightsForSamplerResponseInternal(path=path, sampling_session_id=sampler.sampler_id)
+        return types.SaveWeightsForSamplerResponseInternal(path=path)
 
     return _json(s.submit(work, req.model_id))
 
@@ -143,7 +148,7 @@ async def _asample(s: Service, request: Request) -> Response:
                    if getattr(req, k)] + (["target_prompt_logprobs"] if req.target_prompt_logprobs else [])
     if unsupported:
         raise UserError(f"sample: {unsupported} are not computed by this service")
-    call = check_sample(req, vocab_size=s.adapters.vocab_size, context=s.adapters.context)
+    call = check_sample(req, vocab_size=s.adapters.vocab_size, context=s.sample_context)
     # the ids the SDK stamps on the sequences, by which stable_reinforce's provenance names them
     ids = [f"{uuid.uuid4().hex[:12]}:{i}" for i in range(call.num_samples)]
     fut = s.sample(sampler, call, record_as=ids if req.record_stability_info else None)
@@ -171,11 +176,11 @@ async def _retrieve_future(s: Service, request: Request) -> Response:
 
 
 async def _list_checkpoints(s: Service, request: Request) -> Response:
-    return _json(s.list_checkpoints(request.path_params["model_id"]))
+    return _json(list_checkpoints(s.root, request.path_params["model_id"]))
 
 
 async def _training_run(s: Service, request: Request) -> Response:
-    return _json(s.training_run(request.path_params["model_id"]))
+    return _json(training_run(s.root, request.path_params["model_id"]))
 
 
 async def _training_runs(s: Service, request: Request) -> Response:
@@ -183,7 +188,7 @@ async def _training_runs(s: Service, request: Request) -> Response:
         offset, limit = int(request.query_params.get("offset", 0)), int(request.query_params.get("limit", 20))
     except ValueError as e:
         raise UserError(f"training_runs: offset and limit are integers ({e})") from e
-    return _json(s.training_runs(offset, limit))
+    return _json(training_runs(s.root, offset, limit))
 
 
 async def _weights_info(s: Service, request: Request) -> Response:
@@ -222,7 +227,7 @@ _CLIENT_CONFIG = types.ClientConfigResponse(
 
 # (path, handler, method): the SDK's endpoints
 ROUTES: list[tuple[str, Handler, str]] = [
-    ("/api/v1/healthz", _static(types.HealthResponse(status="ok")), "GET"),
+    (HEALTH, _static(types.HealthResponse(status="ok")), "GET"),
     ("/api/v1/get_server_capabilities", _capabilities, "GET"),
     ("/api/v1/client/config", _static(_CLIENT_CONFIG), "POST"),
     ("/api/v1/client/dynamic_config", _static(types.ClientDynamicConfigResponse()), "POST"),
@@ -248,16 +253,27 @@ ROUTES: list[tuple[str, Handler, str]] = [
 ]
 
 
-async def _guarded(handler: Handler, s: Service, request: Request) -> Response:
-    """``handler``'s answer, or a bad request's :class:`UserError` as its 4xx."""
+def key_matches(expected: str | None, given: str | None) -> bool:
+    """Whether a request's ``X-API-Key`` (``given``) passes: any key when the service has none
+    (``expected`` None), else the same key (compared in constant time)."""
+    return expected is None or (given is not None and hmac.compare_digest(given.encode(), expected.encode()))
+
+
+async def _guarded(handler: Handler, s: Service, api_key: str | None, request: Request) -> Response:
+    """``handler``'s answer, or a bad request's :class:`UserError` as its 4xx; a 401 when the
+    service has ``api_key`` and the request's ``X-API-Key`` is not it."""
+    if not key_matches(api_key, request.headers.get("x-api-key")):
+        return _error("X-API-Key: not this service's API key (plainrl tinker --api-key or TINKER_API_KEY); give "
+                      "the same key to tinker.ServiceClient(api_key=...)", 401)
     try:
         return await handler(s, request)
     except UserError as e:
         return _error(str(e), e.status)
 
 
-def build_app(service: Service) -> Starlette:
-    """The Starlette app serving ``service``: :data:`ROUTES`, and the service closed on shutdown."""
+def build_app(service: Service, api_key: str | None = None) -> Starlette:
+    """The Starlette app serving ``service``: :data:`ROUTES` (with ``api_key``, each but the health
+    check answers only requests whose ``X-API-Key`` is that key), and the service closed on shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -266,6 +282,6 @@ def build_app(service: Service) -> Starlette:
         yield
         service.close()
 
-    routes = [Route(path, functools.partial(_guarded, handler, service), methods=[method])
-              for path, handler, method in ROUTES]
+    routes = [Route(path, functools.partial(_guarded, handler, service, None if path == HEALTH else api_key),
+                    methods=[method]) for path, handler, method in ROUTES]
     return Starlette(routes=routes, lifespan=lifespan)

@@ -18,12 +18,23 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
+import httpx
+
+from plainrl.rollout.engines.requests import EngineError
 from plainrl.rollout.engines.served import PushedWeights, ServedEngine
 from plainrl.tinker.adapters import Adapters, checkpoint_key
 from plainrl.tinker.sampling import SampleCall, engine_params, sequences
 
 ADAPTERS_LOADED = 8
+PROBE_TIMEOUT_S = 10.0
 BASE = ""  # the key of the base model's weights
+
+
+def served_context(entries: list[dict]) -> int | None:
+    """The least ``max_model_len`` of the servers' ``/v1/models`` entries of their model (vLLM's
+    and SGLang's field; an entry without it does not count; None: no entry has it)."""
+    lengths = [int(e["max_model_len"]) for e in entries if e.get("max_model_len") is not None]
+    return min(lengths) if lengths else None
 
 
 class ServedSampling:
@@ -41,6 +52,22 @@ class ServedSampling:
         self._current = BASE  # full: the key whose merged weights the servers hold (they start with the base)
         self._prefix = f"tinker-{uuid.uuid4().hex[:8]}"  # a server may outlive this process: names of its own
         self._count = 0
+
+    def context(self) -> int | None:
+        """The longest prompt plus completion every server takes: the least ``max_model_len`` their
+        ``/v1/models`` entries of the served model list (None: none lists one).
+
+        Raises:
+            EngineError: a server did not answer.
+        """
+        entries = []
+        for url, name in zip(self.engine.urls, self.engine.models):
+            try:
+                listed = self.engine.client.get(f"{url}/v1/models", timeout=PROBE_TIMEOUT_S).raise_for_status().json()
+            except httpx.HTTPError as e:
+                raise EngineError(f"inference server {url}: GET /v1/models failed ({e})") from e
+            entries += [m for m in listed.get("data", []) if m.get("id") == name]
+        return served_context(entries)
 
     def push(self, directory: Path | None) -> PushedWeights:
         """Make the servers hold the sampler checkpoint in ``directory`` (None: the base model),
@@ -69,6 +96,14 @@ class ServedSampling:
         pushed = self.engine.load_adapter(f"{self._prefix}-{self._count}", directory)
         self._loaded[key] = pushed
         return pushed
+
+    def forget(self, directory: Path) -> None:
+        """Unload the sampler checkpoint in ``directory`` (about to be deleted) from the servers,
+        if it is loaded there as an adapter of its own (``lora``; under ``full`` the servers keep
+        whatever they hold until the next push)."""
+        pushed = self._loaded.pop(checkpoint_key(directory), None)
+        if pushed is not None:
+            self.engine.unload_adapter(pushed.adapter)
 
     def sample(self, directory: Path | None, call: SampleCall) -> list[tuple[list[int], list[float], str]]:
         """``call``'s samples from the sampler in ``directory`` (None: the base), on the servers.

@@ -42,26 +42,50 @@ def build_service(cfg: Config):
                           "CONFIG` and rollout.remote.urls=[...]), not with vLLM in its own process")
     torch.manual_seed(cfg.seed)
     adapters = Adapters(cfg.model, resolve_device(cfg.device))
-    served = None
+    served = sample_context = None
     if cfg.rollout.engine == "remote":
         served = ServedSampling(adapter_servers(cfg.model, cfg.rollout, adapters.tokenizer), adapters)
+        sample_context = served.context()  # what the servers take, not what the model could
     return Service(adapters, Path(cfg.run_dir), model_names=model_names(cfg.model.name, adapters.base_ref.hub_id),
-                   config_yaml=dump_config(cfg), micro_batch_tokens=cfg.train.micro_batch_tokens, served=served)
+                   config_yaml=dump_config(cfg), micro_batch_tokens=cfg.train.micro_batch_tokens, served=served,
+                   sample_context=sample_context, session_expiry_s=cfg.tinker.session_expiry_s,
+                   ephemeral_samplers=cfg.tinker.ephemeral_samplers)
 
 
-def serve(cfg: Config, *, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve until interrupted; prints the base URL and the names of the model once listening."""
+def check_api_key(api_key: str | None) -> str | None:
+    """``api_key`` if the SDK can send it (it sends only keys starting ``tml-``).
+
+    Raises:
+        ConfigError: another key.
+    """
+    from plainrl.config import ConfigError
+
+    if api_key is not None and not api_key.startswith("tml-"):
+        raise ConfigError("--api-key / TINKER_API_KEY must start with 'tml-': the tinker SDK refuses other keys, so "
+                          "no client could send it")
+    return api_key
+
+
+def serve(cfg: Config, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
+    """Serve until interrupted; prints the base URL and the names of the model once listening.
+    With ``api_key`` (starting ``tml-``) only requests carrying it are answered; without, any key.
+
+    Raises:
+        ConfigError: an ``api_key`` the SDK cannot send, or as :func:`build_service`.
+    """
     import uvicorn
 
     from plainrl.tinker.routes import build_app
 
+    check_api_key(api_key)
     service = build_service(cfg)
-    config = uvicorn.Config(build_app(service), host=host, port=port, log_level="warning", access_log=False,
-                            timeout_keep_alive=75)
+    config = uvicorn.Config(build_app(service, api_key), host=host, port=port, log_level="warning",
+                            access_log=False, timeout_keep_alive=75)
     server = uvicorn.Server(config)
+    key = "the service's API key" if api_key else "'tml-local'"
     print(f"plainrl tinker: serving {service.model_names} at http://{host}:{port} "
           f"(checkpoints under {service.root}); tinker.ServiceClient(base_url='http://{host}:{port}', "
-          "api_key='tml-local')", flush=True)
+          f"api_key={key})", flush=True)
     try:
         server.run()
     finally:

@@ -24,10 +24,9 @@ import logging
 import re
 import shutil
 import threading
-import time
 import uuid
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +37,9 @@ from plainrl.durable import remove_stale_siblings, replace_dir, temp_sibling
 from plainrl.models.errors import ModelLoadError
 from plainrl.models.lora_targets import lora_target_modules
 from plainrl.tinker.adapters import Adapters, read_optimizer
+from plainrl.tinker.checkpoints import KINDS, model_dir
 from plainrl.tinker.errors import UserError, not_found
+from plainrl.tinker.lifecycle import ENDED_KEPT, EphemeralSamplers, Sessions, superseded
 from plainrl.tinker.sampling import SampleCall, prompt_logprobs, sample, topk_prompt_logprobs
 from plainrl.tinker.served import ServedSampling
 from plainrl.tinker.stability import StabilityRecords, session_of
@@ -48,19 +49,23 @@ from plainrl.tinker.wire import ForwardBackwardCall, encode_sample_response
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_KINDS = {"weights": "training", "sampler_weights": "sampler"}
 OPTIMIZER_FILE = "optimizer.pt"
 MAX_FUTURES = 10_000
 
 
 @dataclass
 class Sampler:
-    """A sampling session: the base model (``directory`` None) or a sampler checkpoint."""
+    """A sampling session: the base model, a sampler checkpoint (``directory``, its ``final/``), or
+    an ephemeral snapshot (``ephemeral``): the frozen in-memory adapter ``adapter`` on the embedded
+    engine, the checkpoint ``directory`` under ``ROOT/<model>/ephemeral/`` on servers."""
 
     sampler_id: str
     base_model: str
     model_path: str | None
     directory: Path | None
+    adapter: str | None = None
+    ephemeral: bool = False
+    freed: bool = False  # an ephemeral snapshot superseded (its weights are gone)
 
 
 class Service:
@@ -74,27 +79,41 @@ class Service:
         config_yaml: the service's config as YAML, written into every checkpoint as ``config.yaml``.
         micro_batch_tokens: padded tokens per forward/backward micro-batch.
         served: sampling on inference servers (None: the embedded engine on ``adapters``).
+        sample_context: the longest prompt plus ``max_tokens`` a sample may ask for (the servers'
+            context under ``served``); default the model's.
+        session_expiry_s: a session unheard of for longer ends and its state is freed (None: never).
+        ephemeral_samplers: the ``save_weights_and_get_sampling_client`` snapshots a training
+            client keeps (older ones are freed).
     """
 
     def __init__(self, adapters: Adapters, root: Path, *, model_names: list[str], config_yaml: str,
-                 micro_batch_tokens: int = 4096, served: ServedSampling | None = None):
+                 micro_batch_tokens: int = 4096, served: ServedSampling | None = None,
+                 sample_context: int | None = None, session_expiry_s: float | None = None,
+                 ephemeral_samplers: int = 4):
         self.adapters = adapters
         self.served = served
         self.config_yaml = config_yaml
-        self.root = Path(root)
+        self.root = Path(root).resolve()  # absolute: servers are handed checkpoint paths under it
         self.model_names = model_names
         self.base_model = model_names[0]
         self.micro_batch_tokens = micro_batch_tokens
-        self.sessions: dict[str, float] = {}  # id -> last heartbeat (time.time())
+        self.sample_context = sample_context or adapters.context
+        self.sessions = Sessions(session_expiry_s)
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.ephemeral = EphemeralSamplers(ephemeral_samplers)
+        self.freed_samplers: OrderedDict[str, None] = OrderedDict()  # superseded snapshots, the newest ENDED_KEPT
         self.futures: dict[str, concurrent.futures.Future] = {}
         self.stability = StabilityRecords()  # sequences sampled with record_stability_info (stable_reinforce)
         self._ids = itertools.count(1)
         self._adapter_ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._pending: Counter[str] = Counter()  # session -> its requests queued or running
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-worker")
         self._closed = False
+        self._stop = threading.Event()
+        if session_expiry_s is not None:
+            threading.Thread(target=self._expire_loop, name="tinker-expiry", daemon=True).start()
 
     def close(self) -> None:
         """Stop the worker (the process is exiting) and unload this service's adapters from the
@@ -102,37 +121,53 @@ class Service:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         self._worker.shutdown(wait=False, cancel_futures=True)
         if self.served is not None:
             self.served.close()
 
     # -- futures ----------------------------------------------------------------------------------
 
-    def submit(self, fn: Callable[[], Any], model_id: str | None = None) -> types.UntypedAPIFuture:
-        """Queue ``fn`` on the worker; the SDK's handle to its result."""
+    def submit(self, fn: Callable[[], Any], model_id: str | None = None,
+               session: str | None = None) -> types.UntypedAPIFuture:
+        """Queue ``fn`` on the worker; the SDK's handle to its result. The session (``session``,
+        else ``model_id``'s) does not expire while the work waits or runs, and is seen when it ends."""
+        session = session or (None if model_id is None else session_of(model_id))
         with self._lock:
             request_id = f"req-{next(self._ids)}"
-            self.futures[request_id] = self._worker.submit(fn)
+            if session is not None:
+                self._pending[session] += 1
+            future = self._worker.submit(fn)
+            self.futures[request_id] = future
             while len(self.futures) > MAX_FUTURES:
                 self.futures.pop(next(iter(self.futures)))
+        if session is not None:
+            future.add_done_callback(lambda _: self._done(session))
         return types.UntypedAPIFuture(request_id=request_id, model_id=model_id)
+
+    def _done(self, session: str) -> None:
+        with self._lock:
+            self._pending[session] -= 1
+            if self._pending[session] <= 0:
+                del self._pending[session]
+        self.sessions.seen(session)
 
     # -- sessions and models ----------------------------------------------------------------------
 
     def create_session(self) -> str:
-        session_id = uuid.uuid4().hex[:16]
-        self.sessions[session_id] = time.time()
-        return session_id
+        return self.sessions.create()
 
     def check_session(self, session_id: str) -> None:
-        if session_id not in self.sessions:
-            raise not_found("session", session_id, "create one with tinker.ServiceClient")
-        self.sessions[session_id] = time.time()
+        """Note a sign of life of ``session_id``; a 404 saying why if it has ended."""
+        self.sessions.touch(session_id)
 
     def model(self, model_id: str) -> TrainingModel:
+        """Training model ``model_id`` (its session is alive: a request of it counts as a heartbeat)."""
         tm = self.models.get(model_id)
         if tm is None:
+            self.check_session(session_of(model_id))  # an ended session says why
             raise not_found("training model", model_id, "create one with create_lora_training_client")
+        self.check_session(session_of(model_id))
         return tm
 
     def check_base(self, base_model: str | None) -> str:
@@ -171,7 +206,10 @@ class Service:
     def _register(self, model_id: str, adapter: str, rank: int, targets: list[str]) -> TrainingModel:
         tm = TrainingModel(model_id, adapter, self.base_model, rank, targets,
                            make_optimizer(self.adapters.parameters(adapter)))
-        self.models[model_id] = tm
+        with self._lock:
+            self.models[model_id] = tm
+        if session_of(model_id) not in self.sessions:  # it ended while this was queued
+            self.end_session(session_of(model_id), "")
         d = self.model_dir(model_id)
         d.mkdir(parents=True, exist_ok=True)
         (d / "training_run.json").write_text(json.dumps(
@@ -185,18 +223,47 @@ class Service:
             model_data=types.ModelData(arch=self.adapters.arch, model_name=self.base_model,
                                        tokenizer_id=self.adapters.local_path))
 
-    def finish_session(self, session_id: str) -> None:
-        """Drop the session's training models; their adapters are deleted on the worker."""
-        self.sessions.pop(session_id, None)
-        gone = [m for m in self.models if m.startswith(f"{session_id}:")]
-        names = [self.models.pop(m).adapter for m in gone]
+    def end_session(self, session_id: str, why: str) -> None:
+        """End ``session_id`` (``why``: for the error a later request of it gets): its training
+        models, their optimizer state and its samplers are dropped, their adapters and ephemeral
+        snapshots freed on the worker (after the work already queued)."""
+        self.sessions.end(session_id, why)
+        with self._lock:
+            models = [self.models.pop(m) for m in list(self.models) if session_of(m) == session_id]
+            samplers = [self.samplers.pop(x) for x in list(self.samplers) if session_of(x) == session_id]
+            for tm in models:
+                self.ephemeral.drop_model(tm.model_id)
+        for sp in samplers:
+            sp.freed = True
 
         def run() -> None:
-            for n in names:
-                self.adapters.drop(n)
+            for tm in models:
+                self.adapters.drop(tm.adapter)
+            for sp in samplers:
+                self._free(sp)
 
-        if names:
+        if models or samplers:
             self._worker.submit(run)
+
+    def finish_session(self, session_id: str) -> None:
+        """The client closed ``session_id``."""
+        self.end_session(session_id, "was closed")
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """End the sessions unheard of for longer than ``tinker.session_expiry_s`` (at ``now``,
+        ``time.monotonic()`` seconds; default now); their ids."""
+        with self._lock:  # a session whose work waits or runs is not idle
+            gone = [x for x in self.sessions.expired(now) if not self._pending.get(x)]
+        for session_id in gone:
+            self.end_session(session_id, f"missed its heartbeats for over {self.sessions.expiry_s:g} s "
+                                         "(tinker.session_expiry_s) and was ended")
+        if gone:
+            log.info("sessions expired: %s", gone)
+        return gone
+
+    def _expire_loop(self) -> None:
+        while not self._stop.wait(min(self.sessions.expiry_s / 4, 30.0)):
+            self.expire()
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -225,7 +292,7 @@ class Service:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def model_dir(self, model_id: str) -> Path:
-        return self.root / model_id.replace(":", "_")
+        return model_dir(self.root, model_id)
 
     def checkpoint_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
         if not _NAME.match(name):
@@ -240,7 +307,7 @@ class Service:
             UserError: not such a path, or no checkpoint there (404).
         """
         parts = tinker_path[len("tinker://"):].split("/") if tinker_path.startswith("tinker://") else []
-        if len(parts) != 3 or parts[1] not in _KINDS:
+        if len(parts) != 3 or parts[1] not in KINDS:
             raise UserError(f"path={tinker_path!r} is not a checkpoint path; give "
                             "tinker://<model_id>/weights/<name> or tinker://<model_id>/sampler_weights/<name>")
         _, directory = self.checkpoint_path(parts[0], parts[1], parts[2])
@@ -308,7 +375,12 @@ class Service:
                 target = self._register(model_id, name, self.adapters.rank(name), self.adapters.targets(name))
             else:
                 self.adapters.load_weights(target.adapter, directory / "final")
-                target.optimizer.masters_from_params()  # 16-bit adapters: the masters follow the loaded weights
+                # load_state: a fresh AdamW (zero moments); with the optimizer, the 16-bit adapters'
+                # masters follow the loaded weights before the saved state replaces them
+                if req.optimizer:
+                    target.optimizer.masters_from_params()
+                else:
+                    target.optimizer = make_optimizer(self.adapters.parameters(target.adapter))
             if req.optimizer:
                 state = read_optimizer(directory / OPTIMIZER_FILE)
                 target.optimizer.load_state_dict(state)
@@ -316,44 +388,6 @@ class Service:
             return types.LoadWeightsResponse(path=req.path, model_id=model_id)
 
         return self.submit(run, model_id)
-
-    def list_checkpoints(self, model_id: str) -> types.CheckpointsListResponse:
-        out = []
-        for kind, ctype in _KINDS.items():
-            base = self.model_dir(model_id) / kind
-            for d in sorted(base.iterdir()) if base.is_dir() else []:
-                if d.name.startswith(".") or not (d / "final" / "adapter_config.json").is_file():
-                    continue  # a temporary directory of a save under way
-                stat = d.stat()
-                out.append(types.Checkpoint(
-                    checkpoint_id=f"{kind}/{d.name}", checkpoint_type=ctype, tinker_path=f"tinker://{model_id}/{kind}/{d.name}",
-                    time=datetime.fromtimestamp(stat.st_mtime, tz=timezone.utc),
-                    size_bytes=sum(f.stat().st_size for f in d.rglob("*") if f.is_file())))
-        if not out and not self.model_dir(model_id).is_dir():
-            raise not_found("training run", model_id, "training run ids are the model_id of a training client")
-        return types.CheckpointsListResponse(checkpoints=out)
-
-    def training_run(self, model_id: str) -> types.TrainingRun:
-        """What ``RestClient.get_training_run`` returns, from ``ROOT/<model>/training_run.json`` and
-        the checkpoints there (so also for models of an earlier process)."""
-        record = self.model_dir(model_id) / "training_run.json"
-        if not record.is_file():
-            raise not_found("training run", model_id, "training run ids are the model_id of a training client")
-        info = json.loads(record.read_text())
-        ckpts = sorted(self.list_checkpoints(model_id).checkpoints, key=lambda c: c.time)
-        last = {t: next((c for c in reversed(ckpts) if c.checkpoint_type == t), None) for t in ("training", "sampler")}
-        return types.TrainingRun(
-            training_run_id=model_id, base_model=info["base_model"], model_owner="local", is_lora=True,
-            lora_rank=info["lora_rank"], last_request_time=datetime.fromtimestamp(record.stat().st_mtime, tz=timezone.utc),
-            last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"])
-
-    def training_runs(self, offset: int, limit: int) -> types.TrainingRunsResponse:
-        """Every training run under ROOT, newest first, ``limit`` of them from ``offset``."""
-        records = sorted(self.root.glob("*/training_run.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-        ids = [json.loads(r.read_text())["model_id"] for r in records]
-        runs = [self.training_run(i) for i in ids[offset : offset + limit]]
-        return types.TrainingRunsResponse(training_runs=runs,
-                                          cursor=types.Cursor(offset=offset, limit=limit, total_count=len(ids)))
 
     # -- sampling ---------------------------------------------------------------------------------
 
@@ -369,10 +403,68 @@ class Service:
         return sampler
 
     def sampler(self, sampler_id: str) -> Sampler:
+        """Sampler ``sampler_id`` (a request of it counts as its session's heartbeat).
+
+        Raises:
+            UserError: an unknown sampler, one of an ended session (404), a superseded snapshot (400).
+        """
         s = self.samplers.get(sampler_id)
         if s is None:
+            if sampler_id in self.freed_samplers:
+                raise superseded(sampler_id, self.ephemeral.kept)
+            if session_of(sampler_id) in self.sessions.ended:
+                self.check_session(session_of(sampler_id))
             raise not_found("sampling session", sampler_id, "create one with create_sampling_client")
+        if s.ephemeral:
+            self.check_session(session_of(sampler_id))
         return s
+
+    def save_ephemeral(self, model_id: str, seq: int) -> Callable[[], Sampler]:
+        """The work of ``save_weights_and_get_sampling_client``: a snapshot of ``model_id``'s
+        adapter as sampler ``<session>:sample:<seq>``, in memory (the embedded engine) or as a
+        checkpoint under ``ROOT/<model>/ephemeral/`` pushed to the servers; the training model's
+        snapshots beyond ``tinker.ephemeral_samplers`` are freed. Checked now."""
+        tm = self.model(model_id)
+        sampler_id = f"{session_of(model_id)}:sample:{seq}"
+        save = None if self.served is None else self.save(model_id, "ephemeral", str(seq), with_optimizer=False)
+
+        def run() -> Sampler:
+            if save is None:
+                name = f"e{next(self._adapter_ids)}"
+                self.adapters.copy(tm.adapter, name)
+                sampler = Sampler(sampler_id, self.base_model, None, None, adapter=name, ephemeral=True)
+            else:
+                _, directory = save()
+                self.publish(directory)
+                sampler = Sampler(sampler_id, self.base_model, None, directory / "final", ephemeral=True)
+            with self._lock:
+                self.samplers[sampler_id] = sampler
+                gone = [self.samplers.pop(x) for x in self.ephemeral.add(model_id, sampler_id) if x in self.samplers]
+                for old in gone:
+                    old.freed = True
+                    self.freed_samplers[old.sampler_id] = None
+                while len(self.freed_samplers) > ENDED_KEPT:
+                    self.freed_samplers.popitem(last=False)
+            for old in gone:
+                self._free(old)
+            if model_id not in self.models:  # its session ended while this was queued
+                self.end_session(session_of(model_id), "")
+            return sampler
+
+        return run
+
+    def _free(self, sampler: Sampler) -> None:
+        """Free an ephemeral snapshot's weights (on the worker): its in-memory adapter, or its
+        checkpoint directory and the servers' copy."""
+        if not sampler.ephemeral:
+            return
+        if sampler.adapter is not None:
+            self.adapters.drop(sampler.adapter)
+        elif sampler.directory is not None and sampler.directory.is_dir():
+            self.adapters.forget(sampler.directory)
+            if self.served is not None:
+                self.served.forget(sampler.directory)
+            shutil.rmtree(sampler.directory.parent, ignore_errors=True)
 
     def publish(self, directory: Path) -> None:
         """After ``save_weights_for_sampler`` wrote ``directory``: push it to the servers (on the
@@ -385,10 +477,13 @@ class Service:
         """Queue ``call`` on ``sampler``; with ``record_as`` (one sequence id per sample) what each
         sample drew is recorded in :attr:`stability` under its id (``record_stability_info``)."""
         def run() -> bytes:
+            if sampler.freed:  # superseded, or its session ended, while this waited
+                raise UserError(f"sampler {sampler.sampler_id!r} was freed while this request waited (a newer "
+                                "snapshot superseded it, or its session ended)")
             seqs = None if self.served is None else self.served.sample(sampler.directory, call)
             prompt_lp = topk = None
             if seqs is None or call.prompt_logprobs or call.topk:
-                name = None if sampler.directory is None else self.adapters.snapshot(sampler.directory)
+                name = sampler.adapter or (None if sampler.directory is None else self.adapters.snapshot(sampler.directory))
                 with self.adapters.use(name) as model:
                     if seqs is None:
                         seqs = sample(model, self.adapters.tokenizer, call)
@@ -400,4 +495,4 @@ class Service:
                 self.stability.record(sequence_id, session_of(sampler.sampler_id), call.prompt, tokens, logprobs)
             return encode_sample_response(seqs, prompt_lp, topk)
 
-        return self.submit(run)
+        return self.submit(run, session=session_of(sampler.sampler_id))
