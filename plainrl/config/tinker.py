@@ -9,12 +9,12 @@ from plainrl.config.base import _Section
 
 
 class TinkerConfig(_Section):
-    """`plainrl tinker`'s sessions and sampler snapshots (docs/tinker.md)."""
+    """`plainrl tinker`'s idle clients and sampler snapshots (docs/tinker.md)."""
 
     session_expiry_s: float | None = Field(300.0, gt=0)
-    """A `ServiceClient`'s session ends when nothing of it (a heartbeat, which the SDK sends every 10 s, or a request
-    of its clients) has reached the service for this long: its training clients' adapters and optimizer state and its
-    samplers are freed; null: sessions last until `close()` or the service stops."""
+    """A `ServiceClient` from which nothing (a heartbeat, which the SDK sends every 10 s, or a request of its clients)
+    has reached the service for this long, and none of whose requests waits, expires: its training clients' adapters
+    and optimizer state and its samplers are freed; null: it lasts until `close()` or the service stops."""
     ephemeral_samplers: int = Field(4, ge=1)
     """How many of a training client's newest `save_weights_and_get_sampling_client` snapshots it keeps; an older one
     is freed (sampling it is a 400 that says so)."""
