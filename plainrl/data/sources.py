@@ -181,7 +181,7 @@ def source_rows(ref: str, args: Mapping[str, Any] | None = None, *, split: str =
 
     Args:
         ref: ``package.module:fn`` or ``path/to/file.py:fn`` (imported as reward references are,
-            :func:`plainrl.rewards.loading.load_reward_fn`).
+            :func:`plainrl.user_code.load_callable`).
         args: keyword arguments of ``fn`` (``data.source_args``).
         split: the split taken from a ``DatasetDict``.
         max_rows: read at most this many rows.
@@ -193,12 +193,12 @@ def source_rows(ref: str, args: Mapping[str, Any] | None = None, *, split: str =
             returned something that is not a table of rows, a ``DatasetDict`` without ``split``, or no rows.
     """
     # the loader of every module:fn reference in a config (rewards, rollout.env, rollout.agent)
-    from plainrl.rewards.loading import RewardLoadError, load_reward_fn
+    from plainrl.user_code import UserCodeError, load_callable
 
     label = f"data.source {ref!r}"
     try:
-        fn = load_reward_fn(ref, what="data.source")
-    except RewardLoadError as e:
+        fn = load_callable(ref, what="data.source")
+    except UserCodeError as e:
         raise DataError(str(e)) from e
     args = dict(args or {})
     try:

@@ -18,15 +18,15 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from plainrl.rewards.loading import RewardLoadError
+from plainrl.user_code import UserCodeError
 
 __all__ = ["MissingExtra", "require"]
 
 
-class MissingExtra(RewardLoadError):
+class MissingExtra(UserCodeError):
     """An integration's library is not installed; the message names the extra that installs it.
 
-    A :class:`plainrl.rewards.loading.RewardLoadError` (so a ``ValueError``): the reference loaders
+    A :class:`plainrl.user_code.UserCodeError` (so a ``ValueError``): the reference loaders
     (``rewards``, ``data.source``, ``rollout.env``, ``rollout.agent``, ``eval.grader``) report it as
     the configuration error it is, before any model loads.
     """

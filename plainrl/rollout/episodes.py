@@ -33,7 +33,7 @@ def env_constructor(cfg: RolloutConfig) -> Callable[..., Any] | None:
     environment (:func:`plainrl.rollout.envs.classes.adapt_env_class`).
 
     Raises:
-        RewardLoadError: a ``module:fn`` reference that cannot be loaded, or a class that is no
+        UserCodeError: a ``module:fn`` reference that cannot be loaded, or a class that is no
             environment (before any model loads; the config already refused names that are neither
             built-in nor references).
     """
@@ -44,9 +44,9 @@ def env_constructor(cfg: RolloutConfig) -> Callable[..., Any] | None:
     builtins = {"calculator": CalculatorEnv, "python": functools.partial(PythonToolEnv, timeout_s=cfg.tool_timeout_s)}
     if cfg.env in builtins:
         return builtins[cfg.env]
-    from plainrl.rewards.loading import load_reward_fn
+    from plainrl.user_code import load_callable
 
-    target = load_reward_fn(cfg.env, what="rollout.env")
+    target = load_callable(cfg.env, what="rollout.env")
     if inspect.isclass(target):
         from plainrl.rollout.envs.classes import adapt_env_class
 
@@ -63,7 +63,7 @@ def make_env_factory(cfg: RolloutConfig):
     every call time-limited; call its ``close()`` when done); no worker starts here.
 
     Raises:
-        RewardLoadError: as :func:`env_constructor`.
+        UserCodeError: as :func:`env_constructor`.
     """
     factory = env_constructor(cfg)
     if factory is None or cfg.env_timeout_s is None:
@@ -101,7 +101,7 @@ def make_agent(cfg: RolloutConfig):
     """``rollout.agent`` -> the agent callable, or None.
 
     Raises:
-        RewardLoadError: the reference cannot be loaded or does not take ``(llm, row)``.
+        UserCodeError: the reference cannot be loaded or does not take ``(llm, row)``.
     """
     if cfg.agent is None:
         return None

@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 
 from plainrl.rollout.envs.base import EnvState, StepResult
 from plainrl.rollout.envs.tools import ToolEnv, function_schema, run_sync
-from plainrl.rewards.loading import RewardLoadError
+from plainrl.user_code import UserCodeError
 
 __all__ = ["ClassEnv", "EnvClassError", "adapt_env_class", "env_class_kind", "tool_methods"]
 
@@ -36,7 +36,7 @@ ACCEPTED = ("a plainrl Environment (reset(row), step(turn_text, state)), a TRL e
             "OpenEnv Environment subclass (docs/environments.md)")
 
 
-class EnvClassError(RewardLoadError):
+class EnvClassError(UserCodeError):
     """``rollout.env`` names a class that is none of the accepted kinds, or whose tools have no usable schema;
     reported as a configuration error before any model loads."""
 
