@@ -114,7 +114,8 @@ def test_openai_agent_with_a_tool_call_is_recorded_token_exactly(tokenizer):
     try:
         [ep] = rollout(engine, tokenizer, tool_agent, gateway=gateway)
         # the first request asked for temperature 0.7: the run's 1.0 won, and it was counted
-        assert gateway.take_metrics() == {"rollout/sampling_overrides": 1.0, "gateway/dropped_tools": 0.0}
+        assert gateway.take_metrics() == {"rollout/sampling_overrides": 1.0, "gateway/dropped_tools": 0.0,
+                                          "gateway/unparsed_tool_calls": 0.0}
     finally:
         gateway.close()
     assert ep.env.error is None and ep.env.reward == 1.0

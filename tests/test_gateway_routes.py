@@ -54,7 +54,8 @@ def test_completions_and_generate_routes_continue_the_episode(tokenizer):
     assert ep.logprobs[-len(choice["token_ids"]):] == [c["logprob"] for c in choice["logprobs"]["content"]]
     assert gen["prompt_token_ids"] == engine.calls[1][0]
     assert engine.calls[1][2].temperature == 1.0  # the run's, counted as an override
-    assert overrides == {"rollout/sampling_overrides": 1.0, "gateway/dropped_tools": 0.0}
+    assert overrides == {"rollout/sampling_overrides": 1.0, "gateway/dropped_tools": 0.0,
+                         "gateway/unparsed_tool_calls": 0.0}
 
 
 def test_a_plain_function_agent_uses_a_blocking_client(tokenizer):

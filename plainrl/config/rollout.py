@@ -184,6 +184,12 @@ class RolloutConfig(_Section):
     gateway_port: int = Field(0, ge=0, le=65535)
     """The agents' gateway's port on 127.0.0.1 (0: a free one). With `rollout.agent: online` its address and token are
     printed and written to `RUN_DIR/gateway.json`."""
+    tool_parser: Literal["auto", "hermes", "llama3_json", "qwen3_coder", "mistral", "deepseek_v3",
+                         "deepseek_v31"] = "auto"
+    """The format the agents' gateway reads tool calls in from the model's replies: `hermes` (`<tool_call>` JSON: Qwen
+    2.5/3, Hermes, SmolLM2), `llama3_json` (Llama 3.1-3.3), `qwen3_coder` (Qwen3-Coder's XML), `mistral`
+    (`[TOOL_CALLS]`), `deepseek_v3` / `deepseek_v31` (DeepSeek's tool-call tokens); `auto`: the one the chat template
+    writes (docs/agents.md, "Three dialects")."""
     max_concurrent_episodes: int | None = Field(None, gt=0)
     """Episodes in flight at once (`rollout.agent` and `rollout.env`); null: a whole step's."""
     agent_timeout_s: float | None = Field(600.0, gt=0)

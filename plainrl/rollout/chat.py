@@ -245,7 +245,9 @@ def render_chat_continuation(
 
 
 def _canonical(message: dict[str, Any], strip: bool) -> dict[str, Any]:
-    out = {k: v for k, v in message.items() if v is not None}
+    # reasoning is not compared: the tokens the model wrote are in the context whether or not a client
+    # sends its reasoning back (many drop it, or send it for the latest turn only)
+    out = {k: v for k, v in message.items() if v is not None and k != "reasoning_content"}
     content = out.pop("content", "")
     if isinstance(content, str):
         content = content.strip() if strip else content
@@ -273,5 +275,6 @@ def _call_key(call: Any) -> Any:
 def same_message(a: dict[str, Any], b: dict[str, Any], *, strip: bool = False) -> bool:
     """Whether two chat messages say the same: None-valued keys dropped, an empty ``content``
     equal to none, tool calls compared by function name and parsed arguments (ids and
-    ``type`` aside); ``strip``: contents compared without surrounding whitespace."""
+    ``type`` aside), ``reasoning_content`` aside; ``strip``: contents compared without
+    surrounding whitespace."""
     return a is b or _canonical(a, strip) == _canonical(b, strip)

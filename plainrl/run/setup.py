@@ -157,6 +157,7 @@ def multi_turn_settings(cfg: Config) -> MultiTurn | None:
 
         gateway = Gateway(model=cfg.model.name, max_model_len=cfg.model.max_context, port=r.gateway_port,
                           online=r.agent == "online")
+        gateway.episodes.tool_parser = r.tool_parser  # the format replies' tool calls are parsed in
     return MultiTurn(factory, r.max_turns, r.completion_budget, cfg.data.system_prompt, cfg.data.prompt_template,
                      max_live=live, agent=agent, max_context=cfg.model.max_context if agent else None,
                      timeout_s=r.agent_timeout_s if agent else None, max_in_flight=in_flight,

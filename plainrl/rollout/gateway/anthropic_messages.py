@@ -3,12 +3,14 @@
 What an agent built on the ``anthropic`` SDK (Claude-style harnesses) sends. A request becomes
 chat messages as ``/v1/chat/completions`` would get them (``system`` a system message; a user
 turn's ``tool_result`` blocks tool messages, then its text; an assistant turn's text and
-``tool_use`` blocks one assistant message with ``tool_calls``; ``thinking`` blocks dropped;
+``tool_use`` blocks one assistant message with ``tool_calls``, its ``thinking`` blocks the
+message's ``reasoning_content``;
 ``image`` and ``document`` blocks a 400), so a conversation trains on the same token ids in every
 dialect (:func:`~plainrl.rollout.gateway.recorder.chat_call`). Tools: :func:`anthropic_tools`
 (``bash_*`` and ``text_editor_*`` as functions with Anthropic's published schemas, server tools
-dropped and counted). The reply (a ``text`` block and
-``tool_use`` blocks parsed from the model's text) is the ``anthropic`` package's own
+dropped and counted). The reply (a ``thinking`` block with
+the ``<think>`` text of templates that write it, a ``text`` block and ``tool_use`` blocks parsed
+from the model's text) is the ``anthropic`` package's own
 ``Message``; ``stream`` replays it as Anthropic's event stream. ``stop_reason``: ``tool_use``,
 ``max_tokens``, ``stop_sequence`` (a request's stop sequence, left out of the text as Anthropic
 does) or ``end_turn``. The key comes as ``x-api-key`` (or a bearer token); errors are
@@ -22,7 +24,7 @@ import json
 import secrets
 from typing import Annotated, Any, Iterator, Literal, Union
 
-from anthropic.types import Message, RawMessageStreamEvent, TextBlock, ToolUseBlock, Usage
+from anthropic.types import Message, RawMessageStreamEvent, TextBlock, ThinkingBlock, ToolUseBlock, Usage
 from jinja2 import TemplateError
 from pydantic import Field, TypeAdapter
 from starlette.requests import Request
@@ -72,9 +74,11 @@ class ToolResult(StrictModel):
 
 
 class Thinking(StrictModel):
-    """A thinking block sent back; the gateway's replies have none, so it is dropped."""
+    """A thinking block sent back: its text becomes the assistant message's ``reasoning_content``
+    (a ``redacted_thinking`` block, which no model here writes, is dropped)."""
 
     type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
 
 
 class Media(MediaPart):
@@ -206,7 +210,7 @@ async def messages(episodes: Episodes, request: Request) -> Response:
     key = request.headers.get("x-api-key", "") or bearer_key(request)
     llm = episode(episodes, key, "llm.api_key, llm.anthropic_client(), llm.anthropic_env()")
     req = await parse_body(request, MessagesRequest)
-    fmt, renders = template_format(llm)
+    fmt, renders = template_format(llm, episodes.tool_parser)
     chat = [_CHAT.validate_python(m) for m in chat_messages(req)]
     tools = anthropic_tools(req.tools)
     c = req.tool_choice
@@ -233,7 +237,7 @@ async def count_tokens(episodes: Episodes, request: Request) -> Response:
     key = request.headers.get("x-api-key", "") or bearer_key(request)
     llm = episode(episodes, key, "llm.api_key, llm.anthropic_client(), llm.anthropic_env()")
     req = await parse_body(request, CountTokensRequest)
-    fmt, renders = template_format(llm)
+    fmt, renders = template_format(llm, episodes.tool_parser)
     chat = [template_message(_CHAT.validate_python(m), fmt, renders) for m in chat_messages(req)]
     prefill = ""
     if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
@@ -263,7 +267,9 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             calls = [{"id": b.id, "type": "function",
                       "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
                      for b in m.content if isinstance(b, ToolUse)]
-            out.append({"role": "assistant", "content": text or None, "tool_calls": calls or None})
+            thought = [b.thinking for b in m.content if isinstance(b, Thinking) and b.thinking is not None]
+            out.append({"role": "assistant", "content": text or None, "tool_calls": calls or None,
+                        **({"reasoning_content": "\n".join(thought)} if thought else {})})
             continue
         for b in m.content:  # a user turn: its tool results, then what the user wrote
             if isinstance(b, ToolResult):
@@ -284,7 +290,9 @@ def build_message(model: str, done: ChatCall, stops: tuple[str, ...]) -> Message
     """The ``Message`` for a recorded call: a ``text`` block (when the reply has text) and one
     ``tool_use`` block per parsed tool call, with Anthropic's ``stop_reason``."""
     turn, reply = done.turn, done.reply
-    content: list[Any] = [TextBlock(type="text", text=reply.content)] if reply.content else []
+    content: list[Any] = [ThinkingBlock(type="thinking", thinking=reply.reasoning, signature="")] \
+        if reply.reasoning is not None else []  # the <think> text (no signature: nothing here signs it)
+    content += [TextBlock(type="text", text=reply.content)] if reply.content else []
     content += [ToolUseBlock(type="tool_use", id=i, name=c.name, input=c.arguments) for i, c in reply.calls]
     c = turn.completion
     stop = next((s for s in stops if c.text.endswith(s)), None) if c.finish_reason == "stop" else None
@@ -311,6 +319,11 @@ def stream_events(done: Message) -> Iterator[str]:
         if isinstance(block, TextBlock):
             yield event("content_block_start", index=i, content_block={"type": "text", "text": ""})
             yield event("content_block_delta", index=i, delta={"type": "text_delta", "text": block.text})
+        elif isinstance(block, ThinkingBlock):
+            yield event("content_block_start", index=i, content_block={"type": "thinking", "thinking": "",
+                                                                       "signature": ""})
+            yield event("content_block_delta", index=i, delta={"type": "thinking_delta", "thinking": block.thinking})
+            yield event("content_block_delta", index=i, delta={"type": "signature_delta", "signature": ""})
         else:
             yield event("content_block_start", index=i,
                         content_block={"type": "tool_use", "id": block.id, "name": block.name, "input": {}})

@@ -33,15 +33,18 @@ class Episodes:
     Args:
         model: the model id responses name and ``GET /v1/models`` lists.
         max_model_len: the model's context, listed as ``max_model_len`` (None: unknown).
+        tool_parser: the tool-call format replies are parsed in (``rollout.tool_parser``; ``auto``:
+            the chat template's, :func:`~plainrl.rollout.gateway.toolcalls.tool_format`).
     """
 
-    def __init__(self, model: str, max_model_len: int | None = None) -> None:
-        self.model, self.max_model_len = model, max_model_len
+    def __init__(self, model: str, max_model_len: int | None = None, tool_parser: str = "auto") -> None:
+        self.model, self.max_model_len, self.tool_parser = model, max_model_len, tool_parser
         self._lock = threading.Lock()
         self._by_key: dict[str, weakref.ref[LLM]] = {}  # every key handed out; a dead ref: ended
         self._by_llm: weakref.WeakKeyDictionary[LLM, _Entry] = weakref.WeakKeyDictionary()
         self.sampling_overrides = 0  # requests whose temperature/top_p/top_k the run replaced
         self.dropped_tools = 0  # tools left out of requests: the vendor's hosted ones, unknown types
+        self.unparsed_tool_calls = 0  # call blocks in replies that did not parse (left in the content)
         self.cap_noted = False  # a request's max_tokens above rollout.max_new_tokens was printed (once a run)
 
     def key_for(self, llm: LLM) -> str:

@@ -37,7 +37,7 @@ async def chat(episodes: Episodes, request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     llm = episode(episodes, bearer_key(request))
     req = await parse_body(request, ChatRequest)
-    fmt, renders = template_format(llm)
+    fmt, renders = template_format(llm, episodes.tool_parser)
     c = req.tool_choice
     choice = ToolChoice(c) if isinstance(c, str) else ToolChoice("required", c.function.name) if c else ToolChoice()
     structured = structured_outputs(llm, req.response_format, "response_format", vllm=req.structured_outputs)

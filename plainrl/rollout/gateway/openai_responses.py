@@ -4,11 +4,12 @@ What the OpenAI Agents SDK's default model (``OpenAIResponsesModel``), Agno and 
 harnesses send. A request becomes chat messages as ``/v1/chat/completions`` would get them
 (``instructions`` a system message; ``input`` a user message, or items: messages,
 ``function_call`` items (and ``custom_tool_call``, ``local_shell_call``) merged into the assistant
-message before them, their outputs tool messages; ``reasoning`` items dropped, the model has
-none), so a conversation trains on the same token ids in either dialect
+message before them, their outputs tool messages; a ``reasoning`` item's text the next assistant
+message's ``reasoning_content``), so a conversation trains on the same token ids in either dialect
 (:func:`~plainrl.rollout.gateway.recorder.chat_call`). Tools: :func:`responses_tools` (``custom``
 and ``local_shell`` as functions, the hosted ones dropped and counted). The output (a ``message``
-item and one item per call parsed from the model's text) is built with the ``openai`` package's
+item, one item per call parsed from the model's text, and first a ``reasoning`` item with the
+``<think>`` text of templates that write it) is built with the ``openai`` package's
 own types: ``Response`` and, for ``stream``, its event stream replayed from the finished
 response. ``previous_response_id`` continues a response of the same episode (kept while the
 episode lives, whatever ``store`` says); ``text.format`` asks for structured outputs
@@ -33,6 +34,7 @@ from openai.types.responses import (
     ResponseFunctionToolCall,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
     ResponseStreamEvent,
     ResponseUsage,
 )
@@ -126,9 +128,10 @@ class LocalShellCallOutputItem(StrictModel):
 
 
 class ReasoningItem(StrictModel):
-    """A reasoning item sent back; the gateway's models write none, so it is dropped."""
+    """A reasoning item sent back: its text becomes the next assistant message's ``reasoning_content``."""
 
     type: Literal["reasoning"]
+    content: list[dict[str, Any]] | None = None
 
 
 def _item_kind(v: Any) -> str:
@@ -231,7 +234,7 @@ async def responses(episodes: Episodes, request: Request) -> HTTPResponse:
                                code="previous_response_not_found")
         history = stored[req.previous_response_id]
     history = history + chat_items(req.input)
-    fmt, renders = template_format(llm)
+    fmt, renders = template_format(llm, episodes.tool_parser)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     try:
         validated = [_MESSAGE.validate_python(m) for m in messages]
@@ -265,8 +268,21 @@ def chat_items(input: str | list[Any]) -> list[dict[str, Any]]:
         return [{"role": "user", "content": input}]
     out: list[dict[str, Any]] = []
     shell_ids: dict[str, str] = {}  # a local_shell_call's id -> its call_id (an output may name either)
+    thought: str | None = None  # a reasoning item's text, for the assistant message after it
     for item in input:
+        if isinstance(item, ReasoningItem):
+            thought = "\n".join(str(c.get("text", "")) for c in item.content or [] if c.get("type") == "reasoning_text")
+            continue
+        if thought is not None and (isinstance(item, (FunctionCallItem, CustomToolCallItem, LocalShellCallItem))
+                                    or (isinstance(item, MessageItem) and item.role == "assistant")):
+            if not (out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls")):
+                out.append({"role": "assistant", "content": None})
+            out[-1]["reasoning_content"], thought = thought, None
         if isinstance(item, MessageItem):
+            if item.role == "assistant" and out and out[-1]["role"] == "assistant" and out[-1]["content"] is None \
+                    and not out[-1].get("tool_calls"):  # the message the reasoning item before it opened
+                out[-1]["content"] = _text(item.content)
+                continue
             out.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, (FunctionCallItem, CustomToolCallItem, LocalShellCallItem)):
             name, arguments = _call_of(item)
@@ -317,6 +333,9 @@ def build_response(model: str, req: ResponsesRequest, done: ChatCall, tools: Too
     the episode's budget)."""
     turn, reply = done.turn, done.reply
     output: list[Any] = []
+    if reply.reasoning is not None:  # the <think> text, as a reasoning item (its text in content)
+        output.append(ResponseReasoningItem(id=_id("rs"), type="reasoning", summary=[], status="completed",
+                                            content=[{"type": "reasoning_text", "text": reply.reasoning}]))
     if reply.content:
         output.append(ResponseOutputMessage(
             id=_id("msg"), type="message", role="assistant", status="completed",
@@ -402,6 +421,11 @@ def stream_events(done: Response) -> Iterator[str]:
             yield event("response.output_item.added", output_index=i, item=item.model_copy(update={"input": ""}))
             yield event("response.custom_tool_call_input.delta", item_id=item.id, output_index=i, delta=item.input)
             yield event("response.custom_tool_call_input.done", item_id=item.id, output_index=i, input=item.input)
+        elif isinstance(item, ResponseReasoningItem):
+            text = item.content[0].text
+            yield event("response.output_item.added", output_index=i, item=item.model_copy(update={"content": []}))
+            yield event("response.reasoning_text.delta", item_id=item.id, output_index=i, content_index=0, delta=text)
+            yield event("response.reasoning_text.done", item_id=item.id, output_index=i, content_index=0, text=text)
         else:  # a local_shell_call: added whole
             yield event("response.output_item.added", output_index=i, item=item)
         yield event("response.output_item.done", output_index=i, item=item)

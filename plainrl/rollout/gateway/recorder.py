@@ -26,9 +26,11 @@ from starlette.requests import Request
 from plainrl.rollout.batcher import EngineFailure
 from plainrl.rollout.gateway.errors import GatewayError
 from plainrl.rollout.gateway.keys import Episodes
-from plainrl.rollout.gateway.messages import Reply, make_reply
+from plainrl.rollout.gateway.messages import Reply, emits_think, make_reply
 from plainrl.rollout.gateway.sampling import RequestSampling
-from plainrl.rollout.gateway.toolcalls import ToolFormat, forced_call_prefix, renders_tool_calls, tool_format
+from plainrl.rollout.gateway.toolcalls import (
+    ToolFormat, forced_call_prefix, renders_tool_calls, sample_text, tool_format,
+)
 from plainrl.rollout.llm import LLM, NO_TRAIN_HEADER, NO_TRAIN_SUFFIX, AgentCancelled, ContextLengthError, Turn
 
 __all__ = ["ChatCall", "ToolChoice", "ToolSet", "bearer_key", "chat_call", "episode", "function_tool", "model_call",
@@ -132,9 +134,10 @@ def episode(episodes: Episodes, key: str, how: str = "llm.api_key, llm.openai_cl
     raise GatewayError(401, f"unknown API key: use the episode's own ({how})", code="invalid_api_key")
 
 
-def template_format(llm: LLM) -> tuple[ToolFormat, bool]:
-    """The model's tool-call format and whether its chat template renders ``tool_calls``."""
-    return tool_format(llm.tokenizer), renders_tool_calls(llm.tokenizer)
+def template_format(llm: LLM, parser: str = "auto") -> tuple[ToolFormat, bool]:
+    """The model's tool-call format (``parser``: ``rollout.tool_parser``) and whether its chat
+    template renders ``tool_calls``."""
+    return tool_format(llm.tokenizer, parser), renders_tool_calls(llm.tokenizer)
 
 
 async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: list[dict[str, Any]],
@@ -166,22 +169,24 @@ async def chat_call(episodes: Episodes, request: Request, llm: LLM, messages: li
     if choice.name is not None and choice.name not in names:
         raise GatewayError(400, f"tool_choice names the function {choice.name!r}, which is not among the "
                                 f"request's tools {sorted(names)}", param="tool_choice")
-    fmt, renders = template_format(llm)
+    fmt, renders = template_format(llm, episodes.tool_parser)
     functions = list(tools.functions) or None
-    parse = bool(functions) and choice.mode != "none"
-    made: list[Reply] = []
-
-    def reply(c) -> dict[str, Any]:
-        text = c.text
-        if c.finish_reason == "stop":
-            text = next((text[: -len(s)] for s in cut_stop if text.endswith(s)), text)
-        made.append(make_reply(text, fmt, renders, parse))
-        return made[-1].template
-
+    parse, think = bool(functions) and choice.mode != "none", emits_think(llm.tokenizer)
     prefill = ""
     if continue_final and messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         prefill, messages = messages[-1].get("content") or "", messages[:-1]
     prefix = forced_call_prefix(choice.mode if choice.name is None else None, choice.name, fmt) if functions else ""
+    made: list[Reply] = []
+
+    def reply(c) -> dict[str, Any]:
+        marked = sample_text(llm.tokenizer, c.token_ids, fmt) if parse else None  # the call markers kept
+        text = c.text if marked is None else prefill + prefix + marked
+        if c.finish_reason == "stop":
+            text = next((text[: -len(s)] for s in cut_stop if text.endswith(s)), text)
+        made.append(make_reply(text, fmt, renders, parse, tools=functions, think=think))
+        episodes.unparsed_tool_calls += made[-1].unparsed
+        return made[-1].template
+
     if sampling.params.structured_outputs is not None and (prefix or prefill):
         raise GatewayError(400, "structured outputs constrain the whole reply, so they cannot go with a forced tool "
                                 "call (tool_choice) or a continued assistant message", param="tool_choice")

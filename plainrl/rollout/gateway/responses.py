@@ -76,8 +76,9 @@ def chat_completion(model: str, tokenizer, turn: Turn, reply: Reply, *, logprobs
 def chat_chunks(model: str, tokenizer, turn: Turn, reply: Reply, *, logprobs: bool, top_logprobs: int | None,
                 token_ids: bool, usage: bool) -> Iterator[str]:
     """The server-sent events of a streamed chat completion, replayed from the finished one:
-    the role, the content (with its logprobs), the tool calls, the finish reason (with
-    ``token_ids``), the usage when ``stream_options.include_usage``, then ``[DONE]``."""
+    the role, the reasoning (``reasoning_content``), the content (with its logprobs), the tool
+    calls, the finish reason (with ``token_ids``), the usage when ``stream_options.include_usage``,
+    then ``[DONE]``."""
     head = dict(id=_ids("chatcmpl"), object="chat.completion.chunk", created=int(time.time()), model=model)
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -86,6 +87,8 @@ def chat_chunks(model: str, tokenizer, turn: Turn, reply: Reply, *, logprobs: bo
 
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
     yield event([first], **({"prompt_token_ids": list(turn.context)} if token_ids else {}))
+    if reply.reasoning is not None:  # vLLM's field for a reasoning model's <think> text
+        yield event([{"index": 0, "delta": {"reasoning_content": reply.reasoning}, "finish_reason": None}])
     if reply.content:
         lp = _chat_logprobs(tokenizer, turn, top_logprobs).model_dump(mode="json") if logprobs else None
         yield event([{"index": 0, "delta": {"content": reply.content}, "finish_reason": None, "logprobs": lp}])

@@ -118,12 +118,15 @@ class Gateway:
     def take_metrics(self) -> dict[str, float]:
         """``rollout/sampling_overrides`` (requests whose sampling settings the run's replaced) and
         ``gateway/dropped_tools`` (tools left out of requests: hosted by the vendor, or of an unknown
-        type) since the last call; {} when the gateway never served."""
+        type) and ``gateway/unparsed_tool_calls`` (tool-call blocks in replies that did not parse, left
+        in the content) since the last call; {} when the gateway never served."""
         if self._sock is None:
             return {}
         e = self.episodes
         n, dropped, e.sampling_overrides, e.dropped_tools = e.sampling_overrides, e.dropped_tools, 0, 0
-        return {"rollout/sampling_overrides": float(n), "gateway/dropped_tools": float(dropped)}
+        unparsed, e.unparsed_tool_calls = e.unparsed_tool_calls, 0
+        return {"rollout/sampling_overrides": float(n), "gateway/dropped_tools": float(dropped),
+                "gateway/unparsed_tool_calls": float(unparsed)}
 
     # ------------------------------------------------------------------ serving
 

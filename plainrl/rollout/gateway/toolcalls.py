@@ -1,107 +1,74 @@
-"""Tool calls in the model's own format, chosen from its chat template.
-
-- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen 2.5/3,
-  Hermes, and every template that ignores ``tools=``, SmolLM2's included: those get the tools
-  described in this format in the system message, :func:`plainrl.rollout.chat.render_with_tools`).
-- ``llama3_json``: Llama 3.1-3.3's JSON tool calls: the whole message is
-  ``{"name": ..., "parameters": {...}}`` (several separated by ``;``), optionally after
-  ``<|python_tag|>``, as vLLM's ``llama3_json`` parser reads them.
+"""Tool calls in the model's own format: which format (``rollout.tool_parser``, or chosen from
+the chat template), parsing a reply, writing calls into a message's text, forcing a call's start.
+The formats themselves are :mod:`~plainrl.rollout.gateway.tool_parsers`' table, dispatched here.
 
 Only well-formed calls become OpenAI ``tool_calls``; a malformed block stays in the content,
-where the agent (and the reward) can see it.
+where the agent (and the reward) can see it, and is counted (``gateway/unparsed_tool_calls``).
 """
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from plainrl.rollout.envs.tools import ToolCall as _HermesCall
-from plainrl.rollout.envs.tools import parse_tool_calls as _parse_hermes
+from plainrl.rollout.gateway.tool_parsers import FORMATS, Parsed, ParsedCall, ToolFormat, detect
 
-__all__ = ["ParsedCall", "ToolFormat", "forced_call_prefix", "parse_tool_calls", "render_tool_calls",
-           "renders_tool_calls", "tool_format"]
-
-ToolFormat = Literal["hermes", "llama3_json"]
+__all__ = ["ParsedCall", "ToolFormat", "forced_call_prefix", "parse_reply", "parse_tool_calls", "render_tool_calls",
+           "renders_tool_calls", "sample_text", "tool_format"]
 
 
-@dataclass(frozen=True)
-class ParsedCall:
-    """One well-formed tool call: the function's name and its arguments."""
-
-    name: str
-    arguments: dict[str, Any]
-
-
-def tool_format(tokenizer) -> ToolFormat:
-    """The tool-call format of the tokenizer's chat template: ``llama3_json`` for Llama 3's
-    (it has ``<|start_header_id|>`` headers and an ``ipython`` role), else ``hermes``."""
+def tool_format(tokenizer, parser: str = "auto") -> ToolFormat:
+    """The tool-call format: ``parser`` (``rollout.tool_parser``) when it names one, else the one
+    the tokenizer's chat template writes (:func:`~plainrl.rollout.gateway.tool_parsers.detect`)."""
+    if parser != "auto":
+        return parser  # type: ignore[return-value]  (validated by the config: a key of FORMATS)
     template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):
         template = " ".join(str(t) for t in template.values())
-    return "llama3_json" if "<|start_header_id|>" in template and "ipython" in template else "hermes"
+    return detect(template)
 
 
-_HERMES_BLOCK = re.compile(r"\s*<tool_call>.*?</tool_call>\s*", re.DOTALL)
+def parse_reply(text: str, fmt: ToolFormat, tools: list[dict[str, Any]] | None = None) -> Parsed:
+    """The model's text split into content, well-formed calls and the count of call blocks that
+    did not parse. ``tools``: the request's function tools (their parameter schemas type the
+    values of formats that write strings bare: ``qwen3_coder``)."""
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or []}
+    return FORMATS[fmt].parse(text, schemas)
 
 
 def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
-    """Split the model's text into its content and its well-formed tool calls.
-
-    Returns:
-        ``(content, calls)``: the text without the parsed calls (stripped; all of it when
-        there were none), and the calls in order.
-    """
-    if fmt == "llama3_json":
-        return _parse_llama3(text)
-    parsed = _parse_hermes(text)
-    calls = [ParsedCall(c.name, c.arguments) for c in parsed if isinstance(c, _HermesCall)]
-    if not calls:
-        return text, []
-    if len(calls) == len(parsed):
-        return _HERMES_BLOCK.sub("\n", text).strip(), calls
-    # some blocks were malformed: they stay in the content, the parsed ones leave it
-    content, last = "", 0
-    for m, c in zip(re.finditer(r"<tool_call>.*?</tool_call>|<tool_call>.*\Z", text, re.DOTALL), parsed):
-        content += text[last:m.start()] + ("" if isinstance(c, _HermesCall) else m.group(0))
-        last = m.end()
-    return (content + text[last:]).strip(), calls
-
-
-def _parse_llama3(text: str) -> tuple[str, list[ParsedCall]]:
-    body = text.strip()
-    body = body.removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
-        return text, []
-    decoder, calls, i = json.JSONDecoder(), [], 0
-    while i < len(body):
-        try:
-            obj, i = decoder.raw_decode(body, i)
-        except json.JSONDecodeError:
-            return text, []
-        args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
-            return text, []
-        calls.append(ParsedCall(obj["name"], args))
-        while i < len(body) and body[i] in " \t\n;":
-            i += 1
-    return "", calls
+    """``(content, calls)`` of :func:`parse_reply`."""
+    out = parse_reply(text, fmt)
+    return out.content, out.calls
 
 
 def render_tool_calls(calls: list[tuple[str, Any]], fmt: ToolFormat) -> str:
     """Tool calls ``(name, arguments)`` written in ``fmt``, for a template that does not render
     an assistant message's ``tool_calls`` itself (SmolLM2's writes only ``content``)."""
-    if fmt == "llama3_json":
-        return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
-    return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
-                     for n, a in calls)
+    return FORMATS[fmt].write(calls)
+
+
+def sample_text(tokenizer, token_ids: list[int], fmt: ToolFormat) -> str | None:
+    """The sampled ids' text with the format's call markers kept where they are special tokens
+    (Mistral's ``[TOOL_CALLS]``, which a decode that skips special tokens drops); None when none
+    of them was sampled (the usual decode's text is the same)."""
+    ids = {}
+    for m in FORMATS[fmt].markers:
+        i = tokenizer.convert_tokens_to_ids(m)
+        # a marker that is one token, which a decode skipping special tokens drops
+        if isinstance(i, int) and i != tokenizer.unk_token_id and not tokenizer.decode([i], skip_special_tokens=True):
+            ids[i] = m
+    if not ids or not any(t in ids for t in token_ids):
+        return None
+    out, run = [], []
+    for t in [*token_ids, None]:
+        if t is None or t in ids:
+            out.append(tokenizer.decode(run, skip_special_tokens=True) if run else "")
+            run = []
+            if t is not None:
+                out.append(ids[t])
+        else:
+            run.append(t)
+    return "".join(out)
 
 
 def forced_call_prefix(choice: str | None, name: str | None, fmt: ToolFormat) -> str:
@@ -116,14 +83,9 @@ def forced_call_prefix(choice: str | None, name: str | None, fmt: ToolFormat) ->
     guided decoding (the whole call constrained by the tools' JSON schema), which the
     embedded engine lacks; the prefix works on every engine.
     """
-    if name is not None:  # as render_tool_calls writes a call, up to its arguments
-        key = "parameters" if fmt == "llama3_json" else "arguments"
-        head = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{key}": '
-    elif choice == "required":
-        head = '{"name": "'
-    else:
+    if name is None and choice != "required":
         return ""
-    return head if fmt == "llama3_json" else "<tool_call>\n" + head
+    return FORMATS[fmt].prefix(name)
 
 
 _PROBE = "plainrl_probe_fn"
