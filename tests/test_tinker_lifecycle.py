@@ -173,7 +173,7 @@ def test_checkpoint_paths_are_absolute(live, tmp_path, monkeypatch):
 
     _, service, _, _ = live
     monkeypatch.chdir(tmp_path)
-    relative = Service(service.adapters, Path("runs/tinker"), model_names=service.model_names, config_yaml="")
+    relative = Service(service.bases, Path("runs/tinker"))
     assert relative.root == tmp_path / "runs" / "tinker" and relative.root.is_absolute()
     assert relative.checkpoint_path("m:train:0", "sampler_weights", "x")[1].is_absolute()
     relative.close()

@@ -315,7 +315,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Resumable checkpoints under `run_dir/checkpoints`."""
     tinker: TinkerConfig = Field(default_factory=TinkerConfig)
-    """`plainrl tinker`'s idle clients and sampler snapshots (other commands ignore it)."""
+    """`plainrl tinker`'s base models, idle clients and sampler snapshots (other commands ignore it)."""
     _notes: list[str] = PrivateAttr(default_factory=list)  # what loading chose for the user; printed with the config
 
     @property

@@ -9,8 +9,11 @@ from plainrl.config.base import _Section
 
 
 class TinkerConfig(_Section):
-    """`plainrl tinker`'s idle clients and sampler snapshots (docs/tinker.md)."""
+    """`plainrl tinker`'s base models, idle clients and sampler snapshots (docs/tinker.md)."""
 
+    base_models: list[str] = Field(default_factory=list)
+    """The base models served, each named as `model.name` takes it (a hub id, a local directory, `smollm2-135m-instruct`)
+    and loaded with the `model` section's other settings; the first is the default; empty: `model.name` alone."""
     session_expiry_s: float | None = Field(300.0, gt=0)
     """A `ServiceClient` from which nothing (a heartbeat, which the SDK sends every 10 s, or a request of its clients)
     has reached the service for this long, and none of whose requests waits, expires: its training clients' adapters

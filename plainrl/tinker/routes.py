@@ -56,10 +56,9 @@ async def _parse(request: Request, cls: type[pydantic.BaseModel]):
 
 
 async def _capabilities(s: Service, request: Request) -> Response:
-    # what both training (the model's context) and sampling (the servers' under remote) take
-    context = min(s.adapters.context, s.sample_context)
-    models = [types.SupportedModel(model_name=n, max_context_length=context, trainable=True,
-                                   sampleable=True) for n in s.model_names]
+    # per base, what both training (the model's context) and sampling (the servers' under remote) take
+    models = [types.SupportedModel(model_name=n, max_context_length=min(b.adapters.context, s.context(b)),
+                                   trainable=True, sampleable=True) for b in s.bases for n in b.names]
     return _json(types.GetServerCapabilitiesResponse(supported_models=models))
 
 
@@ -94,8 +93,8 @@ async def _forward_backward(s: Service, request: Request) -> Response:
     if PROTOBUF not in request.headers.get("content-type", ""):
         raise UserError(f"forward_backward takes a {PROTOBUF} ForwardBackwardRequest, as the tinker SDK sends")
     call = decode_forward_backward(body)
-    s.model(call.model_id)
-    check_call(call, vocab_size=s.adapters.vocab_size, context=s.adapters.context, stability=s.stability)
+    adapters = s.base(s.model(call.model_id).base_model).adapters
+    check_call(call, vocab_size=adapters.vocab_size, context=adapters.context, stability=s.stability)
     return _json(s.forward_backward(call))
 
 
@@ -148,7 +147,8 @@ async def _asample(s: Service, request: Request) -> Response:
                    if getattr(req, k)] + (["target_prompt_logprobs"] if req.target_prompt_logprobs else [])
     if unsupported:
         raise UserError(f"sample: {unsupported} are not computed by this service")
-    call = check_sample(req, vocab_size=s.adapters.vocab_size, context=s.sample_context)
+    base = s.base(sampler.base_model)
+    call = check_sample(req, vocab_size=base.adapters.vocab_size, context=s.context(base))
     # the ids the SDK stamps on the sequences, by which stable_reinforce's provenance names them
     ids = [f"{uuid.uuid4().hex[:12]}:{i}" for i in range(call.num_samples)]
     fut = s.sample(sampler, call, record_as=ids if req.record_stability_info else None)
@@ -195,7 +195,8 @@ async def _weights_info(s: Service, request: Request) -> Response:
     body = await request.json()
     _, _, directory = s.resolve(str(body.get("tinker_path", "")))
     cfg = json.loads((directory / "final" / "adapter_config.json").read_text())
-    return _json(types.WeightsInfoResponse(base_model=s.base_model, is_lora=True, lora_rank=cfg.get("r")))
+    return _json(types.WeightsInfoResponse(base_model=s.checkpoint_base(directory).name, is_lora=True,
+                                           lora_rank=cfg.get("r")))
 
 
 Handler = Callable[[Service, Request], Awaitable[Response]]

@@ -9,45 +9,43 @@ from pathlib import Path
 from plainrl.config import Config
 
 
-def model_names(name: str, hub_id: str | None) -> list[str]:
-    """The names the service answers to for its base: the hub id first (what Tinker code names),
-    then plainrl's ``model.name``."""
-    return [n for n in dict.fromkeys([hub_id, name]) if n]
-
-
 def build_service(cfg: Config):
-    """The :class:`~plainrl.tinker.service.Service` of ``cfg``: its ``model`` (LoRA settings come from
-    each ``create_lora_training_client`` call), checkpoints under ``cfg.run_dir``, sampling on the
-    embedded engine or, under ``rollout.engine: remote``, on the servers of ``rollout.remote``.
+    """The :class:`~plainrl.tinker.service.Service` of ``cfg``: its ``tinker.base_models`` (default
+    ``model.name``; LoRA settings come from each ``create_lora_training_client`` call), checkpoints
+    under ``cfg.run_dir``, sampling on the embedded engine or, under ``rollout.engine: remote``,
+    on the servers of ``rollout.remote`` (one base).
 
     Raises:
-        ConfigError: ``rollout.engine: vllm`` (in process), a read-only remote backend.
+        ConfigError: ``rollout.engine: vllm`` (in process), a read-only remote backend, several
+            bases with remote sampling, a base listed twice.
         EngineError: a server is unreachable or serves another model.
     """
     import torch
 
-    from plainrl.config.loading import dump_config
     from plainrl.config import ConfigError
     from plainrl.models import resolve_device
     from plainrl.rollout.engines.factory import adapter_servers, require_trainable_engine
-    from plainrl.tinker.adapters import Adapters
+    from plainrl.tinker.bases import load_bases
     from plainrl.tinker.served import ServedSampling
     from plainrl.tinker.service import Service
 
     if cfg.rollout.engine == "remote":
         require_trainable_engine(cfg.rollout)  # before the model loads
+        if len(cfg.tinker.base_models) > 1:
+            raise ConfigError(f"tinker.base_models lists {len(cfg.tinker.base_models)} models, and rollout.engine="
+                              "remote samples one base on its servers; list one, or sample with rollout.engine=hf")
     elif cfg.rollout.engine != "hf":
         raise ConfigError(f"rollout.engine={cfg.rollout.engine}: plainrl tinker samples with the embedded engine "
                           "(rollout.engine=hf) or on inference servers (rollout.engine=remote, e.g. `plainrl serve "
                           "CONFIG` and rollout.remote.urls=[...]), not with vLLM in its own process")
     torch.manual_seed(cfg.seed)
-    adapters = Adapters(cfg.model, resolve_device(cfg.device))
+    bases = load_bases(cfg, resolve_device(cfg.device))
     served = sample_context = None
     if cfg.rollout.engine == "remote":
-        served = ServedSampling(adapter_servers(cfg.model, cfg.rollout, adapters.tokenizer), adapters)
+        model = cfg.model.model_copy(update={"name": bases[0].adapters.name})
+        served = ServedSampling(adapter_servers(model, cfg.rollout, bases[0].adapters.tokenizer), bases[0].adapters)
         sample_context = served.context()  # what the servers take, not what the model could
-    return Service(adapters, Path(cfg.run_dir), model_names=model_names(cfg.model.name, adapters.base_ref.hub_id),
-                   config_yaml=dump_config(cfg), micro_batch_tokens=cfg.train.micro_batch_tokens, served=served,
+    return Service(bases, Path(cfg.run_dir), micro_batch_tokens=cfg.train.micro_batch_tokens, served=served,
                    sample_context=sample_context, session_expiry_s=cfg.tinker.session_expiry_s,
                    ephemeral_samplers=cfg.tinker.ephemeral_samplers)
 

@@ -21,7 +21,6 @@ import concurrent.futures
 import itertools
 import json
 import logging
-import re
 import shutil
 import threading
 import uuid
@@ -32,12 +31,11 @@ from typing import Any, Callable
 
 from tinker import types
 
-from plainrl.checkpoint.files import torch_save
-from plainrl.durable import remove_stale_siblings, replace_dir, temp_sibling
 from plainrl.models.errors import ModelLoadError
 from plainrl.models.lora_targets import lora_target_modules
-from plainrl.tinker.adapters import Adapters, read_optimizer
-from plainrl.tinker.checkpoints import KINDS, model_dir
+from plainrl.tinker.adapters import read_optimizer
+from plainrl.tinker.bases import Base
+from plainrl.tinker.checkpoints import OPTIMIZER_FILE, checkpoint_path, model_dir, resolve, write_checkpoint
 from plainrl.tinker.errors import UserError, not_found
 from plainrl.tinker.lifecycle import ENDED_KEPT, EphemeralSamplers, Sessions, superseded
 from plainrl.tinker.sampling import SampleCall, prompt_logprobs, sample, topk_prompt_logprobs
@@ -48,8 +46,6 @@ from plainrl.tinker.wire import ForwardBackwardCall, encode_sample_response
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-OPTIMIZER_FILE = "optimizer.pt"
 MAX_FUTURES = 10_000
 
 
@@ -72,32 +68,29 @@ class Service:
     """Everything the routes act on.
 
     Args:
-        adapters: the base model and its adapters.
+        bases: the base models, the default (a request that names none) first.
         root: where training models' checkpoints go (``tinker://`` paths resolve under it).
-        model_names: the names ``create_lora_training_client(base_model=...)`` accepts for the base
-            (its hub id and plainrl's name).
-        config_yaml: the service's config as YAML, written into every checkpoint as ``config.yaml``.
         micro_batch_tokens: padded tokens per forward/backward micro-batch.
         served: sampling on inference servers (None: the embedded engine on ``adapters``).
-        sample_context: the longest prompt plus ``max_tokens`` a sample may ask for (the servers'
-            context under ``served``); default the model's.
+        sample_context: the longest prompt plus ``max_tokens`` a sample of the default base may ask
+            for (the servers' context under ``served``); default the model's.
         session_expiry_s: a session unheard of for longer ends and its state is freed (None: never).
         ephemeral_samplers: the ``save_weights_and_get_sampling_client`` snapshots a training
             client keeps (older ones are freed).
     """
 
-    def __init__(self, adapters: Adapters, root: Path, *, model_names: list[str], config_yaml: str,
-                 micro_batch_tokens: int = 4096, served: ServedSampling | None = None,
-                 sample_context: int | None = None, session_expiry_s: float | None = None,
-                 ephemeral_samplers: int = 4):
-        self.adapters = adapters
+    def __init__(self, bases: list[Base], root: Path, *, micro_batch_tokens: int = 4096,
+                 served: ServedSampling | None = None, sample_context: int | None = None,
+                 session_expiry_s: float | None = None, ephemeral_samplers: int = 4):
+        self.bases = bases
+        self._by_name = {n: b for b in bases for n in b.names}
+        self.adapters = bases[0].adapters  # the default base's
         self.served = served
-        self.config_yaml = config_yaml
         self.root = Path(root).resolve()  # absolute: servers are handed checkpoint paths under it
-        self.model_names = model_names
-        self.base_model = model_names[0]
+        self.model_names = list(self._by_name)
+        self.base_model = bases[0].name
         self.micro_batch_tokens = micro_batch_tokens
-        self.sample_context = sample_context or adapters.context
+        self.sample_context = sample_context or self.adapters.context
         self.sessions = Sessions(session_expiry_s)
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -170,42 +163,58 @@ class Service:
         self.check_session(session_of(model_id))
         return tm
 
-    def check_base(self, base_model: str | None) -> str:
-        if base_model is not None and base_model not in self.model_names:
+    def check_base(self, base_model: str | None) -> Base:
+        """The base named ``base_model`` (None: the default).
+
+        Raises:
+            UserError: no base of that name.
+        """
+        if base_model is None:
+            return self.bases[0]
+        if base_model not in self._by_name:
             raise UserError(f"base_model={base_model!r} is not served here; this service trains {self.model_names} "
-                            "(start `plainrl tinker` with model.name=... for another)")
-        return self.base_model
+                            "(start `plainrl tinker` with tinker.base_models=[...] for others)")
+        return self._by_name[base_model]
+
+    def base(self, name: str) -> Base:
+        """The base a training model or sampler names (by its first name)."""
+        return self._by_name[name]
+
+    def context(self, base: Base) -> int:
+        """The longest prompt plus ``max_tokens`` a sample of ``base`` may ask for."""
+        return self.sample_context if base is self.bases[0] else base.adapters.context
 
     def create_model(self, req: types.CreateModelRequest) -> types.UntypedAPIFuture:
         self.check_session(req.session_id)
-        self.check_base(req.base_model)
+        base = self.check_base(req.base_model)
+        adapters = base.adapters
         lora = req.lora_config or types.LoraConfig(rank=32)
         if lora.rank < 1:
             raise UserError(f"lora_config.rank={lora.rank} must be at least 1")
-        if lora.train_unembed and self.adapters.tied_head and not (lora.train_attn or lora.train_mlp):
+        if lora.train_unembed and adapters.tied_head and not (lora.train_attn or lora.train_mlp):
             raise UserError("lora_config: train_unembed alone on a model whose LM head is tied to its input "
                             "embedding; this service trains no LoRA on a tied head (docs/tinker.md): set "
                             "train_attn or train_mlp")
         try:  # the layer groups' module names, by the base's architecture
-            targets = lora_target_modules(self.adapters.base.config, self.adapters.linear_names,
+            targets = lora_target_modules(adapters.base.config, adapters.linear_names,
                                           attn=lora.train_attn, mlp=lora.train_mlp,
-                                          unembed=lora.train_unembed and not self.adapters.tied_head,
-                                          name=self.adapters.name)
+                                          unembed=lora.train_unembed and not adapters.tied_head,
+                                          name=adapters.name)
         except ModelLoadError as e:
             raise UserError(f"lora_config: {e}") from e
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
 
         def run() -> types.CreateModelResponse:
             name = f"m{next(self._adapter_ids)}"
-            self.adapters.create(name, rank=lora.rank, targets=targets, seed=lora.seed)
-            self._register(model_id, name, lora.rank, targets)
+            adapters.create(name, rank=lora.rank, targets=targets, seed=lora.seed)
+            self._register(model_id, base, name, lora.rank, targets)
             return types.CreateModelResponse(model_id=model_id)
 
         return self.submit(run, model_id)
 
-    def _register(self, model_id: str, adapter: str, rank: int, targets: list[str]) -> TrainingModel:
-        tm = TrainingModel(model_id, adapter, self.base_model, rank, targets,
-                           make_optimizer(self.adapters.parameters(adapter)))
+    def _register(self, model_id: str, base: Base, adapter: str, rank: int, targets: list[str]) -> TrainingModel:
+        tm = TrainingModel(model_id, adapter, base.name, rank, targets,
+                           make_optimizer(base.adapters.parameters(adapter)))
         with self._lock:
             self.models[model_id] = tm
         if session_of(model_id) not in self.sessions:  # it ended while this was queued
@@ -213,15 +222,15 @@ class Service:
         d = self.model_dir(model_id)
         d.mkdir(parents=True, exist_ok=True)
         (d / "training_run.json").write_text(json.dumps(
-            {"model_id": model_id, "base_model": self.base_model, "lora_rank": rank, "targets": targets}))
+            {"model_id": model_id, "base_model": base.name, "lora_rank": rank, "targets": targets}))
         return tm
 
     def info(self, model_id: str) -> types.GetInfoResponse:
         tm = self.model(model_id)
+        adapters = self.base(tm.base_model).adapters
         return types.GetInfoResponse(
-            model_id=model_id, is_lora=True, lora_rank=tm.rank, model_name=self.base_model,
-            model_data=types.ModelData(arch=self.adapters.arch, model_name=self.base_model,
-                                       tokenizer_id=self.adapters.local_path))
+            model_id=model_id, is_lora=True, lora_rank=tm.rank, model_name=tm.base_model,
+            model_data=types.ModelData(arch=adapters.arch, model_name=tm.base_model, tokenizer_id=adapters.local_path))
 
     def end_session(self, session_id: str, why: str) -> None:
         """End ``session_id`` (``why``: for the error a later request of it gets): its training
@@ -238,7 +247,7 @@ class Service:
 
         def run() -> None:
             for tm in models:
-                self.adapters.drop(tm.adapter)
+                self.base(tm.base_model).adapters.drop(tm.adapter)
             for sp in samplers:
                 self._free(sp)
 
@@ -269,7 +278,7 @@ class Service:
 
     def forward_backward(self, call: ForwardBackwardCall) -> types.UntypedAPIFuture:
         tm = self.model(call.model_id)
-        return self.submit(lambda: forward_backward(self.adapters, tm, call,
+        return self.submit(lambda: forward_backward(self.base(tm.base_model).adapters, tm, call,
                                                     micro_batch_tokens=self.micro_batch_tokens), call.model_id)
 
     def optim_step(self, req: types.OptimStepRequest) -> types.UntypedAPIFuture:
@@ -295,33 +304,24 @@ class Service:
         return model_dir(self.root, model_id)
 
     def checkpoint_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
-        if not _NAME.match(name):
-            raise UserError(f"path={name!r}: a checkpoint name is letters, digits, '.', '_' and '-' "
-                            "(up to 128, not starting with '.')")
-        return f"tinker://{model_id}/{kind}/{name}", self.model_dir(model_id) / kind / name
+        return checkpoint_path(self.root, model_id, kind, name)
 
     def resolve(self, tinker_path: str) -> tuple[str, str, Path]:
-        """``tinker://<model_id>/<kind>/<name>`` -> (model_id, kind, directory).
+        return resolve(self.root, tinker_path)
+
+    def checkpoint_base(self, directory: Path) -> Base:
+        """The base checkpoint ``directory`` is an adapter of (its ``tinker.json``; the default
+        base for a checkpoint without one).
 
         Raises:
-            UserError: not such a path, or no checkpoint there (404).
+            UserError: a base this service does not serve.
         """
-        parts = tinker_path[len("tinker://"):].split("/") if tinker_path.startswith("tinker://") else []
-        if len(parts) != 3 or parts[1] not in KINDS:
-            raise UserError(f"path={tinker_path!r} is not a checkpoint path; give "
-                            "tinker://<model_id>/weights/<name> or tinker://<model_id>/sampler_weights/<name>")
-        _, directory = self.checkpoint_path(parts[0], parts[1], parts[2])
-        if not (directory / "final" / "adapter_config.json").is_file():
-            raise not_found("checkpoint", tinker_path, f"nothing is saved at {directory}")
-        return parts[0], parts[1], directory
-
-    def _card(self, model_id: str, tinker_path: str, tm: TrainingModel) -> str:
-        base = self.adapters.base_ref.portable_name
-        return (f"---\nbase_model: {base}\nlibrary_name: peft\ntags: [plainrl, tinker, lora]\n---\n\n"
-                f"# {tinker_path}\n\nA LoRA adapter (rank {tm.rank}, on {', '.join(tm.targets)}) of `{base}`, trained "
-                f"through plainrl's Tinker service ({tm.steps} optimizer steps).\n\n```python\n"
-                "from peft import AutoPeftModelForCausalLM\n\n"
-                "model = AutoPeftModelForCausalLM.from_pretrained(\"<this directory>\")\n```\n")
+        record = directory / "final" / "tinker.json"
+        name = json.loads(record.read_text()).get("base_model") if record.is_file() else None
+        if name is not None and name not in self._by_name:
+            raise UserError(f"{directory} is an adapter of {name!r}, which this service does not serve "
+                            f"({self.model_names}); add it to tinker.base_models")
+        return self.bases[0] if name is None else self._by_name[name]
 
     def save(self, model_id: str, kind: str, name: str | None, *, with_optimizer: bool) -> Callable[[], tuple[str, Path]]:
         """The work that saves ``model_id``'s adapter (and optimizer) as checkpoint ``name``; checked now."""
@@ -330,23 +330,9 @@ class Service:
         path, directory = self.checkpoint_path(model_id, kind, name)
 
         def run() -> tuple[str, Path]:
-            # built beside its place and swapped in whole: a save_state to a name used before
-            # replaces it, and a kill leaves the old checkpoint or the new one
-            directory.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_siblings(directory)
-            tmp = temp_sibling(directory)
-            tmp.mkdir()
-            try:
-                (tmp / "config.yaml").write_text(self.config_yaml)
-                self.adapters.save(tm.adapter, tmp / "final", card=self._card(model_id, path, tm),
-                                   extra={"model_id": model_id, "base_model": self.base_model, "steps": tm.steps,
-                                          "tinker_path": path})
-                if with_optimizer:
-                    torch_save({**tm.optimizer.state_dict(), "steps": tm.steps}, tmp / OPTIMIZER_FILE)
-                replace_dir(tmp, directory)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+            base = self.base(tm.base_model)
+            write_checkpoint(base.adapters, tm, directory, path, config_yaml=base.config_yaml,
+                             optimizer=tm.optimizer.state_dict() if with_optimizer else None)
             return path, directory
 
         return run
@@ -357,30 +343,34 @@ class Service:
         if req.optimizer and not (directory / OPTIMIZER_FILE).is_file():
             raise UserError(f"path={req.path!r} holds no optimizer state (a sampler checkpoint); load it without "
                             "the optimizer, or save with save_state")
+        base = self.checkpoint_base(directory)
         if req.model_id is not None:
             tm = self.model(req.model_id)
+            asked = tm.base_model
         else:
             if req.session_id is None or req.model_seq_id is None:
                 raise UserError("load_weights: give model_id, or session_id and model_seq_id")
             self.check_session(req.session_id)
-            self.check_base(req.base_model)
-            tm = None
+            tm, asked = None, self.check_base(req.base_model or base.name).name
+        if asked != base.name:
+            raise UserError(f"path={req.path!r} is an adapter of {base.name!r}, not of {asked!r}")
+        adapters = base.adapters
         model_id = req.model_id or f"{req.session_id}:train:{req.model_seq_id}"
 
         def run() -> types.LoadWeightsResponse:
             target = tm
             if target is None:
                 name = f"m{next(self._adapter_ids)}"
-                self.adapters.create_from(name, directory / "final")
-                target = self._register(model_id, name, self.adapters.rank(name), self.adapters.targets(name))
+                adapters.create_from(name, directory / "final")
+                target = self._register(model_id, base, name, adapters.rank(name), adapters.targets(name))
             else:
-                self.adapters.load_weights(target.adapter, directory / "final")
+                adapters.load_weights(target.adapter, directory / "final")
                 # load_state: a fresh AdamW (zero moments); with the optimizer, the 16-bit adapters'
                 # masters follow the loaded weights before the saved state replaces them
                 if req.optimizer:
                     target.optimizer.masters_from_params()
                 else:
-                    target.optimizer = make_optimizer(self.adapters.parameters(target.adapter))
+                    target.optimizer = make_optimizer(adapters.parameters(target.adapter))
             if req.optimizer:
                 state = read_optimizer(directory / OPTIMIZER_FILE)
                 target.optimizer.load_state_dict(state)
@@ -395,9 +385,10 @@ class Service:
         directory = None
         if model_path is not None:
             _, _, directory = self.resolve(model_path)
+            base = self.checkpoint_base(directory)
         else:
-            self.check_base(base_model)
-        sampler = Sampler(f"{session_id}:sample:{seq}", self.base_model, model_path,
+            base = self.check_base(base_model)
+        sampler = Sampler(f"{session_id}:sample:{seq}", base.name, model_path,
                           None if directory is None else directory / "final")
         self.samplers[sampler.sampler_id] = sampler
         return sampler
@@ -431,12 +422,12 @@ class Service:
         def run() -> Sampler:
             if save is None:
                 name = f"e{next(self._adapter_ids)}"
-                self.adapters.copy(tm.adapter, name)
-                sampler = Sampler(sampler_id, self.base_model, None, None, adapter=name, ephemeral=True)
+                self.base(tm.base_model).adapters.copy(tm.adapter, name)
+                sampler = Sampler(sampler_id, tm.base_model, None, None, adapter=name, ephemeral=True)
             else:
                 _, directory = save()
                 self.publish(directory)
-                sampler = Sampler(sampler_id, self.base_model, None, directory / "final", ephemeral=True)
+                sampler = Sampler(sampler_id, tm.base_model, None, directory / "final", ephemeral=True)
             with self._lock:
                 self.samplers[sampler_id] = sampler
                 gone = [self.samplers.pop(x) for x in self.ephemeral.add(model_id, sampler_id) if x in self.samplers]
@@ -458,10 +449,11 @@ class Service:
         checkpoint directory and the servers' copy."""
         if not sampler.ephemeral:
             return
+        adapters = self.base(sampler.base_model).adapters
         if sampler.adapter is not None:
-            self.adapters.drop(sampler.adapter)
+            adapters.drop(sampler.adapter)
         elif sampler.directory is not None and sampler.directory.is_dir():
-            self.adapters.forget(sampler.directory)
+            adapters.forget(sampler.directory)
             if self.served is not None:
                 self.served.forget(sampler.directory)
             shutil.rmtree(sampler.directory.parent, ignore_errors=True)
@@ -483,10 +475,11 @@ class Service:
             seqs = None if self.served is None else self.served.sample(sampler.directory, call)
             prompt_lp = topk = None
             if seqs is None or call.prompt_logprobs or call.topk:
-                name = sampler.adapter or (None if sampler.directory is None else self.adapters.snapshot(sampler.directory))
-                with self.adapters.use(name) as model:
+                adapters = self.base(sampler.base_model).adapters
+                name = sampler.adapter or (None if sampler.directory is None else adapters.snapshot(sampler.directory))
+                with adapters.use(name) as model:
                     if seqs is None:
-                        seqs = sample(model, self.adapters.tokenizer, call)
+                        seqs = sample(model, adapters.tokenizer, call)
                     if call.prompt_logprobs:
                         prompt_lp = prompt_logprobs(model, call)
                     if call.topk:
