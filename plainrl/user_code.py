@@ -18,11 +18,46 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-__all__ = ["UserCodeError", "load_callable"]
+__all__ = ["MissingExtra", "UserCodeError", "load_callable", "require"]
 
 
 class UserCodeError(ValueError):
     """A ``module:fn`` reference that cannot be resolved; the message says what is wrong and the fix."""
+
+
+class MissingExtra(UserCodeError):
+    """An optional library is not installed; the message names the extra that installs it.
+
+    A :class:`UserCodeError` (so a ``ValueError``): the reference loaders (``rewards``,
+    ``data.source``, ``rollout.env``, ``rollout.agent``, ``eval.grader``) report it as the
+    configuration error it is, before any model loads.
+    """
+
+
+def require(module: str, *, extra: str) -> ModuleType:
+    """Import ``module`` (an optional dependency) or fail naming the extra that installs it.
+
+    Args:
+        module: the import name, e.g. ``"reasoning_gym"``.
+        extra: the name in ``plainrl[...]`` that installs it, e.g. ``"reasoning-gym"``.
+
+    Returns:
+        the imported module.
+
+    Raises:
+        MissingExtra: ``module`` (or a package it needs) is not installed; the message says
+            ``pip install 'plainrl[<extra>]'``.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing = e.name or module
+        what = f"{module!r}" if missing == module or module.startswith(missing + ".") else \
+            f"{module!r} (it imports {missing!r}, which is missing)"
+        raise MissingExtra(
+            f"this needs the optional package {what}, which is not installed: "
+            f"pip install 'plainrl[{extra}]'"
+        ) from e
 
 
 def load_callable(ref: str, *, what: str, hint: str = "") -> Callable[..., Any]:
@@ -85,7 +120,7 @@ def _import_module(name: str, label: str) -> ModuleType:
             f"{label}: importing module {name!r} failed because it imports {missing!r}, "
             "which is not installed; install it"
         ) from e
-    except UserCodeError as e:  # e.g. plainrl.integrations.MissingExtra: it names the fix already
+    except UserCodeError as e:  # e.g. MissingExtra: it names the fix already
         raise UserCodeError(f"{label}: {e}") from e
     except Exception as e:
         raise UserCodeError(

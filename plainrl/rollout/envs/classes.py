@@ -5,7 +5,7 @@ A class named by ``rollout.env`` is one of three kinds (:func:`env_class_kind`):
 - a plainrl :class:`~plainrl.rollout.envs.base.Environment` (it defines ``step(turn_text, state)``):
   built as it is;
 - an OpenEnv ``Environment`` subclass (``openenv`` 0.10): run in process through
-  :mod:`plainrl.integrations.openenv`, on the adapter below;
+  :mod:`plainrl.rollout.envs.openenv`, on the adapter below;
 - anything else is a TRL ``environment_factory`` class (TRL 1.16, ``GRPOTrainer``), run by
   :class:`ClassEnv`: ``reset(**row)`` starts an episode and may return text for the prompt, every
   public method (``inspect.getmembers(cls, inspect.isfunction)``, names not starting with ``_``,
@@ -156,7 +156,7 @@ def adapt_env_class(cls: type, ref: str, *, tool_timeout_s: float | None) -> Cal
     """``rollout.env``'s class as the factory of one episode's environment, ``factory(**env_args)``.
 
     A plainrl environment class is returned as it is; a TRL class is wrapped in :class:`ClassEnv`; an
-    OpenEnv class in :class:`plainrl.integrations.openenv.OpenEnvAdapter`. The factory has the class's
+    OpenEnv class in :class:`plainrl.rollout.envs.openenv.OpenEnvAdapter`. The factory has the class's
     signature, so rows' ``env_args`` are checked against it before any model loads.
 
     Raises:
@@ -168,7 +168,7 @@ def adapt_env_class(cls: type, ref: str, *, tool_timeout_s: float | None) -> Cal
     if kind == "plainrl":
         return cls
     if kind == "openenv":
-        from plainrl.integrations.openenv import openenv_factory
+        from plainrl.rollout.envs.openenv import openenv_factory
 
         factory = openenv_factory(cls, ref, tool_timeout_s=tool_timeout_s)
     else:

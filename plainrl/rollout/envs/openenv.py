@@ -35,7 +35,7 @@ import types
 import typing
 from typing import Any, Callable
 
-from plainrl.integrations import require
+from plainrl.user_code import require
 from plainrl.rollout.envs.base import EnvState, StepResult
 from plainrl.rollout.envs.classes import ACCEPTED, ClassEnv, EnvClassError
 
