@@ -44,18 +44,18 @@ def unit_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "plainrl"
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(PKG.parent).with_suffix("")
+def module_name(path: Path, pkg: Path = PKG) -> str:
+    rel = path.relative_to(pkg.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def imports_of(path: Path) -> set[str]:
+def imports_of(path: Path, pkg: Path = PKG) -> set[str]:
     """The ``plainrl...`` modules a source file imports, relative imports resolved."""
     tree = ast.parse(path.read_text(), str(path))
-    me = module_name(path)
+    me = module_name(path, pkg)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
@@ -105,18 +105,18 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
-def analyse(long_lines: int = 400) -> dict:
-    """The figures (see the module docstring) as a dict."""
-    files = sorted(PKG.rglob("*.py"))
+def analyse(long_lines: int = 400, pkg: Path = PKG) -> dict:
+    """The figures (see the module docstring) as a dict, for the package directory ``pkg``."""
+    files = sorted(pkg.rglob("*.py"))
     edges: dict[tuple[str, str], set[str]] = defaultdict(set)
     lines, long_modules = 0, []
     for f in files:
         n = len(f.read_text().splitlines())
         lines += n
         if n > long_lines:
-            long_modules.append((n, str(f.relative_to(PKG.parent))))
-        src = module_name(f)
-        for mod in imports_of(f):
+            long_modules.append((n, str(f.relative_to(pkg.parent))))
+        src = module_name(f, pkg)
+        for mod in imports_of(f, pkg):
             a, b = unit_of(src), unit_of(mod)
             if a != b and b != "plainrl":
                 edges[(a, b)].add(f"{src} -> {mod}")

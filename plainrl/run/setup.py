@@ -17,6 +17,7 @@ from plainrl.algorithms.estimators import AdvantageParams
 from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint, save_checkpoint, step_dir_name
 from plainrl.checkpoint.ranked import load_ranked, save_ranked
 from plainrl.config import AlgorithmConfig, Config, ConfigError, RewardSpec, dump_config
+from plainrl.checkpoint.rng import get_rng_state
 from plainrl.data import PromptData, PromptSampler, load_prompt_data
 from plainrl.data.curriculum import CurriculumSampler, check_pass_reward, make_prompt_sampler
 from plainrl.metrics import MetricsLogger
@@ -202,7 +203,7 @@ class Run:
     start: int  # first step to run (> 0 when resumed)
     critic: Critic | None = None  # algorithm.advantage: gae
     reward_models: list[RewardModel] = field(default_factory=list)  # rewards: [{model: ...}]
-    in_flight: bytes | None = None  # async_steps=1, resumed: the checkpoint's batch for step `start`
+    in_flight: bytes | None = None  # async_steps > 0, resumed: the checkpoint's batches for steps `start`, ...
     monitor: SystemMonitor | None = None  # system/* metrics
     flops: FlopCounter | None = None  # perf/mfu: the update's model FLOPs
     peak_flops: float | None = None  # perf/mfu's denominator (None: not logged)
@@ -225,26 +226,37 @@ class Run:
             grader=self.prep.grader, chunk_size=c.rollout.batch_size, progress=c.log.progress,
         )
 
-    def save(self, step: int, in_flight: bytes | None = None) -> Path:
-        """Checkpoint after ``step`` steps; ``in_flight``: the next step's batch, already sampled
-        (``rollout.async_steps``), saved so a resumed run trains on it (see :mod:`plainrl.run.overlap`)."""
+    def resume_state(self) -> dict[str, Any]:
+        """A copy of what a resumed run continues sampling from: ``{"sampler": state_dict,
+        "rng": RNG states}`` (``rollout.async_steps``: taken when a batch starts, saved by
+        :meth:`save` when a stop abandons that batch)."""
+        return {"sampler": self.sampler.state_dict(), "rng": get_rng_state(self.generator)}
+
+    def save(self, step: int, in_flight: bytes | None = None, state: dict[str, Any] | None = None) -> Path:
+        """Checkpoint after ``step`` steps; ``in_flight``: the batches of steps ``step``, ``step + 1``,
+        ... already sampled (``rollout.async_steps``), saved so a resumed run trains on them (see
+        :mod:`plainrl.run.overlap`); ``state``: a :meth:`resume_state` to save instead of the live
+        sampler and RNG states (a batch abandoned by a stop is sampled again from it)."""
+        if state is not None and self.parallel.active:
+            raise ValueError("a saved resume state is for one process (rollout.async_steps is not under torchrun)")
         if self.critic is not None:
             # written first: the policy's checkpoint is the commit point, so a critic
             # checkpoint always exists for the step that `latest` names
             self._save(self.run_dir / "critic", step, self.critic.model, self.critic.optimizer,
                        self.critic.scheduler, {}, None)
         return self._save(self.run_dir, step, self.model, self.learner.optimizer, self.learner.scheduler,
-                          self.sampler.state_dict(), self.generator,
-                          blobs={IN_FLIGHT: in_flight} if in_flight is not None else None)
+                          state["sampler"] if state is not None else self.sampler.state_dict(), self.generator,
+                          blobs={IN_FLIGHT: in_flight} if in_flight is not None else None,
+                          rng_state=state["rng"] if state is not None else None)
 
     def _save(self, run_dir: Path, step: int, model, optimizer, scheduler, sampler_state, generator,
-              blobs: dict[str, bytes] | None = None) -> Path:
+              blobs: dict[str, bytes] | None = None, rng_state: dict[str, Any] | None = None) -> Path:
         kw = dict(model=model, optimizer=optimizer, scheduler=scheduler, sampler_state=sampler_state,
                   generator=generator, config_yaml=dump_config(self.cfg), keep_last=self.cfg.checkpoint.keep_last,
                   save_optimizer=self.cfg.checkpoint.save_optimizer)
         if self.parallel.active:
             return save_ranked(run_dir, step, strategy=self.parallel.strategy, **kw)  # (async_steps: not under torchrun)
-        return save_checkpoint(run_dir, step, blobs=blobs, **kw)
+        return save_checkpoint(run_dir, step, blobs=blobs, rng_state=rng_state, **kw)
 
     def load(self, ckpt: Path, model, optimizer, scheduler, generator, *, restore_rng: bool = True):
         """Restore a checkpoint written by :meth:`save`; returns its state (warnings printed)."""
@@ -443,7 +455,7 @@ def _attach_scorers(run: Run, device: torch.device) -> None:
 
 
 def _resume(run: Run, resume_from: Path) -> None:
-    """Restore the policy, optimiser, sampler, RNG, an in-flight batch and the critic from a checkpoint."""
+    """Restore the policy, optimiser, sampler, RNG, the batches sampled ahead (async) and the critic."""
     state = run.load(resume_from, run.model, run.learner.optimizer, run.learner.scheduler, run.generator)
     run.sampler.load_state_dict(state.sampler_state)
     run.start = state.step
