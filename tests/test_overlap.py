@@ -1,6 +1,6 @@
 """The schedule of rollout.async_steps (plainrl.run.overlap): which weights sample which
-step's batch, that sampling overlaps the update, the staleness bound, and the checkpointed
-batches in flight."""
+step's batch, that sampling overlaps the update, the staleness bound, the checkpointed
+batches in flight, and a stop that does not wait for the batch being sampled."""
 
 import random
 import threading
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from plainrl.metrics import StepTimer
-from plainrl.run.overlap import Rollouts
-from plainrl.types import Episode, RewardOutput
+from plainrl.run.overlap import Batch, Rollouts, StopRequested, pickle_batches
+from plainrl.types import EnvOutcome, Episode, RewardOutput
 
 
 class Weights:
@@ -59,7 +59,7 @@ def _run(async_steps, steps, start=0, restored=None, save_at=None):
         staleness.append(batch.metrics["rollout/staleness"])
         r.sync(torch.nn.Linear(1, 1), step, StepTimer())  # version = step + 1: the weights after update `step`
         if save_at == step + 1:
-            saved = r.in_flight()
+            saved = r.in_flight().blob
     r.close()
     return engine, staleness, saved
 
@@ -181,7 +181,7 @@ def test_a_checkpoint_with_two_batches_in_flight_resumes_on_both():
     r = Rollouts(engine.collect, engine, async_steps=2, start=0, total_steps=6)
     r.take(0, StepTimer())
     r.sync(torch.nn.Linear(1, 1), 0, StepTimer())
-    saved = r.in_flight()  # after step 0: batches 1 and 2 (version 0), or 2 sampled with 1
+    saved = r.in_flight().blob  # after step 0: batches 1 and 2 (version 0), or 2 sampled with 1
     sampled = dict(engine.sampled_with)
     r.close()
     batches = pickle.loads(saved)
@@ -253,3 +253,60 @@ def test_a_failed_batch_is_raised_by_take():
         r.take(0, StepTimer())
     assert isinstance(info.value.__cause__, OSError)
     r.close()
+
+
+def _episode(sample_id: str, info: dict, earlier: tuple[Episode, ...] = ()) -> Episode:
+    return Episode(sample_id=sample_id, group=0, row={}, prompt_ids=[1], completion_ids=[2], logprobs=[-0.5],
+                   loss_mask=[1], finish_reason="stop", env=EnvOutcome(reward=1.0, info=info), earlier=earlier)
+
+
+def test_info_that_does_not_pickle_is_saved_as_its_repr_in_a_copy():
+    lock = threading.Lock()
+    seg = _episode("0-seg", {"gen": (i for i in range(3)), "turns": 2})
+    live = _episode("0", {"handle": lock, "score": 0.5}, earlier=(seg,))  # an agent's info: a lock, a generator
+    batch = Batch(step=3, episodes=[live], rewards=RewardOutput(total=[1.0], parts={}), metrics={}, policy_step=2)
+    blob, notes = pickle_batches([batch])
+    [saved] = pickle.loads(blob)
+    info = saved.episodes[0].env.info
+    assert info == {"handle": repr(lock), "score": 0.5}
+    assert saved.episodes[0].earlier[0].env.info["gen"].startswith("<generator object")
+    assert saved.episodes[0].earlier[0].env.info["turns"] == 2
+    assert len(notes) == 2 and "env.info['handle'] (lock:" in notes[0] and "episode 0-seg" in notes[1]
+    assert live.env.info["handle"] is lock  # the live episode keeps its own
+    clean = pickle_batches([Batch(step=3, episodes=[_episode("1", {"n": 1})], rewards=RewardOutput(total=[1.0], parts={}),
+                                  metrics={}, policy_step=2)])
+    assert clean[1] == [] and pickle.loads(clean[0])[0].episodes[0].env.info == {"n": 1}
+
+
+def test_a_stop_abandons_the_batch_being_sampled_and_saves_the_state_it_started_from():
+    release, started, position = threading.Event(), [], {"n": 0}
+
+    def collect(step, timer):  # batch 2 never ends until released (an agent within its timeout)
+        started.append(step)
+        position["n"] += 1  # the sampler moves when a batch draws its prompts
+        if step == 2:
+            release.wait(60)
+        return [_episode(str(step), {"handle": threading.Lock()})], RewardOutput(total=[1.0], parts={}), {}
+
+    rollouts = Rollouts(collect, Weights(), async_steps=2, start=0, total_steps=4,
+                        snapshot=lambda: dict(position))
+    try:
+        assert rollouts.take(0, StepTimer()).step == 0
+        deadline = time.monotonic() + 30
+        while 2 not in started:  # batch 1 finished, batch 2 being sampled
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t = time.monotonic()
+        saved = rollouts.in_flight(stop=lambda: True)  # a checkpoint on a stop: batch 2 abandoned
+        assert time.monotonic() - t < 1
+        assert [b.step for b in pickle.loads(saved.blob)] == [1]
+        assert saved.state == {"n": 2}  # where batch 2 started, not the live {"n": 3}
+        assert len(saved.notes) == 1 and "env.info['handle']" in saved.notes[0]
+        assert rollouts.take(1, StepTimer(), stop=lambda: True).step == 1  # a finished batch is still taken
+        t = time.monotonic()
+        with pytest.raises(StopRequested):
+            rollouts.take(2, StepTimer(), stop=lambda: True)
+        assert time.monotonic() - t < 1
+    finally:
+        release.set()
+        rollouts.close()

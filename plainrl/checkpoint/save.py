@@ -72,6 +72,7 @@ def save_checkpoint(
     blobs: dict[str, bytes] | None = None,
     keep_last: int | None = 3,
     save_optimizer: bool = True,
+    rng_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-<step>/`` atomically and point ``latest`` at it.
 
@@ -106,6 +107,9 @@ def save_checkpoint(
             records that in the manifest (``"optimizer": false``), which :func:`verify` then does
             not require; resuming restarts the optimizer state (:func:`load_checkpoint` warns).
             The fp32 master weights are still saved: they are the weights, not optimizer state.
+        rng_state: :func:`~plainrl.checkpoint.rng.get_rng_state`'s value taken earlier, saved instead
+            of the live RNG states (``rollout.async_steps``: those from when an abandoned batch
+            started); None: the states now.
     Returns:
         the checkpoint directory.
     Raises:
@@ -158,7 +162,7 @@ def save_checkpoint(
         if save_optimizer:
             torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
         torch_save(scheduler.state_dict(), tmp / SCHEDULER)
-        torch_save(get_rng_state(generator), tmp / RNG)
+        torch_save(rng_state if rng_state is not None else get_rng_state(generator), tmp / RNG)
         for blob_name, data in blobs.items():
             write_bytes(tmp / blob_name, data)
         write_bytes(tmp / STATE, state_json.encode())

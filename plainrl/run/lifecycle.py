@@ -140,8 +140,9 @@ class StepBoundary:
         return cls(run_dir, cfg.train.total_steps, cfg.train.max_bad_steps, cfg.eval.every, cfg.checkpoint.every)
 
     def __call__(self, step: int, *, skipped: bool, stop: GracefulStop, logger: MetricsLogger,
-                 evaluate: Callable[[], dict[str, float]] | None, save: Callable[[int], Path]) -> None:
-        """After step ``step`` (0-based) finished; ``evaluate`` is None without held-out rows.
+                 evaluate: Callable[[], dict[str, float] | None] | None, save: Callable[[int], Path]) -> None:
+        """After step ``step`` (0-based) finished; ``evaluate`` is None without held-out rows, and
+        returns None when a stop cut it short (nothing is logged).
 
         Raises:
             Diverged: the run is to stop, its last checkpoint named.
@@ -153,15 +154,27 @@ class StepBoundary:
                            f"(skipped); last good checkpoint: {find_latest(self.run_dir) or 'none'}")
         done = step + 1
         if evaluate is not None and self.eval_every and done % self.eval_every == 0 and done < self.total_steps:
-            logger.log_eval(done, evaluate())
+            if (result := evaluate()) is not None:
+                logger.log_eval(done, result)
         every = self.checkpoint_every
         signum = stop.requested()
-        if signum is not None or (every and (done % every == 0 or done == self.total_steps)):
+        if signum is not None:
+            self.preempt(done, signum=signum, logger=logger, save=save)
+        if every and (done % every == 0 or done == self.total_steps):
             with logger.phase(f"checkpoint after step {done}"):
-                path = save(done)
-            if signum is not None:
-                logger.close()
-                raise Preempted(done, signum, path)
+                save(done)
+
+    def preempt(self, done: int, *, signum: int, logger: MetricsLogger, save: Callable[[int], Path]) -> None:
+        """A stop arrived after ``done`` steps (at a step boundary, or while step ``done`` waited
+        for its batch): checkpoint after ``done`` steps and stop.
+
+        Raises:
+            Preempted: always, the checkpoint written.
+        """
+        with logger.phase(f"checkpoint after step {done}"):
+            path = save(done)
+        logger.close()
+        raise Preempted(done, signum, path)
 
 
 def attach_trackers(cfg: Config, run_dir: Path, logger: MetricsLogger) -> None:

@@ -19,7 +19,7 @@ from plainrl.run.collect import dynamic_sampling, observe_curriculum, shape_over
 from plainrl.run.distributed import gather_episodes, join, leave, local_rows
 from plainrl.run.correction import MismatchWatch, rejection_warning
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
-from plainrl.run.overlap import Rollouts
+from plainrl.run.overlap import Rollouts, StopRequested
 from plainrl.run.setup import Run, setup
 from plainrl.samples import training_samples
 from plainrl.train import UpdateStats
@@ -205,15 +205,26 @@ def _train(run: Run) -> Path:
     boundary = StepBoundary.for_run(cfg, run.run_dir)
     rollouts = Rollouts(lambda step, timer: collect(run, step, timer), run.engine,
                         async_steps=cfg.rollout.async_steps, start=run.start, total_steps=cfg.train.total_steps,
-                        partial=cfg.rollout.partial)
+                        partial=cfg.rollout.partial, snapshot=run.resume_state)
     if run.in_flight is not None:
         rollouts.restore(run.in_flight, run.start)
     mismatch = MismatchWatch()
     try:
         with GracefulStop(agree=run.parallel.max if run.parallel.active else None) as stop:
+            stopping = lambda: stop.signum is not None  # noqa: E731  (async: not under torchrun, no agreement)
+
+            def save(done: int) -> Path:  # async: a stop abandons the batch being sampled
+                saved = rollouts.in_flight(stopping)
+                for note in saved.notes:
+                    logger.print(f"warning: checkpoint after step {done}: saved as its repr (does not pickle): {note}")
+                return run.save(done, in_flight=saved.blob, state=saved.state)
+
             for step in range(run.start, cfg.train.total_steps):
                 timer = StepTimer()
-                batch = rollouts.take(step, timer)  # rollout + rewards (+ DAPO's filters); async: sampled ahead
+                try:  # rollout + rewards (+ DAPO's filters); async: sampled ahead
+                    batch = rollouts.take(step, timer, stopping)
+                except StopRequested:  # (async) the batch would take up to rollout.agent_timeout_s
+                    boundary.preempt(step, signum=stop.signum, logger=logger, save=save)
                 episodes, rewards_out, extra = batch.episodes, batch.rewards, batch.metrics
                 samples, shaping = samples_of(run, episodes, timer)  # an agent's segments: one sample each
                 extra.update(shaping)
@@ -251,8 +262,8 @@ def _train(run: Run) -> Path:
                 logger.log_rollouts(step, episodes, cfg.log.rollouts_per_step, prep.tokenizer)
                 logger.log_errors(step, rewards_out.errors)
                 boundary(step, skipped=stats.skipped, stop=stop, logger=logger,
-                         evaluate=(lambda: rollouts.paused(run.evaluate)) if prep.data.eval else None,
-                         save=lambda done: run.save(done, in_flight=rollouts.in_flight()))
+                         evaluate=(lambda: rollouts.paused(run.evaluate, stopping)) if prep.data.eval else None,
+                         save=save)
     finally:
         rollouts.close()
 

@@ -29,15 +29,24 @@ Checkpoints and evaluation hold the rollout thread: no batch starts, and the one
 finishes; the finished batches ahead of the learner are saved in the checkpoint
 (``in_flight.pkl``) with the sampler and RNG states that follow them, and a resumed run trains
 on them instead of sampling them again. The hold lasts until the learner's next ``take``.
+
+A stop (SIGTERM/SIGINT) does not wait for the batch being sampled, which may take up to
+``rollout.agent_timeout_s``: the learner's wait in ``take``, a hold for a checkpoint or an
+evaluation, ends within :data:`STOP_POLL_S` of the signal, and the batch in flight is abandoned
+(its episodes are cancelled when the run closes its episode loop). The checkpoint then saves
+the finished batches with the sampler and RNG states taken when the abandoned batch started
+(:class:`Saved`), so a resumed run samples that batch again from the same sampler position,
+with the checkpoint's weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -47,7 +56,33 @@ from plainrl.rollout.engines.partial import PartialEngine
 from plainrl.types import Episode, RewardOutput
 
 IN_FLIGHT = "in_flight.pkl"  # the checkpoint file holding the batches sampled ahead (async_steps > 0)
+STOP_POLL_S = 0.2  # how often a wait for the rollout thread looks for a stop (seconds)
 T = TypeVar("T")
+
+
+class StopRequested(Exception):
+    """A stop (SIGTERM/SIGINT) arrived while the learner waited for the batch of ``step``,
+    which is abandoned: the run checkpoints after ``step`` steps and exits."""
+
+    def __init__(self, step: int):
+        super().__init__(f"a stop arrived while step {step}'s batch was being sampled")
+        self.step = step
+
+
+@dataclass
+class Saved:
+    """What a checkpoint of an async run saves beside the weights (:meth:`Rollouts.in_flight`).
+
+    blob: the finished batches ahead of the learner, pickled (``in_flight.pkl``), or None.
+    state: the resume state (``Rollouts(snapshot=...)``'s value: the sampler and RNG states)
+        taken when the abandoned batch started, to be saved instead of the live ones (which
+        have moved past its prompts); None: the live states follow the saved batches.
+    notes: what could not be pickled and was saved as its ``repr`` instead.
+    """
+
+    blob: bytes | None
+    state: Any = None
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +127,44 @@ def staleness_metrics(step: int, episodes: list[Episode]) -> dict[str, float]:
     return out
 
 
+def pickle_batches(batches: list[Batch]) -> tuple[bytes, list[str]]:
+    """``batches`` pickled for ``in_flight.pkl``. An episode's ``env.info`` value that does not
+    pickle (an agent's own object in its info: a client, a lock, a generator) is saved as its
+    ``repr`` instead, in a copy (the live episodes keep theirs).
+
+    Returns:
+        ``(bytes, notes)``: one note per value replaced, naming the episode, the key and why.
+    Raises:
+        pickle.PicklingError, TypeError, AttributeError: something other than ``env.info`` does not pickle.
+    """
+    try:
+        return pickle.dumps(batches), []
+    except Exception:  # noqa: BLE001  (pickling raises PicklingError, TypeError or AttributeError)
+        pass
+    notes: list[str] = []
+    clean = [dataclasses.replace(b, episodes=[_picklable(e, notes) for e in b.episodes]) for b in batches]
+    return pickle.dumps(clean), notes
+
+
+def _picklable(e: Episode, notes: list[str]) -> Episode:
+    """``e`` (and its earlier segments) with each ``env.info`` value that does not pickle as its repr."""
+    env = e.env
+    if env is not None:
+        info = {}
+        for k, v in env.info.items():
+            try:
+                pickle.dumps(v)
+                info[k] = v
+            except Exception as err:  # noqa: BLE001
+                try:
+                    info[k] = repr(v)
+                except Exception:  # noqa: BLE001  (a repr that fails too)
+                    info[k] = f"<{type(v).__name__}>"
+                notes.append(f"episode {e.sample_id}: env.info[{k!r}] ({type(v).__name__}: {err})")
+        env = dataclasses.replace(env, info=info)
+    return dataclasses.replace(e, env=env, earlier=tuple(_picklable(s, notes) for s in e.earlier))
+
+
 class Rollouts:
     """The source of each step's batch under ``rollout.async_steps`` (module docstring).
 
@@ -106,13 +179,16 @@ class Rollouts:
         partial: ``rollout.partial``: ``engine`` is a
             :class:`~plainrl.rollout.engines.partial.PartialEngine` and a push lands between its
             decode chunks instead of waiting for the batch being sampled.
+        snapshot: ``() -> state``, the resume state (the sampler's and RNG states), taken when a
+            batch starts: a checkpoint that abandons that batch on a stop saves it
+            (:attr:`Saved.state`). It must copy (the live states move on).
 
     Raises:
         ValueError: ``async_steps < 0``; ``partial`` without async steps or a PartialEngine.
     """
 
     def __init__(self, collect: Collect, engine: Engine, *, async_steps: int, start: int, total_steps: int,
-                 partial: bool = False):
+                 partial: bool = False, snapshot: Callable[[], Any] | None = None):
         if async_steps < 0:
             raise ValueError(f"rollout.async_steps must be >= 0, got {async_steps}")
         if partial and not (async_steps and isinstance(engine, PartialEngine)):
@@ -120,7 +196,8 @@ class Rollouts:
         self.partial = partial
         if partial:
             engine.version = start
-        self.collect, self.engine = collect, engine
+        self.collect, self.engine, self.snapshot = collect, engine, snapshot
+        self._at_start: Any = None  # snapshot() when the batch being sampled started
         self.async_steps, self.total_steps = async_steps, total_steps
         self._cv = threading.Condition()
         self._ready: dict[int, Batch] = {}
@@ -171,6 +248,7 @@ class Rollouts:
         s = self._next
         if (self._sampling is None and not self._pushing and not self._held and not self._closed
                 and s < self.total_steps and self._engine_v >= s - self.async_steps and not self._push_due()):
+            self._at_start = self.snapshot() if self.snapshot is not None else None
             self._sampling = self._engine_v
             self._idle_engine += time.monotonic() - self._idle_since
             self._cv.notify_all()
@@ -203,9 +281,18 @@ class Rollouts:
 
     # ------------------------------------------------------------------ the learner's side
 
-    def take(self, step: int, timer: StepTimer) -> Batch:
+    def _wait(self, stop: Callable[[], bool] | None) -> None:
+        """Wait for a notification (lock held); with ``stop``, at most :data:`STOP_POLL_S`."""
+        self._cv.wait(None if stop is None else STOP_POLL_S)
+
+    def take(self, step: int, timer: StepTimer, stop: Callable[[], bool] | None = None) -> Batch:
         """Step ``step``'s batch. Waiting for it is timed as ``wait_rollout`` (the learner's
-        idle time, also logged as ``time/idle_learner``); a push due meanwhile is made here."""
+        idle time, also logged as ``time/idle_learner``); a push due meanwhile is made here.
+
+        Raises:
+            StopRequested: ``stop()`` became true while the batch was not ready (it is abandoned).
+            RuntimeError: sampling ahead failed.
+        """
         if not self.async_steps:
             batch = self._ready.pop(step, None) or self._collect(step, self._engine_v)
         else:
@@ -220,11 +307,13 @@ class Rollouts:
                                            "before it)") from self._error
                     if step in self._ready:
                         break
+                    if stop is not None and stop():
+                        raise StopRequested(step)
                     if self._push_due():
                         self._push()
                     self._admit()
                     if step not in self._ready:
-                        self._cv.wait()
+                        self._wait(stop)
                 batch = self._ready.pop(step)
                 if self._push_due():  # the rollout thread then starts on the new weights
                     self._push()
@@ -253,21 +342,31 @@ class Rollouts:
                     self._push()
             self._admit()
 
-    def _hold(self) -> None:
+    def _hold(self, stop: Callable[[], bool] | None = None) -> bool:
         """Stop starting batches, wait for the one being sampled, and make a push still due (lock
-        held): what runs during the hold (an evaluation) sees the learner's latest weights."""
+        held): what runs during the hold (an evaluation) sees the learner's latest weights.
+
+        Returns:
+            False when ``stop()`` became true before the batch being sampled finished (it is
+            abandoned: the hold stays, no push is made); True otherwise.
+        """
         self._held = True
         while (self._sampling is not None or self._pushing) and self._error is None:
-            self._cv.wait()
+            if stop is not None and stop() and not self._pushing:  # (a push ends within its timeout)
+                return False
+            self._wait(stop)
         if self._push_due():
             self._push()
+        return True
 
-    def paused(self, fn: Callable[[], T]) -> T:
-        """``fn()`` (an evaluation) with the rollout thread held, so nothing else samples meanwhile."""
+    def paused(self, fn: Callable[[], T], stop: Callable[[], bool] | None = None) -> T | None:
+        """``fn()`` (an evaluation) with the rollout thread held, so nothing else samples meanwhile;
+        None, without calling ``fn``, when ``stop()`` became true while the hold waited."""
         if not self.async_steps or self._thread is None:
             return fn()
         with self._cv:
-            self._hold()
+            if not self._hold(stop):
+                return None
         try:
             return fn()
         finally:
@@ -275,16 +374,22 @@ class Rollouts:
                 self._held = False
                 self._admit()
 
-    def in_flight(self) -> bytes | None:
-        """The finished batches ahead of the learner, pickled for a checkpoint (None when there
-        are none). The rollout thread stays held until the next :meth:`take`, so the sampler and
-        RNG states saved with them follow them."""
+    def in_flight(self, stop: Callable[[], bool] | None = None) -> Saved:
+        """What a checkpoint saves beside the weights: the finished batches ahead of the learner
+        (:func:`pickle_batches`). The rollout thread stays held until the next :meth:`take`, so
+        the sampler and RNG states saved with them follow them; when ``stop()`` becomes true
+        before the batch being sampled finishes, that batch is abandoned and :attr:`Saved.state`
+        is the snapshot taken when it started."""
         if not self.async_steps:
-            return None
+            return Saved(None)
         with self._cv:
-            self._hold()
+            finished = self._hold(stop)
             batches = [self._ready[s] for s in sorted(self._ready)]
-        return pickle.dumps(batches) if batches else None
+            state = None if finished or self._sampling is None else self._at_start
+        if not batches:
+            return Saved(None, state)
+        blob, notes = pickle_batches(batches)
+        return Saved(blob, state, notes)
 
     def restore(self, blob: bytes, step: int) -> None:
         """Take a checkpoint's saved batches as those of steps ``step``, ``step + 1``, ...

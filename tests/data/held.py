@@ -7,6 +7,7 @@ Nothing here waits for a number of seconds: a held process sleeps until it is ki
 
 import asyncio
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -82,3 +83,22 @@ def held_reward(completion, **columns):
     open(os.environ["PLAINRL_TEST_GATE"], "a").close()
     while True:
         time.sleep(1)
+
+
+_episodes = 0
+
+
+async def held_after_agent(llm, row):
+    """``rollout.agent``: its first ``$PLAINRL_TEST_HOLD_AFTER`` episodes make one short model call
+    and return a reward; every later one appends its prompt (decoded, as rollouts.jsonl writes
+    it) as a JSON line to ``$PLAINRL_TEST_GATE`` and never returns until the run cancels it: a
+    batch in flight until a stop abandons it (tests/test_async_stop.py)."""
+    global _episodes
+    _episodes += 1
+    if _episodes <= int(os.environ["PLAINRL_TEST_HOLD_AFTER"]):
+        reply = await llm.chat(llm.prompt_messages, max_tokens=4)
+        return float(len(reply.text) % 3) / 2
+    with open(os.environ["PLAINRL_TEST_GATE"], "a") as f:
+        f.write(json.dumps(llm.tokenizer.decode(llm.prompt_ids)) + "\n")
+    while True:
+        await asyncio.sleep(1)
