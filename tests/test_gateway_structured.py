@@ -93,6 +93,27 @@ def test_an_engine_without_a_grammar_refuses_a_schema_naming_the_option(tokenize
     assert [c[2].structured_outputs for c in engine.calls] == [None]
 
 
+def test_anthropic_output_format_is_honoured_or_refused(tokenizer):
+    import anthropic
+
+    async def agent(llm, row):
+        fmt = {"type": "json_schema", "schema": Verdict.model_json_schema()}
+        try:
+            m = await llm.anthropic_client().messages.create(
+                model="policy", max_tokens=48, messages=[{"role": "user", "content": "6*7?"}],
+                extra_body={"output_format": fmt})
+        except anthropic.BadRequestError as e:
+            return await refused(llm, e)
+        llm.row["out"] = Verdict.model_validate_json(m.content[0].text)
+        return 1.0
+
+    constraining, plain = ConstrainingEngine(tokenizer), ScriptedEngine(tokenizer)
+    [ok], [no] = rollout(constraining, tokenizer, agent), rollout(plain, tokenizer, agent)
+    assert ok.row["out"] == Verdict(answer=42, confident=True)
+    assert set(json.loads(constraining.calls[0][2].structured_outputs)) == {"json"}
+    assert no.row["error"].status_code == 400 and "output_format: structured outputs need" in str(no.row["error"])
+
+
 def test_chat_json_object_and_vllm_extension_and_conflicts(tokenizer):
     async def agent(llm, row):
         client = llm.openai_client()
