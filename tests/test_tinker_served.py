@@ -80,7 +80,7 @@ def _adapters_on(url: str) -> set[str]:
 
 
 def test_samplers_on_a_plainrl_serve_server(vllm_server, tmp_path):
-    proc, url = _start_tinker(tmp_path, vllm_server)
+    proc, url = _start_tinker(tmp_path, vllm_server, "tinker.ephemeral_samplers=2")
     try:
         sc = tinker.ServiceClient(base_url=url, api_key="tml-local")
         tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
@@ -120,6 +120,24 @@ def test_samplers_on_a_plainrl_serve_server(vllm_server, tmp_path):
         res = first.sample(types.ModelInput.from_ints(prompt), 2,
                            types.SamplingParams(max_tokens=6, temperature=1.0, seed=7, stop=[stop_id])).result()
         assert res.sequences[0].tokens == tokens[0][:end] and res.sequences[0].stop_reason == "stop"
+        # snapshots are ephemeral: tinker.ephemeral_samplers=2 of tc's are kept, on disk and on the server
+        snapshots = tmp_path / tc.model_id.replace(":", "_") / "ephemeral"
+        assert len(list(snapshots.iterdir())) == 2
+        loaded = len(_adapters_on(vllm_server))
+        for _ in range(3):
+            _step(tc, prompt)
+            newest = tc.save_weights_and_get_sampling_client().result()
+        assert len(list(snapshots.iterdir())) == 2 and len(_adapters_on(vllm_server)) == loaded
+        _check_samples(newest, lambda ids: _forward(tc, ids), prompt, seed=12)
+        with pytest.raises(tinker.BadRequestError, match="freed once its training client had saved 2 newer"):
+            first.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2)).result()
+        # a sample is checked against the server's context (its /v1/models max_model_len), not the model's
+        served = min(m["max_model_len"] for m in httpx.get(vllm_server + "/v1/models", timeout=10).json()["data"]
+                     if m.get("max_model_len"))  # the base's (vLLM lists its adapters with none)
+        assert {m.max_context_length for m in sc.get_server_capabilities().supported_models} == {served}
+        with pytest.raises(tinker.BadRequestError, match=f"over the model's context of {served}"):
+            base.sample(types.ModelInput.from_ints(prompt), 1,
+                        types.SamplingParams(max_tokens=served - len(prompt) + 1)).result()
         sc.close("success").result()
     finally:
         proc.terminate()
