@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from plainrl.config import ConfigError, load_config
 from plainrl.metrics import StepTimer
 from plainrl.rollout.engines.hf import HFEngine
-from plainrl.rollout.engines.partial import PartialEngine
+from plainrl.rollout.engines.partial import PartialEngine, stop_cut
 from plainrl.rollout.engines.factory import sampling_copy
 from plainrl.run.overlap import Rollouts
 from plainrl.run.setup import make_learner
@@ -74,6 +74,40 @@ def test_each_token_has_the_logprob_of_the_version_that_sampled_it(tiny_model_di
         if 1 in g.versions:  # and the versions do differ there
             t = g.versions.index(1)
             assert abs(float(before[i, t]) - float(after[i, t])) > 1e-3
+
+
+def _chars(ids: list[int]) -> str:  # one character per token: ord(c)
+    return "".join(map(chr, ids))
+
+
+def test_stop_cut_finds_a_stop_string_spanning_the_boundary_within_its_window():
+    ids = [ord(c) for c in "x" * 100 + "ab</s>cd" + "y" * 100]  # "</s>" at 102..105
+    calls: list[int] = []
+
+    def decode(t):
+        calls.append(len(t))
+        return _chars(t)
+
+    # the boundary inside "</s>" (after "</"): the cut is after ">", index 106
+    assert stop_cut(ids, 104, ("</s>",), decode, margin=2) == 106
+    assert max(calls) <= 2 * (4 + 2)  # only the window around the boundary was decoded, never the 208 tokens
+    assert stop_cut(ids, 102, ("</s>", "b<"), _chars, margin=2) == 103  # "b<" spans it and ends first
+    assert stop_cut(ids, 102, ("</s>",), _chars) == 106  # in the new piece, within reach: found too
+    assert stop_cut(ids, 50, ("</s>",), _chars) is None  # far into the new piece: the engine's to stop at
+    assert stop_cut(ids, 208, ("</s>",), _chars) is None and stop_cut(ids, 104, (), _chars) is None
+
+
+def test_stop_cut_equals_the_whole_text_search_on_real_tokens(tokenizer):
+    """Against the search over every prefix of the whole completion, on the real tokenizer's
+    tokens (several characters each, leading spaces), at every boundary inside the stop string."""
+    ids = tokenizer("The sum of 12 and 30 is 42, so the reply ends here.\nAnswer: 42 and more words after",
+                    add_special_tokens=False)["input_ids"]
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+    for stop in ("\nAnswer:", "Answer: 42", " so the"):
+        first = next(k for k in range(1, len(ids) + 1) if stop in decode(ids[:k]))  # the whole-text search
+        start = next(k for k in range(first, 0, -1) if stop not in decode(ids[k - 1:first]))  # its first token
+        for boundary in range(start, first):
+            assert stop_cut(ids, boundary, (stop,), decode) == first, (stop, boundary)
 
 
 def test_a_stop_string_across_two_chunks_ends_the_completion_where_it_completes(tiny_model_dir, tokenizer):

@@ -28,12 +28,53 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Callable
 
 import torch
 
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.seeding import derive_seed
 from plainrl.types import Generation, SamplingParams
+
+
+STOP_MARGIN = 4  # tokens of context beyond a stop string's length around a piece boundary
+
+
+def stop_cut(tokens: list[int], boundary: int, stop: tuple[str, ...], decode: Callable[[list[int]], str], *,
+             margin: int = STOP_MARGIN) -> int | None:
+    """Where a stop string that spans a piece boundary ends: the length of the shortest prefix of
+    ``tokens`` whose text holds one of ``stop``, searched only around ``boundary``.
+
+    ``tokens[:boundary]`` are the earlier pieces (whose text held no stop string) and
+    ``tokens[boundary:]`` the new piece, whose engine already stopped at any stop string wholly
+    inside it (``SamplingParams.stop``). So a stop string still to find starts before the
+    boundary and ends after it. A token decodes to at least one character (but for a few: special
+    tokens, pieces of one UTF-8 character), so it lies within ``reach = max(len(s) for s in stop)
+    + margin`` tokens on either side; the margin covers those few, and that the first tokens of a
+    decoded slice may read differently than in context (a leading space).
+    Only that window is decoded: a check per piece costs O(reach) tokens, not the completion's
+    length (it was the whole completion, then every prefix of it, per piece).
+
+    Args:
+        tokens: [L] the completion so far, the new piece included.
+        boundary: the new piece's first index (0 < boundary <= L).
+        stop: the stop strings (non-empty strings).
+        decode: token ids -> text (the tokenizer's, special tokens skipped).
+        margin: tokens of context beyond the longest stop string.
+    Returns:
+        k in (boundary, L]: ``tokens[:k]`` is the completion up to the end of the first stop
+        string that spans the boundary (or lies within reach after it); None when none does.
+    """
+    if not stop or boundary >= len(tokens):
+        return None
+    reach = max(len(s) for s in stop) + margin
+    start, end = max(0, boundary - reach), min(len(tokens), boundary + reach)
+    if not any(s in decode(tokens[start:end]) for s in stop):
+        return None
+    for k in range(boundary + 1, end + 1):
+        if any(s in decode(tokens[start:k]) for s in stop):
+            return k
+    return None
 
 
 class PartialEngine:
@@ -117,15 +158,8 @@ class PartialEngine:
                 self._running -= 1
                 self._cv.notify_all()
 
-    def _stop_at(self, tokens: list[int], stop: tuple[str, ...]) -> int | None:
-        """The length of the shortest prefix of ``tokens`` whose text holds a stop string."""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if not any(s in text for s in stop):
-            return None
-        for k in range(1, len(tokens) + 1):
-            if any(s in self.tokenizer.decode(tokens[:k], skip_special_tokens=True) for s in stop):
-                return k
-        return None
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  seeds: list[int] | None = None) -> list[Generation]:
@@ -146,10 +180,12 @@ class PartialEngine:
             pieces, version = self._piece([prompts[i] + toks[i] for i in live], params, piece_seeds,
                                           [params.max_new_tokens - len(toks[i]) for i in live])
             for i, (g, finished) in zip(live, pieces):
+                boundary = len(toks[i])
                 toks[i] += g.token_ids
                 lps[i] += g.logprobs
                 vers[i] += [version] * len(g.token_ids)
-                cut = self._stop_at(toks[i], params.stop) if params.stop and not (finished and g.finish_reason == "stop") else None
+                spans = params.stop and boundary and not (finished and g.finish_reason == "stop")
+                cut = stop_cut(toks[i], boundary, params.stop, self._decode) if spans else None
                 if cut is not None:  # a stop string across two pieces
                     toks[i], lps[i], vers[i], finish[i] = toks[i][:cut], lps[i][:cut], vers[i][:cut], "stop"
                 elif finished:
