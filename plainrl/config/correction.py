@@ -34,7 +34,9 @@ class CorrectionConfig(_Section):
     AVX2), which this corrects (docs/engines.md, "Engine/learner mismatch"). Dropped tokens leave the
     loss's normaliser and its KL and entropy terms."""
     token_tis_cap: float = Field(2.0, gt=0.0)
-    """`token_tis`: the cap C of each token's ratio (Yao et al. 2025's 2; TRL's `vllm_importance_sampling_cap`)."""
+    """`token_tis`: the cap C of each token's ratio (Yao et al. 2025's 2). TRL's `vllm_importance_sampling_cap` is
+    3.0, applied by default to the sequence's ratio (`vllm_importance_sampling_mode: sequence_mask`); its
+    `token_truncate` mode is this one."""
     sequence_tis_cap: float = Field(2.0, gt=0.0)
     """`sequence_tis`: the cap C of the sequence's ratio prod_t rho_t (verl's `seq_is` default)."""
     token_mis: tuple[float, float] = (0.0, 2.0)

@@ -19,7 +19,8 @@ def resolve_correction(section: CorrectionConfig, *, engine: str, weights_dtype:
     (``rollout.async_steps``). Only the embedded engine sampling with the learner's own
     float32 weights in step is on-policy to float tolerance, and there it stays off.
 
-    - the weighting: ``token_tis`` (Yao et al. 2025; TRL's default for vLLM rollouts), or
+    - the weighting: ``token_tis`` (Yao et al. 2025; TRL's ``token_truncate`` mode: TRL's default
+      for vLLM rollouts is ``sequence_mask``, cap 3.0, a mask on the sequence's ratio), or
       ``sequence_tis`` under ``ratio_level: sequence``: GSPO's objective is a sequence-level
       ratio, so its correction is the sequence's ratio too (Zheng et al. 2025, "Group Sequence
       Policy Optimization", and the sequence-level IS of Liu, Li et al. 2025);
