@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
     args = ap.parse_args(argv)
 
-    from plainrl.metrics import wilson_interval
+    from plainrl.intervals import wilson_interval
     from plainrl.models.precision import cpu_summary
 
     out = args.out or Path(tempfile.mkdtemp(prefix="samplers_"))

@@ -1,21 +1,20 @@
-"""What a held-out figure's interval is: every evaluation figure plainrl prints or writes (the
-run's eval lines, ``plainrl eval``, the report, the model card) names the interval's method and
-n beside it, e.g. ``pass@1 0.420 [0.330, 0.520] (Wilson 95%, n=100)``.
-
-The intervals themselves are computed in :mod:`plainrl.metrics` (:func:`~plainrl.metrics.wilson_interval`,
-:func:`~plainrl.metrics.mean_interval`); this module only names them, and imports nothing heavy
-so the report can use it.
+"""A held-out figure's interval, computed and named: :func:`wilson_interval` for a pass rate,
+:func:`mean_interval` for the mean of per-prompt scores, and every evaluation figure plainrl prints
+or writes (the run's eval lines, ``plainrl eval``, the report, the model card) with the interval's
+method and n beside it, e.g. ``pass@1 0.420 [0.330, 0.520] (Wilson 95%, n=100)``. Imports nothing
+heavy, so the report can use it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from statistics import NormalDist
 from typing import Any
 
 __all__ = [
-    "CONFIDENCE", "T_BELOW", "eval_figures", "eval_keys", "figure", "interval_method", "mean_interval_method",
-    "method_label",
+    "CONFIDENCE", "T_BELOW", "eval_figures", "eval_keys", "figure", "interval_method", "mean_interval",
+    "mean_interval_method", "method_label", "student_t_quantile", "student_t_two_sided", "wilson_interval",
 ]
 
 CONFIDENCE = 0.95  # every eval interval's level
@@ -25,7 +24,7 @@ _BOUNDS = ("_ci_low", "_ci_high")
 
 
 def mean_interval_method(n: int) -> str:
-    """How :func:`plainrl.metrics.mean_interval` computes the interval of ``n`` values: ``"student-t"``
+    """How :func:`mean_interval` computes the interval of ``n`` values: ``"student-t"``
     below :data:`T_BELOW` values, ``"normal"`` from there."""
     return "student-t" if n < T_BELOW else "normal"
 
@@ -88,3 +87,106 @@ def eval_figures(row: Mapping[str, Any], digits: int = 3) -> str:
     """An evaluation row on one line, each figure with its interval, method and n (:func:`figure`):
     ``eval/pass@1 0.420 [0.330, 0.520] (Wilson 95%, n=100)  eval/mean@4 ...``."""
     return "  ".join(f"{k} {figure(row, k, digits)}" for k in eval_keys(row))
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Confidence interval of a success rate from ``n`` pass/fail trials (z = 1.96: 95%).
+
+    The Wilson score interval (Wilson 1927, JASA 22:209; recommended over the normal
+    approximation by Brown, Cai & DasGupta 2001, Stat. Sci. 16:101): with p = s/n,
+
+        centre = (p + z^2/(2n)) / (1 + z^2/n)
+        half   = z / (1 + z^2/n) * sqrt(p(1-p)/n + z^2/(4n^2))
+
+    It stays inside [0, 1] and is not degenerate at p = 0 or 1, where evals of small
+    models often sit.
+
+    Raises:
+        ValueError: ``n < 1`` or ``successes`` outside ``[0, n]``.
+    """
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval needs 0 <= successes <= n and n >= 1; got {successes}/{n}")
+    p, z2 = successes / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def student_t_two_sided(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with ``df`` (>= 1) degrees of freedom, ``t >= 0``.
+
+    The closed forms of Abramowitz & Stegun (1964), 26.7.3 (odd df) and 26.7.4 (even df),
+    with theta = atan(t / sqrt(df)):
+
+        odd:  A = (2/pi) * (theta + sin(theta) * sum_{j=0}^{(df-3)/2} a_j cos(theta)^(2j+1)),
+              a_0 = 1, a_j = a_{j-1} * 2j / (2j + 1)             (no sum for df = 1)
+        even: A = sin(theta) * sum_{j=0}^{(df-2)/2} b_j cos(theta)^(2j),
+              b_0 = 1, b_j = b_{j-1} * (2j - 1) / (2j)
+
+    Raises:
+        ValueError: ``df < 1`` or ``t < 0``.
+    """
+    if df < 1 or t < 0:
+        raise ValueError(f"student_t_two_sided needs df >= 1 and t >= 0, got df={df}, t={t}")
+    theta = math.atan(t / math.sqrt(df))
+    s, c = math.sin(theta), math.cos(theta)
+    if df % 2 == 1:
+        total, term = 0.0, c
+        for j in range((df - 1) // 2):
+            total += term
+            term *= c * c * (2 * j + 2) / (2 * j + 3)
+        return min(1.0, 2 / math.pi * (theta + s * total))
+    total, term = 0.0, 1.0
+    for j in range(df // 2):
+        total += term
+        term *= c * c * (2 * j + 1) / (2 * j + 2)
+    return min(1.0, s * total)
+
+
+def student_t_quantile(confidence: float, df: int) -> float:
+    """The t with P(|T| <= t) = ``confidence`` for Student's t with ``df`` degrees of freedom
+    (t_{(1+confidence)/2, df}: 12.706 for df = 1 at 0.95, 2.262 for df = 9), by bisection of
+    :func:`student_t_two_sided` to 1e-12 relative.
+
+    Raises:
+        ValueError: ``confidence`` outside (0, 1) or ``df < 1``.
+    """
+    if not 0 < confidence < 1 or df < 1:
+        raise ValueError(f"student_t_quantile needs 0 < confidence < 1 and df >= 1, got {confidence}, {df}")
+    lo, hi = 0.0, 1.0
+    while student_t_two_sided(hi, df) < confidence:
+        hi *= 2
+    while hi - lo > 1e-12 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if student_t_two_sided(mid, df) < confidence else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Confidence interval of the mean of i.i.d. per-item scores (e.g. each prompt's mean
+    accuracy over k samples): mean -/+ q * s / sqrt(n), with the sample standard deviation s.
+    q is Student's t quantile with n - 1 degrees of freedom below :data:`T_BELOW` values
+    (the normal one understates the interval there: 1.96 against t's 2.26 at n = 10), the
+    normal quantile from there (:func:`mean_interval_method` names which). Treating the
+    prompt, not the sample, as the unit keeps the k correlated samples of a prompt from
+    narrowing the interval (Miller 2024, "Adding Error Bars to Evals", arXiv:2411.00640,
+    Sec. 2.2, which gives the t interval for small n).
+
+    Raises:
+        ValueError: no values, or ``confidence`` outside (0, 1).
+    """
+    if not values:
+        raise ValueError("mean_interval needs at least one value")
+    if not 0 < confidence < 1:
+        raise ValueError(f"mean_interval needs 0 < confidence < 1, got {confidence}")
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, mean
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    if mean_interval_method(n) == "student-t":
+        q = student_t_quantile(confidence, n - 1)
+    else:
+        q = NormalDist().inv_cdf((1 + confidence) / 2)
+    half = q * math.sqrt(var / n)
+    return mean - half, mean + half

@@ -4,9 +4,10 @@ import math
 
 import pytest
 
-from plainrl.metrics import (
-    StepTimer, mean_interval, mean_interval_method, student_t_quantile, student_t_two_sided, wilson_interval,
+from plainrl.intervals import (
+    mean_interval, mean_interval_method, student_t_quantile, student_t_two_sided, wilson_interval,
 )
+from plainrl.metrics import StepTimer
 
 
 @pytest.mark.parametrize("s, n, low, high", [

@@ -18,7 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from plainrl.data import PromptRow
 from plainrl.intervals import interval_method
-from plainrl.metrics import format_duration, mean_interval, wilson_interval
+from plainrl.intervals import mean_interval, wilson_interval
+from plainrl.metrics import format_duration
 from plainrl.rewards import correctness
 from plainrl.rollout import Engine, MultiTurn, env_metrics, rollout
 from plainrl.rollout.seeding import episode_seeds
@@ -142,7 +143,7 @@ def evaluate(
         ``{"eval/pass@1": greedy accuracy, "eval/pass@1_ci_low"/"_ci_high": its 95% Wilson
         interval, "eval/mean@k": mean accuracy of k samples per prompt at ``temperature``
         and its 95% interval over prompts (only when k > 1; Student's t below 30 prompts, normal
-        from 30: :func:`plainrl.metrics.mean_interval`), "eval/n": number of prompts}``;
+        from 30: :func:`plainrl.intervals.mean_interval`), "eval/n": number of prompts}``;
         with ``multi_turn``, also the greedy episodes' environment metrics as
         ``eval/env/...`` (e.g. ``eval/env/tool_calls`` per episode).
     """
