@@ -17,8 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plainrl.data import PromptRow
-from plainrl.intervals import interval_method
-from plainrl.intervals import mean_interval, wilson_interval
+from plainrl.intervals import interval_method, mean_interval, wilson_interval
 from plainrl.metrics import format_duration
 from plainrl.rewards import correctness
 from plainrl.rollout import Engine, MultiTurn, env_metrics, rollout
