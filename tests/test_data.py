@@ -314,6 +314,16 @@ def test_sampler_epochs_and_determinism():
     assert PromptSampler(rows, 3, seed=0, shuffle=False).next_batch() == [0, 1, 2]
 
 
+def test_sampler_draws_n_rows_on_request_and_learns_nothing_from_scores():
+    """The epoch sampler's side of the samplers' protocol: a re-draw of n rows continues the epoch
+    order, and scored batches change nothing (only the curriculum learns from them)."""
+    s = PromptSampler(list(range(10)), 4, seed=0, shuffle=False)
+    assert s.next_batch(3) == [0, 1, 2] and s.next_batch() == [3, 4, 5, 6] and s.next_batch(5) == [7, 8, 9, 0, 1]
+    before = s.state_dict()
+    s.observe([0, 1], [], [True, False])
+    assert s.take_metrics() == {} and s.state_dict() == before
+
+
 def test_sampler_state_round_trip():
     rows = list(range(7))
     a = PromptSampler(rows, 3, seed=1)

@@ -8,7 +8,7 @@
 from plainrl.data.loading import PromptData, PromptRow, load_prompt_data
 from plainrl.data.prompts import build_prompt_ids, check_prompt_lengths, render_prompt
 from plainrl.data.rows import DataError, DropReport, to_prompt_rows
-from plainrl.data.sampler import PromptSampler
+from plainrl.data.sampler import PromptSampler, Sampler
 from plainrl.data.sources import load_rows
 from plainrl.data.tasks import TASKS, arithmetic, make_task_rows, make_task_split, task_arg_names
 
@@ -19,6 +19,7 @@ __all__ = [
     "PromptData",
     "PromptRow",
     "PromptSampler",
+    "Sampler",
     "arithmetic",
     "build_prompt_ids",
     "check_prompt_lengths",

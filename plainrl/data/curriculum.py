@@ -16,7 +16,7 @@ from plainrl.algorithms.curriculum import (
 )
 from plainrl.config.base import ConfigError
 from plainrl.config.curriculum import CurriculumConfig
-from plainrl.data.sampler import PromptSampler
+from plainrl.data.sampler import PromptSampler, Sampler
 from plainrl.types import Episode
 
 __all__ = ["CurriculumSampler", "PASS_RATE_BINS", "check_pass_reward", "make_prompt_sampler"]
@@ -181,7 +181,7 @@ class CurriculumSampler:
 
 
 def make_prompt_sampler(rows: Sequence[Any], prompts_per_step: int, *, seed: int, shuffle: bool,
-                        curriculum: CurriculumConfig | None) -> PromptSampler | CurriculumSampler:
+                        curriculum: CurriculumConfig | None) -> Sampler:
     """The RL run's prompt sampler: by pass rate under ``data.curriculum``, else epoch by epoch
     (``data.shuffle``)."""
     if curriculum is None:

@@ -1,12 +1,40 @@
-"""The prompt sampler: endless, resumable batches of training rows, epoch by epoch."""
+"""The prompt samplers' protocol (:class:`Sampler`) and the default one, :class:`PromptSampler`:
+endless, resumable batches of training rows, epoch by epoch (``data.curriculum``'s draws by pass
+rate: :class:`plainrl.data.curriculum.CurriculumSampler`)."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
-__all__ = ["PromptSampler"]
+if TYPE_CHECKING:
+    from plainrl.types import Episode
+
+__all__ = ["PromptSampler", "Sampler"]
+
+
+class Sampler(Protocol):
+    """What the RL loop asks of a prompt sampler: batches of rows, what the scored batches showed
+    (a sampler that learns from them, as the curriculum does), its metrics, and its position for a
+    checkpoint."""
+
+    def next_batch(self, n: int | None = None) -> list[Any]:
+        """The next ``n`` rows (default: the sampler's ``prompts_per_step``)."""
+
+    def observe(self, rows: Sequence[Any], episodes: list[Episode], informative: Sequence[bool]) -> None:
+        """A scored batch: ``rows`` as :meth:`next_batch` gave them, ``episodes`` their groups
+        (``Episode.group`` indexes ``rows``), ``informative`` per group whether any advantage can be
+        non-zero."""
+
+    def take_metrics(self) -> dict[str, float]:
+        """Metrics since the last call (``data/...``), then reset."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, JSON-serialisable."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`."""
 
 
 class PromptSampler:
@@ -47,18 +75,26 @@ class PromptSampler:
             random.Random(self.seed + epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> list[Any]:
-        """The next ``prompts_per_step`` rows (can hold a row twice when the data is smaller)."""
+    def next_batch(self, n: int | None = None) -> list[Any]:
+        """The next ``n`` rows (default ``prompts_per_step``; can hold a row twice when the data is smaller)."""
+        n = self.prompts_per_step if n is None else n
         out: list[Any] = []
-        while len(out) < self.prompts_per_step:
+        while len(out) < n:
             if self.position >= len(self.rows):
                 self.epoch += 1
                 self.position = 0
                 self._order = self._epoch_order(self.epoch)
-            take = min(self.prompts_per_step - len(out), len(self.rows) - self.position)
+            take = min(n - len(out), len(self.rows) - self.position)
             out.extend(self.rows[j] for j in self._order[self.position : self.position + take])
             self.position += take
         return out
+
+    def observe(self, rows: Sequence[Any], episodes: list[Episode], informative: Sequence[bool]) -> None:
+        """Nothing: the epoch order does not depend on what the batches scored."""
+
+    def take_metrics(self) -> dict[str, float]:
+        """No metrics of its own."""
+        return {}
 
     def __iter__(self) -> Iterator[list[Any]]:
         return self
