@@ -1,8 +1,11 @@
 """The gateway in front of vLLM: in process (rollout.engine=vllm) and a `plainrl serve` server
 (rollout.engine=remote). An unmodified openai.AsyncOpenAI agent's trained spans equal each
-response's token_ids and logprobs, through Chat Completions and the Responses API. Runs under `make test-vllm`; skipped without vLLM."""
+response's token_ids and logprobs, through Chat Completions and the Responses API; a JSON schema
+(`response_format`, `text.format`) constrains vLLM's sample. Runs under `make test-vllm`; skipped without vLLM."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -54,6 +57,39 @@ async def responses_agent(llm, row):
     return 1.0
 
 
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+                 "additionalProperties": False}
+
+
+async def structured_agent(llm, row):
+    """A JSON schema through Chat Completions' response_format and the Responses API's text.format."""
+    client = llm.openai_client()
+    ask = [{"role": "user", "content": "What is 6*7? Answer in JSON."}]
+    chat = await client.chat.completions.create(
+        model="policy", messages=ask, max_tokens=24, extra_body={"return_token_ids": True},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}})
+    follow = ask + [{"role": "assistant", "content": chat.choices[0].message.content},
+                    {"role": "user", "content": "And 6*8?"}]  # the same conversation, continued in the other dialect
+    resp = await client.responses.create(model="policy", input=follow, max_output_tokens=24,
+                                         text={"format": {"type": "json_schema", "name": "answer",
+                                                          "schema": ANSWER_SCHEMA}},
+                                         extra_body={"return_token_ids": True})
+    llm.row["got"] = (chat, resp)
+    return 1.0
+
+
+def _check_structured(eps):
+    for ep in eps:
+        assert ep.env.error is None, ep.env.error
+        chat, resp = ep.row["got"]
+        # constrained: each reply is the schema's JSON (unless the token limit cut it)
+        for text, cut in ((chat.choices[0].message.content, chat.choices[0].finish_reason == "length"),
+                          (resp.output_text, resp.status == "incomplete")):
+            if not cut:
+                assert set(json.loads(text)) == {"answer"} and isinstance(json.loads(text)["answer"], int), text
+        assert [ids for ids, _ in spans(ep)] == [chat.choices[0].token_ids, resp.token_ids]
+
+
 def _check_responses(eps):
     for ep in eps:
         assert ep.env.error is None, ep.env.error
@@ -85,6 +121,7 @@ def test_the_gateway_in_front_of_vllm_in_process(vllm_full_engine):
     tok = load_tokenizer(MODEL)
     _check(_run(vllm_full_engine, tok, 1))
     _check_responses(_run(vllm_full_engine, tok, 1, responses_agent))
+    _check_structured(_run(vllm_full_engine, tok, 1, structured_agent))
 
 
 def test_the_gateway_in_front_of_a_remote_server(serve_pool):
@@ -96,5 +133,6 @@ def test_the_gateway_in_front_of_a_remote_server(serve_pool):
     try:
         _check(_run(engine, tok, 3))
         _check_responses(_run(engine, tok, 3, responses_agent))
+        _check_structured(_run(engine, tok, 3, structured_agent))
     finally:
         engine.close()
