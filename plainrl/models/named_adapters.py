@@ -64,12 +64,25 @@ def add_copy(model: torch.nn.Module, name: str, source: str) -> torch.nn.Module:
     """
     import copy
 
-    from peft import set_peft_model_state_dict
-
-    weights = {k: v.detach().clone() for k, v in state_dict(model, source).items()}
     model = _add(model, name, copy.deepcopy(model.peft_config[source]), trainable=False)
-    set_peft_model_state_dict(model, weights, adapter_name=name)
+    copy_weights(model, source, name)
     return model
+
+
+def copy_weights(model: torch.nn.Module, source: str, dest: str) -> None:
+    """Overwrite adapter ``dest``'s weights with adapter ``source``'s, tensor by tensor in place
+    (no module is added or replaced: the cheap way to refresh a snapshot).
+
+    Raises:
+        ModelLoadError: the two adapters differ in rank or layers.
+    """
+    params = dict(model.named_parameters())
+    pairs = [(p, params.get(n.replace(f".{source}.", f".{dest}."))) for n, p in params.items() if f".{source}." in n]
+    if not pairs or any(d is None or d.shape != p.shape for p, d in pairs):
+        raise ModelLoadError(f"adapter {dest!r} has another shape (LoRA rank or layers) than adapter {source!r}")
+    with torch.no_grad():
+        for p, d in pairs:
+            d.copy_(p)
 
 
 def _add(model: torch.nn.Module, name: str, peft_cfg, *, trainable: bool) -> torch.nn.Module:

@@ -88,6 +88,11 @@ class Adapters:
         ephemeral sampler's snapshot, kept in memory)."""
         self.model = named_adapters.add_copy(self.model, name, source)
 
+    def refill(self, source: str, name: str) -> None:
+        """Overwrite the frozen snapshot ``name`` (of the same training client) with adapter
+        ``source``'s weights as they are now: a superseded snapshot's adapter reused."""
+        named_adapters.copy_weights(self.model, source, name)
+
     def forget(self, directory: Path) -> None:
         """Drop the snapshot loaded from ``directory`` (about to be deleted), if one is loaded."""
         key = checkpoint_key(directory)

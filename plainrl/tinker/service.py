@@ -420,9 +420,22 @@ class Service:
         save = None if self.served is None else self.save(model_id, "ephemeral", str(seq), with_optimizer=False)
 
         def run() -> Sampler:
+            with self._lock:
+                gone = [self.samplers.pop(x) for x in self.ephemeral.add(model_id, sampler_id) if x in self.samplers]
+                for old in gone:
+                    old.freed = True
+                    self.freed_samplers[old.sampler_id] = None
+                while len(self.freed_samplers) > ENDED_KEPT:
+                    self.freed_samplers.popitem(last=False)
+            adapters = self.base(tm.base_model).adapters
+            # a superseded snapshot's adapter takes the new weights in place (adding one costs seconds)
+            reuse = next((old.adapter for old in gone if old.adapter is not None), None)
+            for old in gone:
+                if old.adapter is None or old.adapter != reuse:
+                    self._free(old)
             if save is None:
-                name = f"e{next(self._adapter_ids)}"
-                self.base(tm.base_model).adapters.copy(tm.adapter, name)
+                name = reuse or f"e{next(self._adapter_ids)}"
+                adapters.refill(tm.adapter, name) if reuse else adapters.copy(tm.adapter, name)
                 sampler = Sampler(sampler_id, tm.base_model, None, None, adapter=name, ephemeral=True)
             else:
                 _, directory = save()
@@ -430,14 +443,6 @@ class Service:
                 sampler = Sampler(sampler_id, tm.base_model, None, directory / "final", ephemeral=True)
             with self._lock:
                 self.samplers[sampler_id] = sampler
-                gone = [self.samplers.pop(x) for x in self.ephemeral.add(model_id, sampler_id) if x in self.samplers]
-                for old in gone:
-                    old.freed = True
-                    self.freed_samplers[old.sampler_id] = None
-                while len(self.freed_samplers) > ENDED_KEPT:
-                    self.freed_samplers.popitem(last=False)
-            for old in gone:
-                self._free(old)
             if model_id not in self.models:  # its session ended while this was queued
                 self.end_session(session_of(model_id), "")
             return sampler
