@@ -6,7 +6,8 @@ Start a run whose episodes wait for an outside process, then this script beside 
     python examples/online_driver.py runs/arithmetic_grpo
 
 It reads the run's address and token from RUN_DIR/gateway.json, claims each episode the run
-hands out (`POST /rl/episodes`: its key, its data row, the base URLs of every dialect), talks
+hands out (`POST /rl/episodes`: its key, its data row, the base URLs of every dialect; a 503 with
+`Retry-After` between steps), talks
 to the model with the `openai` SDK on the episode's key (recorded token-exactly, as any agent's
 calls), scores the answer and ends the episode with its reward
 (`POST /rl/episodes/{id}/reward`). It stops when the run is over (its gateway closed). See docs/agents.md,
@@ -69,9 +70,12 @@ def main(run_dir: str) -> int:
                 r = http.post(info["episodes"], json={"wait_s": 5})
             except httpx.ConnectError:  # the run closed its gateway: it is over
                 break
-            except httpx.TransportError:  # a step ended while we waited: ask again
+            except httpx.TransportError:  # the connection broke: ask again
                 continue
-            if r.status_code == 204 or r.status_code >= 500:  # none waiting now, or a step ended while we waited
+            if r.status_code == 503:  # between steps (the policy updating): come back when it says
+                time.sleep(float(r.headers.get("retry-after", "1")))
+                continue
+            if r.status_code == 204:  # none waiting now
                 continue
             if r.status_code != 200:
                 raise RuntimeError(f"POST {info['episodes']}: {r.status_code} {r.text}")

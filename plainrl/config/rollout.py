@@ -3,6 +3,7 @@ multi-turn environments and reward workers."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any, Literal
 
@@ -181,9 +182,23 @@ class RolloutConfig(_Section):
     """Your own agent loop: `module:fn` / `file.py:fn`, `async def fn(llm, row)` returning a reward, `{"reward": r,
     **info}` or None; exclusive with `rollout.env`. `online`: a process outside the run drives the episodes through
     the gateway and posts their rewards (docs/agents.md, "Online episodes")."""
+    gateway_host: str = "127.0.0.1"
+    """The address the agents' gateway listens on: loopback (`127.0.0.1`, `::1`, `localhost`) by default; any other
+    (`0.0.0.0`, a LAN address, for `rollout.agent: online` harnesses on other machines) needs
+    `rollout.gateway_api_key_env`. Plain HTTP: use a private network or a tunnel."""
     gateway_port: int = Field(0, ge=0, le=65535)
-    """The agents' gateway's port on 127.0.0.1 (0: a free one). With `rollout.agent: online` its address and token are
-    printed and written to `RUN_DIR/gateway.json`."""
+    """The agents' gateway's port on `rollout.gateway_host` (0: a free one). With `rollout.agent: online` its address
+    and token are printed and written to `RUN_DIR/gateway.json`."""
+    gateway_api_key_env: str | None = None
+    """The name of the environment variable holding the key the gateway's `/rl/` routes ask for (`rollout.agent:
+    online`; sent as `Authorization: Bearer KEY`), never the key itself; null: a random one, written to
+    `RUN_DIR/gateway.json`. Needed for a `rollout.gateway_host` other than loopback."""
+    render_threads: int | None = Field(None, gt=0)
+    """Threads that render chat templates and tokenize long contexts off the episodes' event loop (agents, the
+    gateway); null: min(4, CPU cores)."""
+    agent_threads: int = Field(256, gt=0)
+    """The most threads the episodes' event loop runs blocking calls in at once (plain-function agents,
+    `asyncio.to_thread`); more wait for a free one."""
     tool_parser: Literal["auto", "hermes", "llama3_json", "qwen3_coder", "mistral", "deepseek_v3",
                          "deepseek_v31"] = "auto"
     """The format the agents' gateway reads tool calls in from the model's replies: `hermes` (`<tool_call>` JSON: Qwen
@@ -204,6 +219,14 @@ class RolloutConfig(_Section):
                              "or a factory 'module:fn' / 'path/to/file.py:fn'")
         return v
 
+    @field_validator("gateway_api_key_env")
+    @classmethod
+    def _gateway_key_env(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("rollout.gateway_api_key_env names the environment variable that holds the key "
+                             "(e.g. PLAINRL_GATEWAY_KEY), never the key itself: keep keys out of configs and run dirs")
+        return v
+
     @field_validator("agent")
     @classmethod
     def _agent_reference(cls, v: str | None) -> str | None:
@@ -218,6 +241,11 @@ class RolloutConfig(_Section):
             raise ValueError(f"rollout.agent={self.agent!r} and rollout.env={self.env!r}: an episode runs either "
                              "your agent or an environment; keep one (an agent can call the environment's tools "
                              "itself)")
+        if not is_loopback(self.gateway_host) and self.gateway_api_key_env is None:
+            raise ValueError(f"rollout.gateway_host={self.gateway_host!r} is not a loopback address, and "
+                             "rollout.gateway_api_key_env is not set: a gateway other machines can reach needs a key "
+                             "of your own for its /rl/ routes; set rollout.gateway_api_key_env to the name of an "
+                             "environment variable holding it, or keep rollout.gateway_host=127.0.0.1")
         if self.engine == "remote" and not self.remote.urls:
             raise ValueError("rollout.engine=remote needs rollout.remote.urls, e.g. "
                              "rollout.remote.urls='[http://127.0.0.1:8000]' (start one with `plainrl serve CONFIG.yaml`, "
@@ -249,6 +277,17 @@ class RolloutConfig(_Section):
     def completion_budget(self) -> int:
         """Tokens after the prompt: max_new_tokens, or max_total_tokens over all turns."""
         return self.max_total_tokens or self.max_new_tokens
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address or ``localhost``) names this machine's loopback interface
+    only; a host name other than ``localhost`` is not taken for one."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 # an agent makes several model calls per episode; a budget of one call's max_new_tokens refused every second

@@ -22,8 +22,9 @@ import torch
 from plainrl.data import PromptRow
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs.base import EnvError
-from plainrl.rollout.episode_loop import EpisodeRun, LoopSettings, run_episodes
+from plainrl.rollout.episode_loop import EpisodeRun, LoopSettings, episode_labels, run_episodes
 from plainrl.rollout.llm import LLM, SyncLLM
+from plainrl.rollout.run_loop import DaemonThreads
 from plainrl.rollout.seeding import rollout_seed
 from plainrl.rollout.trajectory import distinct_tokens, token_versions
 from plainrl.types import EnvOutcome, Episode, SamplingParams
@@ -96,6 +97,8 @@ def agent_rollout(
             own, its ``llm.chat`` blocking); see :func:`load_agent`.
         settings: budgets and limits (``rollout.max_total_tokens`` per episode,
             ``model.max_context``, ``rollout.agent_timeout_s``, ...): :class:`LoopSettings`.
+        step: the training step the episodes are sampled for; negative: a held-out evaluation's
+            (each episode's :func:`~plainrl.rollout.episode_loop.current_episode` says which).
         generator: the run's sampling generator: one draw seeds the rollout, each episode and
             each of its model calls its own stream (:mod:`plainrl.rollout.seeding`).
         Others: as :func:`~plainrl.rollout.episode_loop.run_episodes`.
@@ -118,15 +121,18 @@ def agent_rollout(
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     flat = [q for q in prompts for _ in range(group_size)]
     is_async = is_async_agent(agent)
+    # a plain-function agent holds a thread for its whole episode: one each, apart from the loop's
+    # default executor (bounded: rollout.agent_threads), so they never wait for each other's
+    threads = DaemonThreads()
 
     async def runner(llm: LLM, prompt: PromptRow) -> Any:
         if is_async:
             return await agent(llm, prompt.row)
-        return await _in_thread(agent, SyncLLM(llm, asyncio.get_running_loop()), prompt.row)
+        return await _in_thread(threads, agent, SyncLLM(llm, asyncio.get_running_loop()), prompt.row)
 
-    runs = run_episodes(engine, flat, runner, params, tokenizer, settings, seed=rollout_seed(generator))
-    episodes = [_episode(run, flat[i], tokenizer, f"s{step}-r{flat[i].source_index}-{i % group_size}",
-                         i // group_size) for i, run in enumerate(runs)]
+    labels = episode_labels(flat, step, group_size)
+    runs = run_episodes(engine, flat, runner, params, tokenizer, settings, seed=rollout_seed(generator), labels=labels)
+    episodes = [_episode(run, flat[i], tokenizer, labels[i].sample_id, i // group_size) for i, run in enumerate(runs)]
     failed = [e for e in episodes if e.env.error is not None]
     if episodes and len(failed) == len(episodes):
         first = "; ".join(f"{e.sample_id}: {e.env.error}" for e in failed[:3])
@@ -135,11 +141,10 @@ def agent_rollout(
     return episodes
 
 
-async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a daemon thread of its own (the loop's default executor,
-    :class:`~plainrl.rollout.episode_loop.DaemonThreads`: an agent that never returns cannot
-    hold the process at exit), awaited from the loop."""
-    value = await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args))
+async def _in_thread(threads: DaemonThreads, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread of ``threads`` (:class:`~plainrl.rollout.run_loop.DaemonThreads`:
+    an agent that never returns cannot hold the process at exit), awaited from the loop."""
+    value = await asyncio.get_running_loop().run_in_executor(threads, lambda: fn(*args))
     if inspect.isawaitable(value):
         if inspect.iscoroutine(value):
             value.close()

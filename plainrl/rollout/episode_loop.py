@@ -12,9 +12,11 @@ the same for every step); the engine is called from the thread that called
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from plainrl.data import PromptRow
 from plainrl.rollout.batcher import EngineCalls, RequestBatcher
@@ -29,9 +31,43 @@ from plainrl.types import SamplingParams
 if TYPE_CHECKING:  # the gateway (and openai's types under it) is imported by the rollouts that make one
     from plainrl.rollout.gateway import Gateway
 
-__all__ = ["DaemonThreads", "EpisodeRun", "LoopSettings", "Runner", "run_episodes"]
+__all__ = ["DaemonThreads", "EpisodeLabel", "EpisodeRun", "LoopSettings", "Runner", "current_episode", "episode_labels",
+           "run_episodes"]
 
 Runner = Callable[[LLM, PromptRow], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class EpisodeLabel:
+    """Which sample of which rollout an episode is (:func:`current_episode` in its task).
+
+    sample_id:  the episode's ``Episode.sample_id`` (``s{step}-r{row}-{k}``).
+    group:      its group's key, unique in the process: (the rollout's serial number, the group's
+                index in the rollout); the episodes of one group share their advantage baseline.
+    evaluation: an episode of a held-out evaluation (scored, never trained).
+    """
+
+    sample_id: str
+    group: tuple[int, int]
+    evaluation: bool = False
+
+
+_EPISODE: ContextVar[EpisodeLabel | None] = ContextVar("plainrl_episode", default=None)
+_ROLLOUTS = itertools.count()  # the serial numbers of labelled rollouts
+
+
+def current_episode() -> EpisodeLabel | None:
+    """The label of the episode whose task (or a task it started) calls this; None elsewhere,
+    or when its rollout gave none."""
+    return _EPISODE.get()
+
+
+def episode_labels(prompts: list[PromptRow], step: int, group_size: int) -> list[EpisodeLabel]:
+    """The labels of a rollout's episodes: ``prompts`` holds each prompt ``group_size`` times,
+    contiguous; ``step`` < 0: a held-out evaluation's."""
+    serial = next(_ROLLOUTS)
+    return [EpisodeLabel(f"s{step}-r{p.source_index}-{i % group_size}", (serial, i // group_size), step < 0)
+            for i, p in enumerate(prompts)]
 
 
 @dataclass
@@ -111,6 +147,7 @@ def run_episodes(
     settings: LoopSettings,
     *,
     seed: int | None = None,
+    labels: Sequence[EpisodeLabel] | None = None,
 ) -> list[EpisodeRun]:
     """Run ``runner`` once per prompt, every episode independently; return in prompt order.
 
@@ -128,6 +165,7 @@ def run_episodes(
         settings: budgets, limits and prompt rendering (:class:`LoopSettings`).
         seed: the rollout's seed (:func:`~plainrl.rollout.seeding.rollout_seed`): episode ``i``
             samples with ``episode_seed(seed, i)``, whatever ran beside it (None: unseeded).
+        labels: one per prompt, what :func:`current_episode` gives in that episode's task (None: none).
     Returns:
         One :class:`EpisodeRun` per prompt.
     Raises:
@@ -155,9 +193,10 @@ def run_episodes(
                    on_abort=on_abort)
 
     async def main() -> list[EpisodeRun]:
-        async with gateway.serving():
+        # the run's loop and gateway: served between rollouts too (503 to claims, no connection reset)
+        async with gateway.serving(keep=not own_loop and not own_gateway):
             return await _run_all(prompts, runner, make_llm, calls, s.max_live or len(prompts), s.timeout_s,
-                                  s.busy_wait_s)
+                                  s.busy_wait_s, labels)
 
     try:
         done = run_loop.submit(main())
@@ -184,7 +223,8 @@ def _messages(p: PromptRow, system_prompt: str | None, prompt_template: str) -> 
 
 async def _run_all(prompts: list[PromptRow], runner: Runner,
                    make_llm: Callable[[RequestBatcher, int, Callable[[str], None]], LLM],
-                   calls: EngineCalls, max_live: int, timeout_s: float | None, busy_wait_s: float) -> list[EpisodeRun]:
+                   calls: EngineCalls, max_live: int, timeout_s: float | None, busy_wait_s: float,
+                   labels: Sequence[EpisodeLabel] | None) -> list[EpisodeRun]:
     batcher = RequestBatcher(calls, busy_wait_s=busy_wait_s)
     slots = asyncio.Semaphore(max_live)
     runs: list[EpisodeRun | None] = [None] * len(prompts)
@@ -198,6 +238,8 @@ async def _run_all(prompts: list[PromptRow], runner: Runner,
             run = runs[i] = EpisodeRun(llm)
             batcher.start_episode(i)
             live[i], expired[i] = llm, ended
+            if labels is not None:
+                _EPISODE.set(labels[i])  # this task's context, copied into the runner's
             inner = asyncio.create_task(runner(llm, prompts[i]), name=f"episode {i}")
             try:
                 await asyncio.wait({inner, expired[i]}, return_when=asyncio.FIRST_COMPLETED)

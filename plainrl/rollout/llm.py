@@ -20,6 +20,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 from plainrl.rollout.batcher import RequestBatcher
 from plainrl.rollout.chat import encode_rendered, render_chat_continuation, render_with_tools, same_message
+from plainrl.rollout.offload import message_chars, render_off_loop
 from plainrl.rollout.seeding import call_seed
 from plainrl.rollout.trajectory import Completion, Segment, Trajectory, Turn
 from plainrl.types import Generation, SamplingParams
@@ -273,9 +274,9 @@ class LLM:
         """
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise TypeError("llm.chat(messages): messages must be a list of {'role': ..., 'content': ...} dicts")
-        context = self.chat_context(messages, tools)
-        if prefix:
-            context = context + encode_rendered(self.tokenizer, prefix)
+        render = self._chat_render(messages, tools)  # a long context is rendered off the loop
+        context = await render_off_loop(lambda: render() + (encode_rendered(self.tokenizer, prefix) if prefix else []),
+                                        message_chars(messages, tools))
         asked = tuple(dict(m) for m in messages)
 
         def record(ctx: list[int], out: Completion) -> Turn:
@@ -380,10 +381,11 @@ class LLM:
         """[C] the ids a chat call on ``messages`` would sample after (nothing is recorded): the
         continuation of the latest chat call of a segment whose conversation and reply
         ``messages`` repeat (of several, the longest), else ``messages`` rendered whole.
+        Raises ValueError for a tokenizer without a chat template, and whatever the template raises."""
+        return self._chat_render(messages, tools)()
 
-        Raises:
-            ValueError: a tokenizer without a chat template; whatever the template raises.
-        """
+    def _chat_render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Callable[[], list[int]]:
+        """:meth:`chat_context`'s segment chosen now (on the loop); its rendering returned (:mod:`~plainrl.rollout.offload`)."""
         best: Turn | None = None
         for seg in self.trajectory.segments:
             last = seg.last
@@ -395,18 +397,18 @@ class LLM:
                     and same_message(messages[n], last.message, strip=True)):
                 best = last
         if best is not None:
-            n, reply = len(best.messages), best.completion
+            n, reply, seen = len(best.messages), best.completion, [*best.messages, best.message]
             eos_text = self.tokenizer.decode(reply.token_ids[-1:]) if reply.finish_reason == "eos" else ""
-            text = render_chat_continuation(self.tokenizer, [*best.messages, best.message], messages[n + 1:],
-                                            eos_text=eos_text, chat_template_kwargs=self._chat_kwargs)
-            # the ids that call saw and sampled (its segment may be extended by a call in flight)
-            return list(best.context) + list(reply.token_ids) + encode_rendered(self.tokenizer, text)
+            ids = list(best.context) + list(reply.token_ids)  # what that call saw and sampled (its segment may grow)
+            return lambda: ids + encode_rendered(self.tokenizer, render_chat_continuation(
+                self.tokenizer, seen, messages[n + 1:], eos_text=eos_text, chat_template_kwargs=self._chat_kwargs))
         if not tools and len(messages) == len(self._prompt_messages) and all(
                 same_message(a, b) for a, b in zip(messages, self._prompt_messages)):
-            return list(self.prompt_ids)
+            return lambda: list(self.prompt_ids)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("llm.chat needs a tokenizer with a chat template; use llm.generate(token_ids) instead")
-        return encode_rendered(self.tokenizer, render_with_tools(self.tokenizer, messages, tools, self._chat_kwargs)[0])
+        return lambda: encode_rendered(self.tokenizer, render_with_tools(self.tokenizer, messages, tools,
+                                                                         self._chat_kwargs)[0])
 
 
 def _resolve_aliases(sampling: dict[str, Any]) -> dict[str, Any]:

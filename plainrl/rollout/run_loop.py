@@ -18,7 +18,9 @@ stop signal end the run at once instead of waiting for a step boundary the run c
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -27,36 +29,70 @@ import traceback
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 __all__ = ["Blocked", "DaemonThreads", "LoopBlocked", "RunLoop", "blocked_report"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+AGENT_THREADS = 256  # rollout.agent_threads' default: blocking calls at once in the loop's default executor
 _LIVE: weakref.WeakSet[RunLoop] = weakref.WeakSet()  # every open RunLoop of this process
 
 
 class DaemonThreads(ThreadPoolExecutor):
-    """An executor that runs each call in a daemon thread of its own: a call that never returns
-    (a hung tool) neither holds the rollout's end nor the process's exit, as a pool's threads
-    would (they are joined at exit). The event loop's default executor (asyncio wants a
+    """An executor that runs each call in a daemon thread: a call that never returns (a hung
+    tool) neither holds the rollout's end nor the process's exit, as a pool's threads would
+    (they are joined at exit). The event loop's default executor (asyncio wants a
     ``ThreadPoolExecutor``; this one never starts the pool's threads), so an agent's
-    ``asyncio.to_thread`` uses it too."""
+    ``asyncio.to_thread`` uses it too.
+
+    Args:
+        max_workers: the most calls running at once (``rollout.agent_threads`` for the loop's
+            default executor); later ones wait, in order, for a running one to return. A
+            thread that finishes a call takes the next waiting one, and ends when none waits.
+            None: no bound (a thread per call).
+    """
+
+    def __init__(self, max_workers: int | None = None) -> None:
+        if max_workers is not None and max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1 or None, got {max_workers}")
+        self.limit = max_workers
+        self._queue: collections.deque[tuple[Future, Callable[[], Any]]] = collections.deque()
+        self._running = 0  # threads started and not ended
+        self._guard = threading.Lock()
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         fut: Future = Future()
+        with self._guard:
+            self._queue.append((fut, functools.partial(fn, *args, **kwargs)))
+            if self.limit is not None and self._running >= self.limit:
+                return fut  # a running thread takes it when its call returns
+            self._running += 1
+        threading.Thread(target=self._work, name="plainrl-call", daemon=True).start()
+        return fut
 
-        def target() -> None:
+    def _work(self) -> None:
+        while True:
+            with self._guard:
+                if not self._queue:
+                    self._running -= 1
+                    return
+                fut, call = self._queue.popleft()
             if not fut.set_running_or_notify_cancel():
-                return
+                continue
             try:
-                fut.set_result(fn(*args, **kwargs))
+                fut.set_result(call())
             except BaseException as e:  # handed to whoever awaits it
                 fut.set_exception(e)
 
-        threading.Thread(target=target, name="plainrl-call", daemon=True).start()
-        return fut
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Cancel the calls still waiting when ``cancel_futures``; running ones are never waited for."""
+        if cancel_futures:
+            with self._guard:
+                waiting, self._queue = list(self._queue), collections.deque()
+            for fut, _ in waiting:
+                fut.cancel()
 
 
 class LoopBlocked(RuntimeError):
@@ -101,12 +137,15 @@ class RunLoop:
         blocked_after_s: a loop that has not run a scheduled callback for this long is reported
             blocked (a warning naming the task, once per blocking).
         check_every_s: how often the watcher looks.
+        threads: the most blocking calls its default executor runs at once (``asyncio.to_thread``,
+            ``run_in_executor(None, ...)``; ``rollout.agent_threads``): :class:`DaemonThreads`.
     """
 
-    def __init__(self, *, blocked_after_s: float = 5.0, check_every_s: float = 0.5) -> None:
+    def __init__(self, *, blocked_after_s: float = 5.0, check_every_s: float = 0.5,
+                 threads: int | None = AGENT_THREADS) -> None:
         if not blocked_after_s > 0 or not check_every_s > 0:
             raise ValueError(f"blocked_after_s and check_every_s must be > 0, got {blocked_after_s}, {check_every_s}")
-        self.blocked_after_s, self.check_every_s = blocked_after_s, check_every_s
+        self.blocked_after_s, self.check_every_s, self.threads = blocked_after_s, check_every_s, threads
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -158,7 +197,7 @@ class RunLoop:
 
     def _start(self) -> None:
         loop = asyncio.new_event_loop()
-        loop.set_default_executor(DaemonThreads())
+        loop.set_default_executor(DaemonThreads(self.threads))
         ready = threading.Event()
 
         def run() -> None:

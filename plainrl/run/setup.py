@@ -5,6 +5,7 @@ stage its explicit values."""
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from plainrl.rewards.model import RewardModel
 from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_episodes, sampling_params
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.episodes import check_rows_fit_env, env_constructor
+from plainrl.rollout.offload import set_render_threads
 from plainrl.rollout.run_loop import RunLoop
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
@@ -150,20 +152,38 @@ def multi_turn_settings(cfg: Config) -> MultiTurn | None:
     live = max_live_episodes(r)
     # inference servers batch concurrent requests themselves: every episode's call may go at once
     in_flight = (live or r.prompts_per_step * r.group_size) if r.engine == "remote" else 1
-    # agents written for the OpenAI API: one loopback gateway for the run (its socket bound when an
-    # episode first asks for its URL, so runs whose agents never do open no port)
+    # agents written for the OpenAI API: one gateway for the run, on rollout.gateway_host (its socket bound
+    # when an episode first asks for its URL, so runs whose agents never do open no port)
     gateway = None
+    set_render_threads(r.render_threads)  # long chat contexts rendered off the episodes' loop
     if agent:  # (imported here: openai's types cost seconds of start-up that other runs need not pay)
         from plainrl.rollout.gateway import Gateway
 
         gateway = Gateway(model=cfg.model.name, max_model_len=cfg.model.max_context, port=r.gateway_port,
-                          online=r.agent == "online")
+                          online=r.agent == "online", host=r.gateway_host, token=gateway_key(r.gateway_api_key_env))
         gateway.episodes.tool_parser = r.tool_parser  # the format replies' tool calls are parsed in
     return MultiTurn(factory, r.max_turns, r.completion_budget, cfg.data.system_prompt, cfg.data.prompt_template,
                      max_live=live, agent=agent, max_context=cfg.model.max_context if agent else None,
                      timeout_s=r.agent_timeout_s if agent else None, max_in_flight=in_flight,
                      chat_template_kwargs=cfg.data.chat_template_kwargs, gateway=gateway,
-                     loop=RunLoop())  # the episodes of every step on one loop (rollout/run_loop.py)
+                     loop=RunLoop(threads=r.agent_threads))  # every step's episodes on one loop (rollout/run_loop.py)
+
+
+def gateway_key(env_name: str | None) -> str | None:
+    """The key of the gateway's ``/rl/`` routes from the environment variable ``rollout.gateway_api_key_env``
+    names (None: unset, the gateway makes a random one).
+
+    Raises:
+        ConfigError: the variable is not set, or holds fewer than 16 characters.
+    """
+    if env_name is None:
+        return None
+    key = os.environ.get(env_name, "")
+    if len(key) < 16:
+        raise ConfigError(f"rollout.gateway_api_key_env={env_name}, but the environment variable {env_name} is "
+                          f"{'not set' if not key else 'shorter than 16 characters'}; export a long random key "
+                          f"(`export {env_name}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')`)")
+    return key
 
 
 def load_eval_grader(ref: str) -> Callable[..., Any]:

@@ -28,11 +28,15 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from plainrl.rollout.gateway.errors import GatewayError, parse_body
+from plainrl.rollout.episode_loop import EpisodeLabel, current_episode
+from plainrl.rollout.gateway.errors import GatewayError, error_response, parse_body
 from plainrl.rollout.gateway.recorder import bearer_key
 from plainrl.rollout.gateway.schema import StrictModel
 
 __all__ = ["OnlineEpisodes", "announce", "claim", "online_agent", "reward"]
+
+
+RETRY_AFTER_S = 2  # a claim between rollouts (the learner updating, the weights being pushed): retry after this
 
 
 @dataclass
@@ -40,6 +44,12 @@ class _Waiting:
     id: str
     llm: Any
     ended: asyncio.Future = field(repr=False)
+    label: EpisodeLabel | None = None  # its sample id, group and whether it is an evaluation's
+
+    @property
+    def group(self) -> Any:
+        """Its rollout group's key (an unlabelled episode is a group of its own)."""
+        return self.label.group if self.label is not None else ("episode", self.id)
 
 
 class ClaimRequest(StrictModel):
@@ -62,35 +72,44 @@ class OnlineEpisodes:
     def __init__(self, token: str | None = None) -> None:
         self.token = token or secrets.token_urlsafe(32)
         self._changed: asyncio.Condition | None = None  # made on the episodes' loop
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was made on
         self._waiting: list[_Waiting] = []
         self._claimed: dict[str, _Waiting] = {}
-        # a client's group name -> the run's group it took (the id of the row its episodes share)
-        self._groups: dict[str, int] = {}
+        # a client's group name -> the run's group it took (EpisodeLabel.group)
+        self._groups: dict[str, Any] = {}
+        self.open = False  # a rollout is being served (else claims get 503 and Retry-After)
 
     def changed(self) -> asyncio.Condition:
-        """Notified whenever an episode starts waiting."""
-        if self._changed is None:
-            self._changed = asyncio.Condition()
+        """Notified whenever an episode starts waiting, and when a rollout's serving starts or ends."""
+        loop = asyncio.get_running_loop()
+        if self._changed is None or self._loop is not loop:
+            self._changed, self._loop = asyncio.Condition(), loop
         return self._changed
+
+    async def set_open(self, value: bool) -> None:
+        """Open (a rollout is served) or close the claims; claims waiting are woken to see it."""
+        self.open = value
+        async with self.changed():
+            self.changed().notify_all()
 
     def take(self, group: str | None) -> _Waiting | None:
         """The waiting episode a claim gets, or None: of the client's ``group`` when it named
         one (a new name takes a run's group no other name holds), else preferably of a run's
         group no name holds. Episodes that ended while waiting (timed out) are dropped."""
         self._waiting = [w for w in self._waiting if not w.llm.closed]
-        live_rows = {id(w.llm.row) for w in self._waiting} | {id(w.llm.row) for w in self._claimed.values()}
-        self._groups = {g: r for g, r in self._groups.items() if r in live_rows}  # finished groups let go
+        live = {w.group for w in self._waiting} | {w.group for w in self._claimed.values()}
+        self._groups = {g: r for g, r in self._groups.items() if r in live}  # finished groups let go
         held = set(self._groups.values())
         if group is not None and group in self._groups:
-            pick = [w for w in self._waiting if id(w.llm.row) == self._groups[group]]
+            pick = [w for w in self._waiting if w.group == self._groups[group]]
         else:
-            pick = [w for w in self._waiting if id(w.llm.row) not in held]
+            pick = [w for w in self._waiting if w.group not in held]
             if group is None:
                 pick = pick or self._waiting
         if not pick:
             return None
         if group is not None:
-            self._groups[group] = id(pick[0].llm.row)
+            self._groups[group] = pick[0].group
         self._waiting.remove(pick[0])
         return pick[0]
 
@@ -108,7 +127,7 @@ async def online_agent(llm, row: dict[str, Any]) -> Any:
     if online is None:
         raise RuntimeError("rollout.agent: online needs a gateway with online episodes (plainrl.run.setup makes one)")
     llm.api_key  # noqa: B018 (the key, made now: the claim hands it out)
-    waiting = _Waiting(secrets.token_hex(8), llm, asyncio.get_running_loop().create_future())
+    waiting = _Waiting(secrets.token_hex(8), llm, asyncio.get_running_loop().create_future(), current_episode())
     async with online.changed():
         online._waiting.append(waiting)
         online.changed().notify_all()
@@ -122,23 +141,29 @@ async def online_agent(llm, row: dict[str, Any]) -> Any:
 
 async def claim(online: OnlineEpisodes, episodes: Any, request: Request) -> Response:
     """``POST /rl/episodes``: the next waiting episode (of the ``group`` named, see the module's
-    docstring); waits up to ``wait_s``, 204 when none came."""
+    docstring); waits up to ``wait_s``, 204 when none came. Between rollouts (the learner
+    updating, the weights being pushed), and for a claim still waiting when its rollout ends:
+    503 with ``Retry-After`` (:data:`RETRY_AFTER_S`)."""
     online.check(request)
     req = await parse_body(request, ClaimRequest) if await request.body() else ClaimRequest()
     changed = online.changed()
     try:
         async with asyncio.timeout(req.wait_s):
             async with changed:
-                while (waiting := online.take(req.group)) is None:
+                while online.open and (waiting := online.take(req.group)) is None:
                     await changed.wait()
     except TimeoutError:
         return Response(status_code=204)
+    if not online.open:
+        return _between_rollouts()
     online._claimed[waiting.id] = waiting
-    llm, root = waiting.llm, str(request.base_url).rstrip("/")
+    llm, root, label = waiting.llm, str(request.base_url).rstrip("/"), waiting.label
     return JSONResponse({"id": waiting.id, "group": req.group, "api_key": episodes.key_for(llm),
                          "base_url": f"{root}/v1",
                          "anthropic_base_url": root, "row": _jsonable(llm.row),
-                         "prompt_messages": llm.prompt_messages})
+                         "prompt_messages": llm.prompt_messages,
+                         "sample_id": label.sample_id if label else None,
+                         "evaluation": bool(label and label.evaluation)})
 
 
 async def reward(online: OnlineEpisodes, episodes: Any, request: Request) -> Response:
@@ -165,6 +190,15 @@ def announce(run_dir: Path, url: str, token: str) -> Path:
         json.dump({"url": url, "episodes": f"{url}/rl/episodes", "token": token, "pid": os.getpid()}, f)
     os.replace(tmp, path)
     return path
+
+
+def _between_rollouts() -> Response:
+    response = error_response(503, "no rollout is running: the run is between rollouts (updating the policy, "
+                                   f"pushing its weights, or not started yet); retry after {RETRY_AFTER_S} s",
+                              code="between_rollouts")
+    response.headers["retry-after"] = str(RETRY_AFTER_S)
+    response.headers["x-should-retry"] = "true"
+    return response
 
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:

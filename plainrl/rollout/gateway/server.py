@@ -1,4 +1,5 @@
-"""The gateway's lifetime: its loopback socket, and serving each rollout.
+"""The gateway's lifetime: its socket (loopback unless ``rollout.gateway_host`` says otherwise),
+and serving each rollout.
 
 Where the server runs. The episodes of a rollout are tasks of one asyncio event loop (the
 run's, in a thread of its own: :class:`plainrl.rollout.run_loop.RunLoop`), and everything a
@@ -9,9 +10,12 @@ step, and costs no thread hand-off (a server loop in a thread of its own would h
 request to the episodes' loop and back, two busy Python threads taking turns on the GIL, up to
 its 5 ms switch interval per turn under load). The listening socket is the run's: bound once,
 on first use (``llm.base_url``), so the port stays the same for the whole run and belongs to
-the trainer process (nothing outlives it, ``kill -9`` included); each rollout serves it on
-the loop while its episodes run, and closes what it accepted when they are done.
-Connections that arrive between rollouts wait in the socket's backlog.
+the trainer process (nothing outlives it, ``kill -9`` included); the first rollout that needs
+it starts serving it on the loop. On the run's loop (``serving(keep=True)``) the server stays
+up between rollouts, while the learner updates and the weights are pushed: connections stay
+open, requests are answered (an ended episode's key gets 409, an online claim 503 with
+``Retry-After``, :mod:`~plainrl.rollout.gateway.online`), none is reset or left in the
+backlog. A rollout on a loop of its own closes what it accepted when its episodes are done.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Gateway"]
 
-HOST = "127.0.0.1"  # loopback only: the keys are no protection against other machines
+HOST = "127.0.0.1"  # the default: loopback (rollout.gateway_host: another address needs the run's own key)
 
 
 class Gateway:
@@ -44,18 +48,24 @@ class Gateway:
     Args:
         model: the model id ``GET /v1/models`` lists and responses name (``model.name``).
         max_model_len: the model's context (``model.max_context``), listed as ``max_model_len``.
-        port: the port to bind on 127.0.0.1 (0: a free one; ``rollout.gateway_port``).
+        port: the port to bind (0: a free one; ``rollout.gateway_port``).
         online: serve ``rollout.agent: online``'s ``/rl/`` routes (:mod:`plainrl.rollout.gateway.online`).
+        host: the address to bind (``rollout.gateway_host``); ``0.0.0.0`` / ``::`` bind every
+            interface (this process's clients still use loopback).
+        token: the key the ``/rl/`` routes ask for (``rollout.gateway_api_key_env``'s); None: a random one.
     """
 
-    def __init__(self, model: str, max_model_len: int | None = None, *, port: int = 0, online: bool = False) -> None:
-        self.model, self.max_model_len, self.port = model, max_model_len, port
+    def __init__(self, model: str, max_model_len: int | None = None, *, port: int = 0, online: bool = False,
+                 host: str = HOST, token: str | None = None) -> None:
+        self.model, self.max_model_len, self.port, self.host = model, max_model_len, port, host
         self.episodes = Episodes(model, max_model_len)  # the keys and what is kept per episode
-        self.online = OnlineEpisodes() if online else None
+        self.online = OnlineEpisodes(token) if online else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # the rollout being served
-        self._server: Any = None  # uvicorn.Server on that loop, once started
+        self._server: Any = None  # uvicorn.Server on _server_loop, once started
+        self._server_loop: asyncio.AbstractEventLoop | None = None  # the loop serving the socket (or starting to)
+        self._listening: socket.socket | None = None  # the server's duplicate of the socket
         self._starting: asyncio.Task | None = None
         self._app: Any = None
         self._http: list[Any] = []  # the episodes' httpx.AsyncClients, on the served loop
@@ -70,9 +80,11 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:PORT``, the server's root (``/inference/v1/generate`` lives there)."""
+        """``http://HOST:PORT``, the server's root (``/inference/v1/generate`` lives there); for a
+        socket on every interface, this process's way to it (``127.0.0.1`` / ``[::1]``)."""
         self._bind()
-        return f"http://{HOST}:{self._sock.getsockname()[1]}"
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self._sock.getsockname()[1]}"
 
     def key_for(self, llm: LLM) -> str:
         """The episode's key, made (random, 32 bytes) on first use; binds the socket."""
@@ -131,10 +143,14 @@ class Gateway:
     # ------------------------------------------------------------------ serving
 
     @contextlib.asynccontextmanager
-    async def serving(self) -> AsyncIterator[None]:
+    async def serving(self, *, keep: bool = False) -> AsyncIterator[None]:
         """Serve on the running loop while the block runs (a rollout's episodes); the server
         starts now if the socket is bound, else when an episode first asks for the URL.
 
+        Args:
+            keep: the loop outlives the rollout (the run's): the server goes on answering
+                between rollouts (see the module's docstring) until :meth:`close` or a rollout
+                on another loop; False: it stops when the block ends.
         Raises:
             RuntimeError: another rollout is being served (one at a time per gateway).
         """
@@ -143,14 +159,22 @@ class Gateway:
             if self._loop is not None:
                 raise RuntimeError("this gateway already serves another rollout; one rollout at a time")
             self._loop = loop
-            if self._sock is not None:
-                self._starting = loop.create_task(self._start())
+            stale = self._server_loop is not None and self._server_loop is not loop
+        if stale:  # still serving on the loop of an earlier rollout
+            await asyncio.to_thread(self._drop_server)
+        with self._lock:
+            if self._sock is not None and self._server_loop is None:
+                self._server_loop, self._starting = loop, loop.create_task(self._start())
+        if self.online is not None:
+            await self.online.set_open(True)
         try:
             yield
         finally:
+            if self.online is not None:
+                await self.online.set_open(False)
             with self._lock:
                 starting, self._starting, self._loop = self._starting, None, None
-            await self._stop(starting)
+            await self._stop(starting, keep)
 
     def _bind(self) -> None:
         if self._app is None:  # built here, in the caller's thread: a missing package fails the caller
@@ -163,14 +187,15 @@ class Gateway:
             if self._sock is None:
                 # proto=IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
                 # they are TCP; with proto 0 every response waited for the client's delayed ACK (~40 ms)
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+                family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+                sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((HOST, self.port))
+                sock.bind((self.host.strip("[]"), self.port))
                 sock.listen(1024)
                 sock.setblocking(False)
                 self._sock = sock
-            if self._loop is not None and self._starting is None:  # bound mid-rollout: start serving it
-                loop = self._loop
+            if self._loop is not None and self._server_loop is None:  # bound mid-rollout: start serving it
+                loop = self._server_loop = self._loop
                 self._starting = asyncio.run_coroutine_threadsafe(self._start(), loop) \
                     if _running_loop() is not loop else loop.create_task(self._start())
 
@@ -182,33 +207,44 @@ class Gateway:
         server = uvicorn.Server(config)
         config.load()
         server.lifespan = config.lifespan_class(config)
-        # a duplicate of the run's socket: closing it at the rollout's end leaves the run's listening
-        await server.startup(sockets=[self._sock.dup()])
+        # a duplicate of the run's socket: closing it when serving ends leaves the run's listening
+        self._listening = self._sock.dup()
+        await server.startup(sockets=[self._listening])
         self._server = server
 
-    async def _stop(self, starting: Any) -> None:
-        """Stop serving: no more accepts on this loop, open connections closed, handlers cancelled.
-        (uvicorn's own shutdown waits in 0.1 s sleeps for what this does at once; every episode
-        has ended, so nothing in flight is worth waiting for.)"""
+    async def _stop(self, starting: Any, keep: bool = False) -> None:
+        """A rollout's end: its in-process clients closed and, unless ``keep``, the server stopped."""
         if starting is not None:
             with contextlib.suppress(Exception):  # (a server that failed to start has nothing to stop)
                 await (asyncio.wrap_future(starting) if not isinstance(starting, asyncio.Future) else starting)
         http, self._http = self._http, []
         for client in http:
             await client.aclose()
-        server, self._server = self._server, None
-        if server is None:
+        if keep:
             return
-        for s in server.servers:
-            s.close()
-        for c in list(server.server_state.connections):
-            c.shutdown()
-        for t in list(server.server_state.tasks):
-            t.cancel()
-        await asyncio.sleep(0)
+        with self._lock:
+            server, self._server, self._server_loop, self._listening = self._server, None, None, None
+        await _shutdown(server)  # (closing its listening socket)
+
+    def _drop_server(self) -> None:
+        """Stop the server of a loop no rollout serves now (from another thread than that loop's):
+        on its loop if that still runs, else by closing its listening socket."""
+        with self._lock:
+            server, loop, self._server, self._server_loop = self._server, self._server_loop, None, None
+            listening, self._listening = self._listening, None
+        if server is None or loop is None or loop is _running_loop():
+            return
+        if loop.is_running():
+            with contextlib.suppress(Exception):  # (a loop that closes meanwhile ends it anyway)
+                asyncio.run_coroutine_threadsafe(_shutdown(server), loop).result(timeout=5)
+                return
+        if listening is not None:  # the loop is closed: nothing accepts on it, the socket is all that is left
+            listening.close()
 
     def close(self) -> None:
-        """Close the listening socket (the run is over); a later use binds a new one."""
+        """Close the listening socket (the run is over), and stop a server kept between
+        rollouts; a later use binds a new one."""
+        self._drop_server()
         with self._lock:
             if self._sock is not None:
                 self._sock.close()
@@ -216,6 +252,21 @@ class Gateway:
             for client in self._sync_http.values():
                 client.close()
             self._sync_http = {}
+
+
+async def _shutdown(server: Any) -> None:
+    """Stop ``server`` (a uvicorn.Server on the running loop): no more accepts, open connections
+    closed, handlers cancelled. (uvicorn's own shutdown waits in 0.1 s sleeps for what this does
+    at once; every episode has ended, so nothing in flight is worth waiting for.)"""
+    if server is None:
+        return
+    for s in server.servers:
+        s.close()
+    for c in list(server.server_state.connections):
+        c.shutdown()
+    for t in list(server.server_state.tasks):
+        t.cancel()
+    await asyncio.sleep(0)
 
 
 def _loop_transport(app: Any, httpx: Any):
