@@ -274,7 +274,7 @@ class LLM:
         """
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise TypeError("llm.chat(messages): messages must be a list of {'role': ..., 'content': ...} dicts")
-        render = self._chat_render(messages, tools)  # a long context is rendered off the loop
+        render = self.chat_render(messages, tools)  # a long context is rendered off the loop
         context = await render_off_loop(lambda: render() + (encode_rendered(self.tokenizer, prefix) if prefix else []),
                                         message_chars(messages, tools))
         asked = tuple(dict(m) for m in messages)
@@ -382,10 +382,10 @@ class LLM:
         continuation of the latest chat call of a segment whose conversation and reply
         ``messages`` repeat (of several, the longest), else ``messages`` rendered whole.
         Raises ValueError for a tokenizer without a chat template, and whatever the template raises."""
-        return self._chat_render(messages, tools)()
+        return self.chat_render(messages, tools)()
 
-    def _chat_render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Callable[[], list[int]]:
-        """:meth:`chat_context`'s segment chosen now (on the loop); its rendering returned (:mod:`~plainrl.rollout.offload`)."""
+    def chat_render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Callable[[], list]:
+        """:meth:`chat_context`'s segment chosen now (on the loop), its rendering returned to run in a thread."""
         best: Turn | None = None
         for seg in self.trajectory.segments:
             last = seg.last

@@ -41,6 +41,7 @@ from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import Message as ChatMessage
 from plainrl.rollout.gateway.schema import MediaPart, SamplingFields, StrictModel, json_kind, parts, tagged, tools_of
 from plainrl.rollout.gateway.structured import structured_outputs
+from plainrl.rollout.offload import message_chars, render_off_loop
 
 __all__ = ["CountTokensRequest", "MessagesRequest", "anthropic_tools", "count_tokens", "error_response", "messages"]
 
@@ -244,7 +245,7 @@ async def count_tokens(episodes: Episodes, request: Request) -> Response:
         prefill, chat = chat[-1]["content"], chat[:-1]
     tools = list(anthropic_tools(req.tools).functions) or None
     try:
-        ids = llm.chat_context(chat, tools)
+        ids = await render_off_loop(llm.chat_render(chat, tools), message_chars(chat, tools))  # a long one in a thread
     except TemplateError as e:
         raise GatewayError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
     except (ValueError, TypeError) as e:

@@ -29,6 +29,7 @@ from plainrl.rollout.gateway.responses import chat_chunks, chat_completion, comp
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import ChatRequest, CompletionRequest, GenerateRequest
 from plainrl.rollout.gateway.structured import structured_outputs
+from plainrl.rollout.offload import render_off_loop
 
 __all__ = ["chat", "completions", "generate", "models"]
 
@@ -67,7 +68,8 @@ async def completions(episodes: Episodes, request: Request) -> Response:
         if len(prompt) != 1:
             raise GatewayError(400, f"prompt: one prompt per request, got {len(prompt)}", param="prompt")
         prompt = prompt[0]
-    ids = list(llm.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+    ids = await render_off_loop(lambda: list(llm.tokenizer(prompt)["input_ids"]), len(prompt)) \
+        if isinstance(prompt, str) else list(prompt)  # a long prompt tokenized in a thread (rollout/offload.py)
     structured = structured_outputs(llm, req.response_format, "response_format", vllm=req.structured_outputs)
     sampling = request_sampling(req, llm.params, None, structured)
     turn = await model_call(episodes, request, llm, sampling,
