@@ -102,6 +102,9 @@ def test_between_rollouts_a_claim_gets_503_with_retry_after_and_claims_mark_eval
         return eps
 
     try:
+        run_loop.submit(gateway.serve_idle()).result(timeout=30)  # as the run does once the gateway is announced
+        with httpx.Client(base_url=url, headers=headers, timeout=5) as http:
+            before = http.post("/rl/episodes", json={"wait_s": 5})  # no rollout yet
         train = rollout(0, 2, "train", then_claim=True)
         with httpx.Client(base_url=url, headers=headers, timeout=5) as http:  # a fresh connection, between rollouts
             between = http.post("/rl/episodes", json={"wait_s": 5})
@@ -110,7 +113,7 @@ def test_between_rollouts_a_claim_gets_503_with_retry_after_and_claims_mark_eval
         gateway.close()
         run_loop.close()
     assert all(e.env.error is None for e in train + evaluation)
-    for r in (seen["pending"], between):
+    for r in (before, seen["pending"], between):
         assert r.status_code == 503 and r.headers["retry-after"] == "2", (r.status_code, r.text)
         assert r.json()["error"]["code"] == "between_rollouts"
     assert [e["evaluation"] for e in seen["train"]] == [False, False]

@@ -430,6 +430,7 @@ def _announce(cfg: Config, prep: Prepared, logger: MetricsLogger, run_dir: Path,
         from plainrl.rollout.gateway.online import announce
 
         path = announce(run_dir, gateway.url, gateway.online.token)
+        prep.multi_turn.loop.submit(gateway.serve_idle()).result(timeout=60)  # claims get 503 until a step starts
         logger.print(f"online episodes: {gateway.url}/rl/episodes (its address and token: {path})")
     if cfg.model.quantization != "none":
         logger.print(check_quantization(cfg.model.quantization, device, model_dtype(cfg.model.dtype, device)))

@@ -176,6 +176,19 @@ class Gateway:
                 starting, self._starting, self._loop = self._starting, None, None
             await self._stop(starting, keep)
 
+    async def serve_idle(self) -> None:
+        """Start serving on the running loop (the run's) before any rollout, so that requests
+        arriving meanwhile (a harness's claims while the model loads) are answered (503 and
+        ``Retry-After``) instead of waiting in the socket's backlog; binds the socket. The
+        rollouts served on this loop later keep the server (``serving(keep=True)``)."""
+        self._bind()
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._server_loop is not None or self._loop is not None:
+                return
+            self._server_loop = loop
+        await self._start()
+
     def _bind(self) -> None:
         if self._app is None:  # built here, in the caller's thread: a missing package fails the caller
             import uvicorn  # noqa: F401
