@@ -2,15 +2,18 @@
 
 The run's episodes are handed out instead of run by an agent function: each waits until an
 outside process claims it (``POST /rl/episodes`` -> its id, its key, its data row, the base URLs
-of every dialect), talks to the model through any dialect with that key (recorded as any
-agent's calls, whatever prompt the process sends), and ends it with a reward
-(``POST /rl/episodes/{id}/reward``). The run trains on what arrives; an episode that is never
-claimed or never ended fails after ``rollout.agent_timeout_s`` of its own time, as any agent's.
-Groups: a claim may name a ``group`` of its own; the first claim of a name takes one of the
-run's groups (the ``rollout.group_size`` episodes of one row), and later claims of that name
-get the rest of it, so the episodes a client plays as one group share their advantage baseline. The routes are guarded by the run's
-token (``Authorization: Bearer TOKEN``), written with the address to ``RUN_DIR/gateway.json``
-(:func:`announce`).
+of every dialect, its ``sample_id`` and whether it is an ``evaluation``'s), talks to the model
+through any dialect with that key (recorded as any agent's calls, whatever prompt the process
+sends), and ends it with a reward (``POST /rl/episodes/{id}/reward``). The run trains on what
+arrives; an episode that is never claimed or never ended fails after ``rollout.agent_timeout_s``
+of its own time, as any agent's. Between rollouts (the learner updating, the weights being
+pushed) a claim gets 503 with ``Retry-After``. Groups: a claim may name a ``group`` of its own;
+the first claim of a name takes one of the rollout's groups (the ``rollout.group_size`` episodes
+sampled together for one prompt: :attr:`~plainrl.rollout.episode_loop.EpisodeLabel.group`), and
+later claims of that name get the rest of it, so the episodes a client plays as one group share
+their advantage baseline. The routes are guarded by the run's token (``Authorization: Bearer
+TOKEN``; ``rollout.gateway_api_key_env``'s, else random), written with the address to
+``RUN_DIR/gateway.json`` (:func:`announce`).
 """
 
 from __future__ import annotations
