@@ -21,22 +21,23 @@ from test_gateway import ScriptedEngine, rollout
 
 
 PINGER = """
-import json, sys, time
+import json, os, sys, time
 import httpx
 out = []
 with httpx.Client(base_url=sys.argv[1], timeout=30) as http:
-    end = time.time() + float(sys.argv[2])
-    while time.time() < end:
+    while not os.path.exists(sys.argv[2]):  # until the test says stop
         t = time.time()
         http.get("/health").raise_for_status()
         out.append((t, time.time()))
+        if len(out) == 1:
+            print("ready", flush=True)
         time.sleep(0.005)
 print(json.dumps(out))
 """
 
 
 @pytest.mark.timeout(60)
-def test_a_long_rendering_does_not_hold_another_request(tokenizer):
+def test_a_long_rendering_does_not_hold_another_request(tokenizer, tmp_path):
     random.seed(0)
     words = ["alpha", "beta", "gamma", "delta", "x1", "42", "foo", "bar"]
     text = " ".join(random.choice(words) for _ in range(150_000))  # ~700k characters, ~1 s to tokenize
@@ -47,14 +48,17 @@ def test_a_long_rendering_does_not_hold_another_request(tokenizer):
         client = llm.openai_client(max_retries=0, timeout=60)
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
         # another client of the gateway, in a process of its own, asking all the time
-        pinger = subprocess.Popen([sys.executable, "-c", PINGER, llm.gateway.url, "6"], stdout=subprocess.PIPE,
+        stop = tmp_path / "stop"
+        pinger = subprocess.Popen([sys.executable, "-c", PINGER, llm.gateway.url, str(stop)], stdout=subprocess.PIPE,
                                   text=True)
-        time.sleep(1.5)
+        assert pinger.stdout.readline() == "ready\n"
+        time.sleep(0.1)
         t0 = time.time()
         with pytest.raises(openai.BadRequestError) as e:  # rendered, tokenized, then refused: past max_context
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": text}],
                                            max_tokens=8)
         out["long"], out["code"] = (t0, time.time()), e.value.code
+        stop.touch()
         out["pings"] = json.loads(pinger.communicate(timeout=30)[0])
         return 1.0
 
