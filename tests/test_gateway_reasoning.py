@@ -108,6 +108,22 @@ def test_the_agents_sdk_gets_reasoning_items_and_sends_them_back(qwen3_tokenizer
     trained_as_sampled(ep, engine, qwen3_tokenizer)
 
 
+def test_a_streamed_response_carries_its_reasoning_item(qwen3_tokenizer):
+    async def agent(llm, row):
+        stream = await llm.openai_client().responses.create(model="policy", input="What is 6*7?", stream=True,
+                                                            tools=[{"type": "function", **CALC["function"]}])
+        llm.row["events"] = [e async for e in stream]
+        return 1.0
+
+    [ep] = rollout(ThinkingEngine(qwen3_tokenizer), qwen3_tokenizer, agent)
+    assert ep.env.error is None, ep.env.error
+    events = ep.row["events"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHT
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["reasoning", "function_call"]
+    assert done.output[0].content[0].text == THOUGHT
+
+
 def test_anthropic_messages_hand_back_thinking_blocks(qwen3_tokenizer):
     tool = {"name": "calc", "description": "Evaluate arithmetic.", "input_schema": CALC["function"]["parameters"]}
 
