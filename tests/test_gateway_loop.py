@@ -87,16 +87,20 @@ def test_the_render_pool_is_bounded_and_sized_from_config():
 
 
 def test_the_loops_default_executor_runs_a_bounded_number_of_threads():
-    running, peak, lock = 0, 0, threading.Lock()
+    running, lock, release = 0, threading.Lock(), threading.Event()
 
-    def work() -> None:
-        nonlocal running, peak
+    def work() -> None:  # holds its thread until released
+        nonlocal running
         with lock:
             running += 1
-            peak = max(peak, running)
-        time.sleep(0.05)
-        with lock:
-            running -= 1
+        release.wait(20)
+
+    def reaches(n: int) -> bool:
+        deadline = time.monotonic() + 10
+        while running < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # any thread past the bound would have started by now
+        return running == n
 
     run_loop = RunLoop(threads=3)
 
@@ -104,12 +108,18 @@ def test_the_loops_default_executor_runs_a_bounded_number_of_threads():
         await asyncio.gather(*(asyncio.to_thread(work) for _ in range(12)))
 
     try:
-        run_loop.submit(many()).result(timeout=20)
+        done = run_loop.submit(many())
+        assert reaches(3)  # 12 calls, 3 at a time (a thread per call before: 12 at once)
+        release.set()
+        done.result(timeout=20)
     finally:
         run_loop.close()
-    assert peak == 3  # 12 calls, 3 at a time (a thread per call before: 12)
+    running = 0
+    release.clear()
     unbounded = DaemonThreads()
     futures = [unbounded.submit(work) for _ in range(6)]
-    assert [f.result(timeout=10) for f in futures] == [None] * 6 and peak == 6
+    assert reaches(6)
+    release.set()
+    assert [f.result(timeout=10) for f in futures] == [None] * 6
     with pytest.raises(ValueError):
         DaemonThreads(0)
