@@ -101,9 +101,11 @@ class ServedSampling:
         """Unload the sampler checkpoint in ``directory`` (about to be deleted) from the servers,
         if it is loaded there as an adapter of its own (``lora``; under ``full`` the servers keep
         whatever they hold until the next push)."""
-        pushed = self._loaded.pop(checkpoint_key(directory), None)
-        if pushed is not None:
+        key = checkpoint_key(directory)
+        pushed = self._loaded.get(key)
+        if pushed is not None:  # unloaded, then forgotten: a close() meanwhile unloads it (again) itself
             self.engine.unload_adapter(pushed.adapter)
+            self._loaded.pop(key, None)
 
     def sample(self, directory: Path | None, call: SampleCall) -> list[tuple[list[int], list[float], str]]:
         """``call``'s samples from the sampler in ``directory`` (None: the base), on the servers.
@@ -119,7 +121,7 @@ class ServedSampling:
 
     def close(self) -> None:
         """Unload this service's adapters from the servers (best effort); they keep running."""
-        for pushed in self._loaded.values():
+        for pushed in list(self._loaded.values()):  # the worker may be forgetting one meanwhile
             self.engine.unload_adapter(pushed.adapter)
         self._loaded.clear()
         self.engine.close()
