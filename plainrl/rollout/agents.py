@@ -40,17 +40,17 @@ def load_agent(ref: str) -> Callable[..., Any]:
     """Import ``rollout.agent``: ``module:fn`` or ``path/to/file.py:fn``, called as ``fn(llm, row)``.
 
     Raises:
-        RewardLoadError: the reference cannot be imported (the message says why), or the
+        UserCodeError: the reference cannot be imported (the message says why), or the
             callable does not take two positional arguments.
     """
-    from plainrl.rewards.loading import RewardLoadError, load_reward_fn
+    from plainrl.user_code import UserCodeError, load_callable
 
-    fn = load_reward_fn(ref, what="rollout.agent")
+    fn = load_callable(ref, what="rollout.agent")
     try:
         inspect.signature(fn).bind(None, None)
     except TypeError:
-        raise RewardLoadError(f"rollout.agent {ref!r} must take two arguments, (llm, row): "
-                              f"got {inspect.signature(fn)}") from None
+        raise UserCodeError(f"rollout.agent {ref!r} must take two arguments, (llm, row): "
+                            f"got {inspect.signature(fn)}") from None
     except ValueError:  # no signature to read (some builtins): called as it is
         pass
     return fn

@@ -11,7 +11,7 @@ import torch
 
 from plainrl.algorithms import informative_episode_groups, overlong_penalty
 from plainrl.config import AlgorithmConfig
-from plainrl.data.curriculum import CurriculumSampler
+from plainrl.data import Sampler
 from plainrl.samples import sample_rewards
 from plainrl.types import Episode, RewardOutput
 
@@ -88,10 +88,10 @@ def _informative(batch: list[Episode], group_size: int) -> list[bool]:
     return informative_episode_groups(r, torch.tensor(group), torch.tensor(episode), valid=~r.isnan()).tolist()
 
 
-def observe_curriculum(sampler: CurriculumSampler, rows: Sequence[Any], episodes: list[Episode],
-                       group_size: int) -> None:
-    """The curriculum's pass rates learn from a scored batch (``rows`` as the sampler drew them, every
-    rank's episodes), with each group's zero-signal flag judged as dynamic sampling judges it."""
+def observe_batch(sampler: Sampler, rows: Sequence[Any], episodes: list[Episode], group_size: int) -> None:
+    """The prompt sampler sees a scored batch (``rows`` as it drew them, every rank's episodes), with
+    each group's zero-signal flag judged as dynamic sampling judges it (the curriculum's pass rates
+    learn from it; the epoch sampler ignores it)."""
     sampler.observe(rows, episodes, _informative(episodes, group_size))
 
 

@@ -15,7 +15,7 @@ from plainrl.perf import throughput
 from plainrl.rewards import reward_metrics, score_episodes
 from plainrl.rollout import env_metrics, rollout
 from plainrl.rollout.reaper import Reaper
-from plainrl.run.collect import dynamic_sampling, observe_curriculum, shape_overlong
+from plainrl.run.collect import dynamic_sampling, observe_batch, shape_overlong
 from plainrl.run.distributed import gather_episodes, join, leave, local_rows
 from plainrl.run.correction import MismatchWatch, rejection_warning
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
@@ -85,8 +85,7 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
                                      timeout_s=cfg.rollout.reward_timeout_s, pool=prep.reward_workers,
                                      fail_fast=cfg.rollout.fail_fast, combine=prep.reward_combine)
         episodes, rewards = gather_episodes(run.parallel, episodes, rewards)
-        if curriculum is not None:
-            observe_curriculum(run.sampler, rows, episodes, cfg.rollout.group_size)
+        observe_batch(run.sampler, rows, episodes, cfg.rollout.group_size)
         scored.append(rewards)
         return episodes
 
@@ -108,8 +107,7 @@ def collect(run: Run, step: int, timer: StepTimer) -> tuple[list[Episode], Rewar
     else:
         episodes = draw()
         rewards_out, metrics = score(episodes), {}
-    if curriculum is not None:
-        metrics.update(run.sampler.take_metrics())
+    metrics.update(run.sampler.take_metrics())
     if gateway is not None:
         metrics.update(gateway.take_metrics())  # rollout/sampling_overrides
     return episodes, rewards_out, metrics

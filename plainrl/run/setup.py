@@ -17,10 +17,10 @@ from transformers import PreTrainedTokenizerBase
 from plainrl.algorithms.estimators import AdvantageParams
 from plainrl.checkpoint import CHECKPOINTS_DIR, CheckpointError, load_checkpoint, save_checkpoint, step_dir_name
 from plainrl.checkpoint.ranked import load_ranked, save_ranked
-from plainrl.config import AlgorithmConfig, Config, ConfigError, RewardSpec, dump_config
 from plainrl.checkpoint.rng import get_rng_state
-from plainrl.data import PromptData, PromptSampler, load_prompt_data
-from plainrl.data.curriculum import CurriculumSampler, check_pass_reward, make_prompt_sampler
+from plainrl.config import AlgorithmConfig, Config, ConfigError, RewardSpec, dump_config
+from plainrl.data import PromptData, Sampler, load_prompt_data
+from plainrl.data.curriculum import check_pass_reward, make_prompt_sampler
 from plainrl.metrics import MetricsLogger
 from plainrl.models import (
     load_frozen_adapter,
@@ -216,7 +216,7 @@ class Run:
     model: torch.nn.Module
     engine: Engine
     learner: Learner
-    sampler: PromptSampler | CurriculumSampler  # data.curriculum: by pass rate
+    sampler: Sampler  # epoch by epoch, or data.curriculum: by pass rate
     generator: torch.Generator
     params: SamplingParams  # rollout sampling
     advantages: AdvantageParams
