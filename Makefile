@@ -123,7 +123,7 @@ test-fast: $(STAMP)
 # the tests whose waits and budgets could depend on the machine's speed, run with every core kept
 # busy by 2 spinning processes per core (tests/stress.py): their budgets are multiples of a start-up
 # measured under the same load, and their orderings come from events, not from sleeping
-STRESS_TESTS ?= tests/test_sandbox.py tests/test_agents.py tests/test_served_faults.py tests/test_servers.py \
+STRESS_TESTS ?= tests/test_sandbox.py tests/test_agents.py tests/test_served_faults.py tests/test_router.py \
                 tests/test_model_cache.py tests/test_env_workers.py tests/test_kill.py
 test-stress: $(STAMP)
 	$(PY) tests/stress.py -- $(PY) -m pytest -q -ra -p no:cacheprovider $(STRESS_TESTS)

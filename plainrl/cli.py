@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     from plainrl.models import ModelLoadError
     from plainrl.rewards import RewardError, RewardLoadError
     from plainrl.rollout.engines.requests import EngineError
-    from plainrl.rollout.run_loop import LoopBlocked
+    from plainrl.rollout.event_loop import LoopBlocked
     from plainrl.run.export import ExportError
 
     try:

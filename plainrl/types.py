@@ -100,7 +100,7 @@ class Episode:
     teacher_logprob: on-policy distillation: the completion's summed teacher logprob over its
                     loss tokens (None without a teacher).
     policy_version: the learner version (updates applied) whose weights sampled it, set by
-                    :mod:`plainrl.run.overlap`; None before.
+                    :mod:`plainrl.run.async_rollout`; None before.
     token_versions: [L] with ``rollout.partial``, the version that sampled each completion
                     token (-1 on inserted tokens); None: ``policy_version`` throughout.
     """

@@ -21,7 +21,7 @@ from plainrl.checkpoint import verify
 from plainrl.config import load_config
 from plainrl.rollout.engines.hf import HFEngine
 from plainrl.rollout.engines.factory import sampling_copy
-from plainrl.run.overlap import IN_FLIGHT
+from plainrl.run.async_rollout import IN_FLIGHT
 from plainrl.run.setup import make_learner
 from plainrl.types import Episode, SamplingParams
 

@@ -1,8 +1,8 @@
 """A stop under ``rollout.async_steps`` does not wait for the batch in flight (an agent episode
 may take up to ``rollout.agent_timeout_s``): SIGTERM while the rollout thread samples a batch
 that never ends exits 75 with a checkpoint within seconds, and the abandoned batch is sampled
-again after resume from the sampler position it started at (plainrl/run/overlap.py; the
-schedule's side in tests/test_overlap.py)."""
+again after resume from the sampler position it started at (plainrl/run/async_rollout.py; the
+schedule's side in tests/test_async_rollout.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, tiny_overrides
 from plainrl.cli import main
-from plainrl.run.overlap import IN_FLIGHT
+from plainrl.run.async_rollout import IN_FLIGHT
 
 DATA = REPO / "tests" / "data"
 STOP_BOUND_S = 30  # what a scheduler's grace allows (issue: exit 75 with a checkpoint within 30 s)

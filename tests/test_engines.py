@@ -16,7 +16,7 @@ from safetensors.torch import load
 from plainrl.cli import main
 from plainrl.config import ConfigError, load_config
 from plainrl.rollout.engines.requests import EngineError, finish_reason, lora_rank_slots, make_requests, sampling_kwargs
-from plainrl.rollout.engines.server import server_argv, server_env
+from plainrl.rollout.engines.serve_command import server_argv, server_env
 from plainrl.rollout.engines.sync import policy_weights, resolve_sync, to_safetensors
 from plainrl.rollout.engines.vllm_worker import decode_payload
 from plainrl.types import SamplingParams

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from plainrl.rollout import offload
-from plainrl.rollout.run_loop import DaemonThreads, RunLoop
+from plainrl.rollout.event_loop import DaemonThreads, RunLoop
 from test_gateway import ScriptedEngine, rollout
 
 

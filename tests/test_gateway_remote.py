@@ -18,7 +18,7 @@ from plainrl.rollout import agent_rollout
 from plainrl.rollout.episode_loop import LoopSettings
 from plainrl.rollout.gateway import Gateway
 from plainrl.rollout.gateway.online import online_agent
-from plainrl.rollout.run_loop import RunLoop
+from plainrl.rollout.event_loop import RunLoop
 from plainrl.run.setup import gateway_key
 from plainrl.types import SamplingParams
 from test_gateway import ScriptedEngine, prompts

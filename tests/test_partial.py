@@ -16,7 +16,7 @@ from plainrl.metrics import StepTimer
 from plainrl.rollout.engines.hf import HFEngine
 from plainrl.rollout.engines.partial import PartialEngine, stop_cut
 from plainrl.rollout.engines.factory import sampling_copy
-from plainrl.run.overlap import Rollouts
+from plainrl.run.async_rollout import Rollouts
 from plainrl.run.setup import make_learner
 from plainrl.types import Episode, Generation, RewardOutput, SamplingParams
 

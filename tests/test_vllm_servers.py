@@ -34,7 +34,7 @@ from plainrl.models import load_policy, load_tokenizer  # noqa: E402
 from plainrl.rollout.engines.partial import PartialEngine  # noqa: E402
 from plainrl.rollout.engines.remote import RemoteEngine  # noqa: E402
 from plainrl.rollout.engines.requests import EngineError  # noqa: E402
-from plainrl.run.overlap import IN_FLIGHT  # noqa: E402
+from plainrl.run.async_rollout import IN_FLIGHT  # noqa: E402
 from plainrl.types import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.vllm

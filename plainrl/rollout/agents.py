@@ -24,7 +24,7 @@ from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.envs.base import EnvError
 from plainrl.rollout.episode_loop import EpisodeRun, LoopSettings, episode_labels, run_episodes
 from plainrl.rollout.llm import LLM, SyncLLM
-from plainrl.rollout.run_loop import DaemonThreads
+from plainrl.rollout.event_loop import DaemonThreads
 from plainrl.rollout.seeding import rollout_seed
 from plainrl.rollout.trajectory import distinct_tokens, token_versions
 from plainrl.types import EnvOutcome, Episode, SamplingParams
@@ -142,7 +142,7 @@ def agent_rollout(
 
 
 async def _in_thread(threads: DaemonThreads, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a daemon thread of ``threads`` (:class:`~plainrl.rollout.run_loop.DaemonThreads`:
+    """``fn(*args)`` in a daemon thread of ``threads`` (:class:`~plainrl.rollout.event_loop.DaemonThreads`:
     an agent that never returns cannot hold the process at exit), awaited from the loop."""
     value = await asyncio.get_running_loop().run_in_executor(threads, lambda: fn(*args))
     if inspect.isawaitable(value):

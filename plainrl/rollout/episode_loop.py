@@ -4,7 +4,7 @@ model calls batched across episodes (:class:`~plainrl.rollout.batcher.RequestBat
 User agents (``rollout.agent``, :mod:`plainrl.rollout.agents`) and environments
 (``rollout.env``, :mod:`plainrl.rollout.multiturn`) are both *runners*:
 ``async runner(llm, prompt) -> value`` driving an :class:`~plainrl.rollout.llm.LLM`. The
-event loop is the run's (:class:`~plainrl.rollout.run_loop.RunLoop`, in a thread of its own,
+event loop is the run's (:class:`~plainrl.rollout.event_loop.RunLoop`, in a thread of its own,
 the same for every step); the engine is called from the thread that called
 :func:`run_episodes`, so the model, CUDA and Ctrl-C stay where they were.
 """
@@ -23,7 +23,7 @@ from plainrl.rollout.batcher import EngineCalls, RequestBatcher
 from plainrl.rollout.chat import prompt_messages
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.llm import LLM
-from plainrl.rollout.run_loop import DaemonThreads, RunLoop
+from plainrl.rollout.event_loop import DaemonThreads, RunLoop
 from plainrl.rollout.seeding import episode_seed
 from plainrl.rollout.workers import describe_exception
 from plainrl.types import SamplingParams
@@ -109,7 +109,7 @@ class LoopSettings:
                       :class:`~plainrl.rollout.gateway.Gateway`), served on the rollout's event loop
                       while its episodes run; None: one of the rollout's own (its server starts
                       only if an episode asks for its URL).
-    loop:             the run's event loop (:class:`~plainrl.rollout.run_loop.RunLoop`), on which
+    loop:             the run's event loop (:class:`~plainrl.rollout.event_loop.RunLoop`), on which
                       every rollout's episodes run, so clients that agents' libraries cache across
                       calls keep working from step to step; None: one for this rollout alone.
 

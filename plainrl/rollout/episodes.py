@@ -146,7 +146,7 @@ class MultiTurn:
     chat_template_kwargs: ``data.chat_template_kwargs``, variables for the chat template.
     gateway:          agents: the run's OpenAI-compatible gateway (:class:`~plainrl.rollout.gateway.Gateway`,
                       its socket bound on first use), None for one per rollout.
-    loop:             the run's event loop (:class:`~plainrl.rollout.run_loop.RunLoop`): every
+    loop:             the run's event loop (:class:`~plainrl.rollout.event_loop.RunLoop`): every
                       rollout's episodes run on it; None for one per rollout.
     """
 

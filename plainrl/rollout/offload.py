@@ -2,7 +2,7 @@
 bounded thread pool.
 
 Every episode of a run, and the gateway that serves them, share one event loop
-(:mod:`plainrl.rollout.run_loop`). Rendering a conversation with the chat template (jinja) and
+(:mod:`plainrl.rollout.event_loop`). Rendering a conversation with the chat template (jinja) and
 tokenizing it is synchronous Python: a 100 000-character context takes tens of milliseconds,
 during which no other request is read, no other episode's call is batched. A call whose
 messages hold more than :data:`INLINE_CHARS` characters is rendered in :func:`render_pool`'s

@@ -26,7 +26,7 @@ def serve_command(cfg: Config, *, host: str, port: int, colocated: bool = False)
     Raises:
         ConfigError: ``colocated`` with ``rollout.vllm.gpu_memory_utilization: auto``.
     """
-    from plainrl.rollout.engines.server import server_argv, server_env
+    from plainrl.rollout.engines.serve_command import server_argv, server_env
 
     lora_rank = None
     if cfg.model.lora.enabled and cfg.rollout.sync != "full":

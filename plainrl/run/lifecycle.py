@@ -20,7 +20,7 @@ from plainrl.checkpoint import (
 from plainrl.config import Config, dump_config
 from plainrl.durable import write_atomic
 from plainrl.metrics import MetricsLogger
-from plainrl.rollout.run_loop import LoopBlocked, blocked_report
+from plainrl.rollout.event_loop import LoopBlocked, blocked_report
 
 
 def seed_everything(seed: int) -> None:
@@ -61,7 +61,7 @@ class Diverged(RuntimeError):
 class GracefulStop:
     """The first SIGTERM/SIGINT asks the loop to stop at the next step boundary; a second
     SIGINT interrupts at once (KeyboardInterrupt), and so does any stop while the episodes'
-    event loop is blocked (:class:`~plainrl.rollout.run_loop.LoopBlocked`: the boundary would
+    event loop is blocked (:class:`~plainrl.rollout.event_loop.LoopBlocked`: the boundary would
     never come). Handlers are restored on exit.
 
     ``agree``: under torchrun, the largest value over the ranks (``Parallel.max``): a signal

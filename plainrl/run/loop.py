@@ -19,7 +19,7 @@ from plainrl.run.collect import dynamic_sampling, observe_batch, shape_overlong
 from plainrl.run.distributed import gather_episodes, join, leave, local_rows
 from plainrl.run.correction import MismatchWatch, rejection_warning
 from plainrl.run.lifecycle import GracefulStop, StepBoundary, attach_trackers, finish_run
-from plainrl.run.overlap import Rollouts, StopRequested
+from plainrl.run.async_rollout import Rollouts, StopRequested
 from plainrl.run.setup import Run, setup
 from plainrl.samples import training_samples
 from plainrl.train import UpdateStats

@@ -42,7 +42,7 @@ from plainrl.rollout import MultiTurn, make_agent, make_env_factory, max_live_ep
 from plainrl.rollout.engines.base import Engine
 from plainrl.rollout.episodes import check_rows_fit_env, env_constructor
 from plainrl.rollout.offload import set_render_threads
-from plainrl.rollout.run_loop import RunLoop
+from plainrl.rollout.event_loop import RunLoop
 from plainrl.rollout.envs import Environment, EnvWorkers
 from plainrl.run.distributed import RankEngine, main_first, make_logger, rank_engine
 from plainrl.run.correction import resolve_correction
@@ -50,7 +50,7 @@ from plainrl.rollout.engines.factory import make_engine, require_trainable_engin
 from plainrl.run.final import save_final
 from plainrl.run.evaluate import evaluate
 from plainrl.run.lifecycle import open_run
-from plainrl.run.overlap import IN_FLIGHT
+from plainrl.run.async_rollout import IN_FLIGHT
 from plainrl.train import Critic, Learner
 from plainrl.train.teacher import TEACHER_ADAPTER, RemoteTeacher, Teacher
 from plainrl.run.teacher import check_teacher, load_teacher, placement
@@ -166,7 +166,7 @@ def multi_turn_settings(cfg: Config) -> MultiTurn | None:
                      max_live=live, agent=agent, max_context=cfg.model.max_context if agent else None,
                      timeout_s=r.agent_timeout_s if agent else None, max_in_flight=in_flight,
                      chat_template_kwargs=cfg.data.chat_template_kwargs, gateway=gateway,
-                     loop=RunLoop(threads=r.agent_threads))  # every step's episodes on one loop (rollout/run_loop.py)
+                     loop=RunLoop(threads=r.agent_threads))  # every step's episodes on one loop (rollout/event_loop.py)
 
 
 def gateway_key(env_name: str | None) -> str | None:
@@ -255,7 +255,7 @@ class Run:
     def save(self, step: int, in_flight: bytes | None = None, state: dict[str, Any] | None = None) -> Path:
         """Checkpoint after ``step`` steps; ``in_flight``: the batches of steps ``step``, ``step + 1``,
         ... already sampled (``rollout.async_steps``), saved so a resumed run trains on them (see
-        :mod:`plainrl.run.overlap`); ``state``: a :meth:`resume_state` to save instead of the live
+        :mod:`plainrl.run.async_rollout`); ``state``: a :meth:`resume_state` to save instead of the live
         sampler and RNG states (a batch abandoned by a stop is sampled again from it)."""
         if state is not None and self.parallel.active:
             raise ValueError("a saved resume state is for one process (rollout.async_steps is not under torchrun)")

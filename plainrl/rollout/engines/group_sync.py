@@ -23,7 +23,7 @@ import torch
 
 from plainrl.rollout.engines.requests import EngineError
 from plainrl.rollout.engines.served import ServedEngine
-from plainrl.rollout.engines.servers import ServerDown
+from plainrl.rollout.engines.router import ServerDown
 from plainrl.rollout.engines.sync import policy_weights
 from plainrl.rollout.engines.weight_group import PLAINRL_PREFIXES, WeightGroup, route_address
 

@@ -34,7 +34,7 @@ import torch
 
 from plainrl.rollout.engines.group_sync import GroupSync
 from plainrl.rollout.engines.requests import EngineError, Request, finish_reason, sampling_kwargs
-from plainrl.rollout.engines.servers import ServerDown
+from plainrl.rollout.engines.router import ServerDown
 from plainrl.rollout.engines.sync import policy_weights, to_safetensors
 from plainrl.rollout.engines.weight_group import WeightGroup, layout_json, plan_buckets
 from plainrl.types import Generation, SamplingParams

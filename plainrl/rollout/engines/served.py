@@ -1,7 +1,7 @@
 """What every engine over inference servers shares, whatever serves the model (vLLM
 started by ``plainrl serve``, SGLang, any OpenAI-compatible server): the HTTP client and
 its timeouts, one call with its retry, the pool of servers (least outstanding requests,
-failover, :mod:`~plainrl.rollout.engines.servers`), concurrent sampling, and the weight
+failover, :mod:`~plainrl.rollout.engines.router`), concurrent sampling, and the weight
 push to every live server in parallel that takes dead servers back once they answer.
 
 A backend says how a server is checked (:meth:`ServedEngine._check_backend`), how one
@@ -30,7 +30,7 @@ import httpx
 import torch
 
 from plainrl.rollout.engines.requests import EngineError, Request, make_requests
-from plainrl.rollout.engines.servers import ServerDown, ServerPool
+from plainrl.rollout.engines.router import ServerDown, ServerPool
 from plainrl.rollout.engines.sync import AdapterVersions, SyncMode
 from plainrl.types import Generation, SamplingParams
 

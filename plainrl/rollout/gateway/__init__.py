@@ -15,7 +15,7 @@ kept per episode), ``app`` (the routes of every dialect), one module per dialect
 ``clients`` (the vendor SDK clients handed to agents), ``schema`` (chat request validation; the
 parts and tools every dialect refuses or drops), ``sampling`` (request -> sampling settings), ``messages``
 and ``toolcalls`` (messages for the chat template, tool calls in the model's format),
-``responses`` (the chat and completion response objects, vLLM's generate response), ``errors``.
+``replies`` (the chat and completion response objects, vLLM's generate response), ``errors``.
 """
 
 from plainrl.rollout.gateway.server import Gateway

@@ -25,7 +25,7 @@ from plainrl.rollout.gateway.messages import template_message
 from plainrl.rollout.gateway.recorder import (
     ToolChoice, ToolSet, bearer_key, chat_call, episode, function_tool, model_call, template_format, trains,
 )
-from plainrl.rollout.gateway.responses import chat_chunks, chat_completion, completion, generate_response
+from plainrl.rollout.gateway.replies import chat_chunks, chat_completion, completion, generate_response
 from plainrl.rollout.gateway.sampling import request_sampling
 from plainrl.rollout.gateway.schema import ChatRequest, CompletionRequest, GenerateRequest
 from plainrl.rollout.gateway.structured import structured_outputs

@@ -2,7 +2,7 @@
 and serving each rollout.
 
 Where the server runs. The episodes of a rollout are tasks of one asyncio event loop (the
-run's, in a thread of its own: :class:`plainrl.rollout.run_loop.RunLoop`), and everything a
+run's, in a thread of its own: :class:`plainrl.rollout.event_loop.RunLoop`), and everything a
 request touches lives there: the episode's :class:`~plainrl.rollout.llm.LLM`, its trajectory,
 the request batcher. None of it is thread-safe, so uvicorn serves *on that same loop*: a
 request reaches its episode by a plain ``await``, batches with every ``llm.chat`` call of the

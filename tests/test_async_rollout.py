@@ -1,4 +1,4 @@
-"""The schedule of rollout.async_steps (plainrl.run.overlap): which weights sample which
+"""The schedule of rollout.async_steps (plainrl.run.async_rollout): which weights sample which
 step's batch, that sampling overlaps the update, the staleness bound, the checkpointed
 batches in flight, and a stop that does not wait for the batch being sampled."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from plainrl.metrics import StepTimer
-from plainrl.run.overlap import Batch, Rollouts, StopRequested, pickle_batches
+from plainrl.run.async_rollout import Batch, Rollouts, StopRequested, pickle_batches
 from plainrl.types import EnvOutcome, Episode, RewardOutput
 
 

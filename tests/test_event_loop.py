@@ -13,7 +13,7 @@ import time
 import pytest
 
 from plainrl.rollout.gateway import Gateway
-from plainrl.rollout.run_loop import LoopBlocked, RunLoop, blocked_report
+from plainrl.rollout.event_loop import LoopBlocked, RunLoop, blocked_report
 from plainrl.run.lifecycle import GracefulStop
 from test_gateway import CALC, ScriptedEngine, rollout
 
@@ -59,7 +59,7 @@ def blocking(seconds: float):
 
 def test_a_blocked_loop_is_reported_naming_the_episode_and_the_line(tokenizer, caplog):
     loop = RunLoop(blocked_after_s=0.3, check_every_s=0.05)
-    caplog.set_level(logging.WARNING, logger="plainrl.rollout.run_loop")
+    caplog.set_level(logging.WARNING, logger="plainrl.rollout.event_loop")
     try:
         [ep] = rollout(ScriptedEngine(tokenizer), tokenizer, blocking(1.0), 1, loop=loop)
     finally:

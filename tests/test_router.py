@@ -1,4 +1,4 @@
-"""Request routing over several inference servers (plainrl.rollout.engines.servers): least
+"""Request routing over several inference servers (plainrl.rollout.engines.router): least
 outstanding requests first, failover when a server is down, a clear end when none is left.
 The servers themselves are exercised for real in tests/test_vllm_servers.py."""
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from plainrl.rollout.engines.requests import EngineError
-from plainrl.rollout.engines.servers import ServerDown, ServerPool
+from plainrl.rollout.engines.router import ServerDown, ServerPool
 
 
 def test_least_outstanding_server_first_ties_to_lowest_index():
