@@ -77,13 +77,15 @@ def remove_stale_siblings(path: str | Path) -> list[Path]:
     return removed
 
 
-def write_atomic(path: str | Path, data: bytes | str, *, encoding: str = "utf-8") -> Path:
+def write_atomic(path: str | Path, data: bytes | str, *, encoding: str = "utf-8", mode: int = 0o666) -> Path:
     """Replace the file ``path`` with ``data`` so that it holds the old content or the new,
     whatever moment the process is killed or the machine loses power.
 
     Args:
         path: the file; its directory must exist.
         data: the new content (``str`` is encoded with ``encoding``).
+        mode: the new file's permissions before the umask (``0o600``: a secret, the owner's alone
+            from its first byte).
     Returns:
         ``path``.
     Raises:
@@ -95,7 +97,7 @@ def write_atomic(path: str | Path, data: bytes | str, *, encoding: str = "utf-8"
         data = data.encode(encoding)
     tmp = temp_sibling(path)
     try:
-        with open(tmp, "xb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from tinker import types
 
+from plainrl.durable import write_atomic
 from plainrl.models.errors import ModelLoadError
 from plainrl.models.lora_targets import lora_target_modules
 from plainrl.tinker.adapters import read_optimizer
@@ -221,7 +222,7 @@ class Service:
             self.end_session(session_of(model_id), "")
         d = self.model_dir(model_id)
         d.mkdir(parents=True, exist_ok=True)
-        (d / "training_run.json").write_text(json.dumps(
+        write_atomic(d / "training_run.json", json.dumps(
             {"model_id": model_id, "base_model": base.name, "lora_rank": rank, "targets": targets}))
         return tm
 

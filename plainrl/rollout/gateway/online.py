@@ -31,6 +31,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from plainrl.durable import write_atomic
 from plainrl.rollout.episode_loop import EpisodeLabel, current_episode
 from plainrl.rollout.gateway.errors import GatewayError, error_response, parse_body
 from plainrl.rollout.gateway.recorder import bearer_key
@@ -186,13 +187,8 @@ async def reward(online: OnlineEpisodes, episodes: Any, request: Request) -> Res
 def announce(run_dir: Path, url: str, token: str) -> Path:
     """Write ``RUN_DIR/gateway.json`` (the address, the token; readable by the owner only),
     atomically. Returns its path."""
-    path = Path(run_dir) / "gateway.json"
-    tmp = path.with_suffix(".json.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"url": url, "episodes": f"{url}/rl/episodes", "token": token, "pid": os.getpid()}, f)
-    os.replace(tmp, path)
-    return path
+    record = {"url": url, "episodes": f"{url}/rl/episodes", "token": token, "pid": os.getpid()}
+    return write_atomic(Path(run_dir) / "gateway.json", json.dumps(record), mode=0o600)
 
 
 def _between_rollouts() -> Response:
