@@ -173,13 +173,6 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("timeout") is None and (item.get_closest_marker("vllm")
                                                             or item.get_closest_marker("sglang")):
             item.add_marker(pytest.mark.timeout(SERVER_TEST_TIMEOUT_S))
-    # the files holding allow-listed slow tests first, by their largest budget, the rest in their order:
-    # pytest-xdist hands out files in this order, and a long file taken last keeps one worker busy
-    # while the other idles
-    budget: dict[str, float] = {}
-    for name, (seconds, _) in SLOW_TESTS.items():
-        budget[name.split("::")[0]] = max(seconds, budget.get(name.split("::")[0], 0.0))
-    items.sort(key=lambda item: -budget.get(item.nodeid.split("::")[0], 0.0))
 
 
 @pytest.fixture(scope="session")
