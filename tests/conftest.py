@@ -107,6 +107,11 @@ SLOW_TESTS: dict[str, tuple[float, str]] = {
         80, "a SIGKILLed training process and two in-process runs compared bit for bit"),
     "tests/test_async_embedded.py::test_async_steps_2_on_the_embedded_engine_bounds_staleness_and_resumes_after_kill_9": (
         70, "an async run SIGKILLed mid-flight and resumed from its saved in-flight batches"),
+    "tests/test_teacher_remote.py::test_under_torchrun_each_rank_scores_its_share": (
+        45, "a 2-rank torchrun training job whose ranks each score their share on a teacher (25.7 s beside the "
+            "other make test worker)"),
+    "tests/test_curriculum.py::test_two_ranks_draw_by_pass_rate_and_regroup_a_redraw": (
+        45, "a 2-rank torchrun training job drawing by pass rate (23.7 s beside the other make test worker)"),
     "tests/test_async_stop.py::test_sigterm_abandons_the_batch_in_flight_exits_75_and_resume_samples_it_again": (
         60, "a plainrl train process SIGTERMed while its rollout thread holds a batch, then the run resumed "
             "(20 CPU-s measured under load)"),
