@@ -6,6 +6,7 @@ restores it, the API key, and the context sampling is checked against."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -193,8 +194,8 @@ def test_a_session_that_misses_its_heartbeats_expires(tiny_model_dir, tmp_path):
 
     keeper = threading.Thread(target=keep_alive, daemon=True)
     keeper.start()
+    gone = tinker.ServiceClient(base_url=url, api_key="tml-local")
     try:
-        gone = tinker.ServiceClient(base_url=url, api_key="tml-local")
         tc = gone.create_lora_training_client(base_model=base, rank=4, seed=3).result()
         _step(tc, ids)
         sampler = tc.save_weights_and_get_sampling_client().result()
@@ -225,6 +226,8 @@ def test_a_session_that_misses_its_heartbeats_expires(tiny_model_dir, tmp_path):
     finally:
         alive.set()
         kept.close("success").result()
+        with contextlib.suppress(tinker.TinkerError):  # its session expired: the SDK's heartbeats stop here
+            gone.close("success").result(timeout=30)
         stop()
 
 
