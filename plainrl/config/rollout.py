@@ -208,8 +208,7 @@ class RolloutConfig(_Section):
     max_concurrent_episodes: int | None = Field(None, gt=0)
     """Episodes in flight at once (`rollout.agent` and `rollout.env`); null: a whole step's."""
     agent_timeout_s: float | None = Field(600.0, gt=0)
-    """Per agent episode: seconds it may spend outside model calls before it is cancelled as failed (null: no limit).
-    Per agent episode: seconds it may spend outside model calls before it is cancelled as failed (null: no limit)."""
+    """Per agent episode: seconds it may spend outside model calls before it is cancelled as failed (null: no limit)."""
 
     @field_validator("env")
     @classmethod
