@@ -6,7 +6,8 @@ PYTHON ?= python3
 # pip installs without compiling bytecode, then COMPILE compiles the venv's packages on every core at once
 # (torch alone: 56 s compiled by pip, 18 s + its share of the parallel pass). Compiled they must be: with
 # PYTHONDONTWRITEBYTECODE=1 (set on the CI machine) nothing is cached on import, and every process the
-# tests start compiled torch and transformers afresh (make test: 1.6x the CPU time)
+# tests start compiled torch and transformers afresh (make test: 1.6x the CPU time). `|| true`: some packages
+# ship files that do not compile (templates, other Pythons' code), which pip's own pass skips as well
 PIP_INSTALL := -m pip install --quiet --no-compile
 COMPILE = $(1) -m compileall -qq -j 0 "$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 VENV   ?= .venv
